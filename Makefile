@@ -1,0 +1,44 @@
+# The two set-up commands of the README: `make demo` and `make test`. Each creates .venv/ if missing.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# Elsewhere than these machines, PyPI's torch is a multi-GB CUDA build; for the CPU build run e.g.
+#   make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
+FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
+
+.PHONY: demo test lint data venv clean
+
+demo: $(VENV)/.installed data
+	$(BIN)/pfl-edge demo
+
+test: $(VENV)/.installed data
+	$(BIN)/python -m pytest -q
+
+lint: $(VENV)/.installed
+	$(BIN)/ruff check pfl_edge tests bench
+	$(BIN)/mypy
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	if [ -n "$(TORCH_INDEX)" ]; then $(BIN)/python -m pip install -q torch==2.13.0 --index-url $(TORCH_INDEX); fi
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $@
+
+# Fashion-MNIST comes from Debian's package dataset-fashion-mnist.
+data:
+	@if [ ! -f $(FMNIST) ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist; \
+	  else \
+	    echo "Fashion-MNIST is missing. Install it with:"; \
+	    echo "  sudo apt-get update && sudo apt-get install -y dataset-fashion-mnist"; \
+	    echo "(or put the four IDX .gz files in a folder and pass --data-dir)"; exit 1; \
+	  fi; \
+	fi
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,226 @@
+"""Partitioners: how a data set's train split is dealt out to clients, and how each client's test set is drawn.
+
+Specs are ``name`` or ``name:ARG``: ``iid``, ``pathological:K``, ``dirichlet:ALPHA``, ``preference`` (or
+``preference:P``, the probability that a user re-draws a class's rating; 0.1 by default). Register a new one with
+``@register_partitioner``.
+
+Every client's test set follows the label distribution of its training set, is drawn from the test split, and
+no sample (train or test) goes to two clients.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..errors import ConfigError, DataError, UnknownNameError
+
+__all__ = [
+    "ClientData",
+    "Partition",
+    "PartitionerFn",
+    "list_partitioners",
+    "partition",
+    "register_partitioner",
+]
+
+NUM_RATINGS = 5  # the preference task's ratings
+
+
+@dataclass(frozen=True, eq=False)
+class ClientData:
+    """Indices into the data set's train / test split and the labels this client sees for them."""
+
+    train_idx: Tensor
+    train_y: Tensor
+    test_idx: Tensor
+    test_y: Tensor
+
+    @property
+    def n_train(self) -> int:
+        return int(self.train_idx.numel())
+
+
+@dataclass(frozen=True, eq=False)
+class Partition:
+    clients: tuple[ClientData, ...]
+    num_classes: int  # what the model predicts (5 for the preference task)
+    label_maps: tuple[tuple[int, ...], ...] | None = None  # preference: class -> rating, per client
+
+
+# (train labels, num clients, arg or None, num classes, rng) -> (train index arrays, label maps or None)
+PartitionerFn = Callable[
+    [np.ndarray, int, str | None, int, np.random.Generator],
+    tuple[list[np.ndarray], list[np.ndarray] | None],
+]
+_PARTITIONERS: dict[str, PartitionerFn] = {}
+
+
+def register_partitioner(name: str) -> Callable[[PartitionerFn], PartitionerFn]:
+    def deco(fn: PartitionerFn) -> PartitionerFn:
+        if name in _PARTITIONERS:
+            raise ConfigError(f"partitioner {name!r} is already registered")
+        _PARTITIONERS[name] = fn
+        return fn
+
+    return deco
+
+
+def list_partitioners() -> list[str]:
+    return sorted(_PARTITIONERS)
+
+
+def partition(
+    spec: str,
+    train_y: Tensor,
+    test_y: Tensor,
+    num_clients: int,
+    num_classes: int,
+    rng: np.random.Generator,
+    *,
+    samples_per_client: int | None = None,
+    test_per_client: int | None = None,
+) -> Partition:
+    """Deal the data out. ``test_per_client`` defaults to ceil(len(test) / num_clients), as in DisPFL."""
+    name, _, arg = spec.partition(":")
+    if name not in _PARTITIONERS:
+        raise UnknownNameError("partitioner", name, list_partitioners())
+    if num_clients < 1:
+        raise ConfigError(f"num_clients must be >= 1, got {num_clients}")
+    ytr = train_y.numpy()
+    parts, maps = _PARTITIONERS[name](ytr, num_clients, arg or None, num_classes, rng)
+    if samples_per_client is not None:
+        if samples_per_client < 1:
+            raise ConfigError(f"samples_per_client must be >= 1, got {samples_per_client}")
+        parts = [p if len(p) <= samples_per_client else rng.choice(p, samples_per_client, replace=False)
+                 for p in parts]
+    parts = [np.sort(p) for p in parts]
+    for i, p in enumerate(parts):
+        if len(p) == 0:
+            raise DataError(f"partition {spec!r} left client {i} without training data; use fewer clients")
+    per = test_per_client if test_per_client is not None else math.ceil(len(test_y) / num_clients)
+    counts = np.stack([np.bincount(ytr[p], minlength=num_classes) for p in parts])
+    test_parts = _draw_test(test_y.numpy(), counts, per, rng)
+    yte = test_y.numpy()
+    clients = []
+    for i, (p, q) in enumerate(zip(parts, test_parts, strict=True)):
+        a, b = ytr[p], yte[q]
+        if maps is not None:
+            a, b = maps[i][a], maps[i][b]
+        clients.append(ClientData(torch.from_numpy(p.astype(np.int64)), torch.from_numpy(a.astype(np.int64)),
+                                  torch.from_numpy(q.astype(np.int64)), torch.from_numpy(b.astype(np.int64))))
+    return Partition(
+        tuple(clients),
+        NUM_RATINGS if maps is not None else num_classes,
+        None if maps is None else tuple(tuple(int(v) for v in m) for m in maps),
+    )
+
+
+def _draw_test(yte: np.ndarray, counts: np.ndarray, per: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Each client's test indices in proportion to its train label counts; a class asked for more often than
+    the test split holds is scaled down for every client that asks, so no test sample is used twice."""
+    n_clients, n_classes = counts.shape
+    want = np.zeros_like(counts)
+    for i in range(n_clients):
+        exact = per * counts[i] / counts[i].sum()
+        w = np.floor(exact).astype(np.int64)
+        rest = per - w.sum()  # largest remainders get the rest
+        w[np.argsort(-(exact - w), kind="stable")[:rest]] += 1
+        want[i] = w
+    out: list[list[np.ndarray]] = [[] for _ in range(n_clients)]
+    for c in range(n_classes):
+        pool = rng.permutation(np.flatnonzero(yte == c))
+        demand = want[:, c]
+        if demand.sum() > len(pool):
+            demand = np.floor(demand * len(pool) / demand.sum()).astype(np.int64)
+        ends = np.cumsum(demand)
+        for i in range(n_clients):
+            out[i].append(pool[ends[i] - demand[i]: ends[i]])
+    return [np.sort(np.concatenate(o)) for o in out]
+
+
+def _float_arg(arg: str | None, name: str) -> float:
+    try:
+        return float(arg) if arg is not None else math.nan
+    except ValueError:
+        raise ConfigError(f"{name} takes a number, got {arg!r}") from None
+
+
+@register_partitioner("iid")
+def _iid(y: np.ndarray, n: int, arg: str | None, num_classes: int,
+         rng: np.random.Generator) -> tuple[list[np.ndarray], None]:
+    if arg is not None:
+        raise ConfigError("iid takes no argument")
+    return list(np.array_split(rng.permutation(len(y)), n)), None
+
+
+@register_partitioner("pathological")
+def _pathological(y: np.ndarray, n: int, arg: str | None, num_classes: int,
+                  rng: np.random.Generator) -> tuple[list[np.ndarray], None]:
+    """K distinct classes per client. Classes are dealt cyclically after a random permutation, so every class
+    goes to about n*K/C clients; each class's samples are split evenly among the clients that hold it."""
+    if arg is None or not arg.isdigit() or not 1 <= int(arg) <= num_classes:
+        raise ConfigError(f"pathological:K needs an integer K in [1, {num_classes}], got {arg!r}")
+    k = int(arg)
+    order = rng.permutation(num_classes)
+    holders: list[list[int]] = [[] for _ in range(num_classes)]
+    for i in range(n):
+        for j in range(k):
+            holders[int(order[(i * k + j) % num_classes])].append(i)
+    parts: list[list[np.ndarray]] = [[] for _ in range(n)]
+    for c in range(num_classes):
+        if not holders[c]:
+            continue
+        idx = rng.permutation(np.flatnonzero(y == c))
+        for i, chunk in zip(holders[c], np.array_split(idx, len(holders[c])), strict=True):
+            parts[i].append(chunk)
+    return [np.concatenate(p) for p in parts], None
+
+
+@register_partitioner("dirichlet")
+def _dirichlet(y: np.ndarray, n: int, arg: str | None, num_classes: int,
+               rng: np.random.Generator) -> tuple[list[np.ndarray], None]:
+    """Per class, proportions over clients ~ Dir(alpha); clients already above the average size get no more
+    (as in the FedML/DisPFL reference); redrawn until every client has at least 10 samples."""
+    alpha = _float_arg(arg, "dirichlet:ALPHA")
+    if not alpha > 0:
+        raise ConfigError(f"dirichlet:ALPHA needs ALPHA > 0, got {arg!r}")
+    min_size = min(10, len(y) // n)
+    for _ in range(1000):
+        parts: list[list[int]] = [[] for _ in range(n)]
+        for c in range(num_classes):
+            idx = rng.permutation(np.flatnonzero(y == c))
+            p = rng.dirichlet(np.full(n, alpha))
+            p = p * np.array([len(q) < len(y) / n for q in parts])
+            p = p / p.sum()
+            cuts = (np.cumsum(p) * len(idx)).astype(int)[:-1]
+            for i, chunk in enumerate(np.split(idx, cuts)):
+                parts[i].extend(chunk.tolist())
+        if min(len(q) for q in parts) >= min_size:
+            return [np.asarray(q, dtype=np.int64) for q in parts], None
+    raise DataError(f"dirichlet:{alpha} could not give every one of {n} clients {min_size} samples")
+
+
+@register_partitioner("preference")
+def _preference(y: np.ndarray, n: int, arg: str | None, num_classes: int,
+                rng: np.random.Generator) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The same images, labels that depend on the user (stands in for FLICKR-AES). User i is in taste group
+    g = i mod 5 and rates class c as (c + g) mod 5; then re-draws each class's rating at random with
+    probability P (0.1). Images are dealt iid."""
+    p = 0.1 if arg is None else _float_arg(arg, "preference:P")
+    if not 0 <= p <= 1:
+        raise ConfigError(f"preference:P needs 0 <= P <= 1, got {arg!r}")
+    parts, _ = _iid(y, n, None, num_classes, rng)
+    maps = []
+    for i in range(n):
+        g = i % NUM_RATINGS
+        m = (np.arange(num_classes) + g) % NUM_RATINGS
+        redraw = rng.random(num_classes) < p
+        m[redraw] = rng.integers(0, NUM_RATINGS, int(redraw.sum()))
+        maps.append(m)
+    return parts, maps

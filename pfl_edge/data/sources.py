@@ -1,0 +1,148 @@
+"""Built-in data sets: Fashion-MNIST (Debian's package), CIFAR-10 (python batches), a synthetic one."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import pickle
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from ..errors import DataError
+from .registry import Dataset, register_dataset
+
+__all__ = ["FASHION_MNIST_DIRS", "load_idx"]
+
+FASHION_MNIST_DIRS = (Path("/usr/share/datasets/fashion-mnist"),)
+FASHION_MNIST_HINT = (
+    "Fashion-MNIST not found. On Debian/Ubuntu: sudo apt-get update && sudo apt-get install -y "
+    "dataset-fashion-mnist (installs /usr/share/datasets/fashion-mnist), or pass --data-dir with the four "
+    "files train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz, t10k-images-idx3-ubyte.gz, "
+    "t10k-labels-idx1-ubyte.gz."
+)
+
+
+def load_idx(path: Path) -> np.ndarray:
+    """Read a (gzipped) IDX file of unsigned bytes: magic 0x0000_08_NN, NN dims, big-endian sizes, then data."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise DataError(f"cannot read {path}: {e}") from e
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08:
+        raise DataError(f"{path} is not an IDX file of unsigned bytes")
+    ndim = raw[3]
+    header = 4 + 4 * ndim
+    dims = [int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
+    if len(raw) != header + int(np.prod(dims)):
+        raise DataError(f"{path}: size {len(raw)} does not match its header {dims}")
+    return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(dims)
+
+
+def _normalise(images: np.ndarray, mean: list[float], std: list[float]) -> torch.Tensor:
+    x = torch.from_numpy(np.array(images, copy=True)).to(torch.float32).div_(255.0)
+    m = torch.tensor(mean).view(1, -1, 1, 1)
+    s = torch.tensor(std).view(1, -1, 1, 1)
+    return (x - m) / s
+
+
+@register_dataset("fashion-mnist")
+def fashion_mnist(data_dir: Path | None) -> Dataset:
+    dirs = (data_dir,) if data_dir is not None else FASHION_MNIST_DIRS
+    for d in dirs:
+        if (d / "train-images-idx3-ubyte.gz").exists():
+            break
+    else:
+        raise DataError(FASHION_MNIST_HINT)
+
+    def part(prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
+        imgs = load_idx(d / f"{prefix}-images-idx3-ubyte.gz")
+        labels = load_idx(d / f"{prefix}-labels-idx1-ubyte.gz")
+        if imgs.ndim != 3 or labels.shape != (imgs.shape[0],):
+            raise DataError(f"{d}: {prefix} images {imgs.shape} and labels {labels.shape} do not match")
+        x = _normalise(imgs[:, None], [0.2860], [0.3530])
+        return x, torch.from_numpy(labels.astype(np.int64))
+
+    train_x, train_y = part("train")
+    test_x, test_y = part("t10k")
+    return Dataset("fashion-mnist", train_x, train_y, test_x, test_y, num_classes=10)
+
+
+class _ArraysOnly(pickle.Unpickler):
+    """CIFAR's python batches are pickles. Even from a local folder, allow only what they contain: numpy
+    arrays and plain containers; anything else (an arbitrary callable) is refused."""
+
+    _ALLOWED: ClassVar[set[tuple[str, str]]] = {
+        ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
+        ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode"),
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in self._ALLOWED:
+            raise DataError(f"refusing to unpickle {module}.{name}: not a CIFAR batch")
+        return super().find_class(module, name)
+
+
+def _cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    try:
+        obj = _ArraysOnly(io.BytesIO(path.read_bytes()), encoding="bytes").load()
+    except DataError:
+        raise
+    except Exception as e:  # a truncated or foreign file: say which
+        raise DataError(f"{path} is not a CIFAR-10 python batch: {e}") from e
+    if not isinstance(obj, dict):
+        raise DataError(f"{path} is not a CIFAR-10 python batch (no dict)")
+    data = obj.get(b"data", obj.get("data"))
+    labels = obj.get(b"labels", obj.get("labels"))
+    if not isinstance(data, np.ndarray) or labels is None:
+        raise DataError(f"{path} has no 'data' array and 'labels'")
+    data = np.asarray(data, dtype=np.uint8)
+    if data.ndim != 2 or data.shape[1] != 3072 or len(labels) != data.shape[0]:
+        raise DataError(f"{path}: data {data.shape} and {len(labels)} labels are not CIFAR-10's (N, 3072)")
+    return data.reshape(-1, 3, 32, 32), np.asarray(labels, dtype=np.int64)
+
+
+@register_dataset("cifar10")
+def cifar10(data_dir: Path | None) -> Dataset:
+    if data_dir is None:
+        raise DataError("cifar10 needs --data-dir: the folder with data_batch_1..5 and test_batch "
+                        "(cifar-10-batches-py from https://www.cs.toronto.edu/~kriz/cifar.html)")
+    d = data_dir / "cifar-10-batches-py" if (data_dir / "cifar-10-batches-py").is_dir() else data_dir
+    train = sorted(d.glob("data_batch_*"))
+    if not train or not (d / "test_batch").exists():
+        raise DataError(f"{d} has no data_batch_* and test_batch files (CIFAR-10 python version)")
+    parts = [_cifar_batch(p) for p in train]
+    te_x, te_y = _cifar_batch(d / "test_batch")
+    mean, std = [0.4914, 0.4822, 0.4465], [0.2470, 0.2435, 0.2616]
+    return Dataset(
+        "cifar10",
+        _normalise(np.concatenate([p[0] for p in parts]), mean, std),
+        torch.from_numpy(np.concatenate([p[1] for p in parts])),
+        _normalise(te_x, mean, std),
+        torch.from_numpy(te_y),
+        num_classes=10,
+    )
+
+
+@register_dataset("synthetic")
+def synthetic(data_dir: Path | None) -> Dataset:
+    """10 classes of 1x28x28 images: a fixed random smooth prototype per class plus noise. Learnable in a few
+    hundred steps; for tests and quick runs. Always the same data (its own fixed seed)."""
+    gen = torch.Generator().manual_seed(20261129)
+    coarse = torch.randn(10, 1, 7, 7, generator=gen)
+    protos = torch.nn.functional.interpolate(coarse, size=(28, 28), mode="bilinear", align_corners=False)
+
+    def draw(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        y = torch.arange(n) % 10
+        y = y[torch.randperm(n, generator=gen)]
+        x = protos[y] + 1.5 * torch.randn(n, 1, 28, 28, generator=gen)
+        return x.contiguous(), y
+
+    train_x, train_y = draw(6000)
+    test_x, test_y = draw(2000)
+    return Dataset("synthetic", train_x, train_y, test_x, test_y, num_classes=10)

@@ -1,0 +1,24 @@
+"""The in-process simulator."""
+
+from .algorithms import ALGORITHM_CLASSES, Algorithm, CentralPFL, Context, RoundStats, make_algorithm
+from .config import ALGORITHMS, SimConfig, load_config_file
+from .report import client_table, plot_rounds, write_result
+from .simulator import build_context, sample_participants, simulate
+
+__all__ = [
+    "ALGORITHMS",
+    "ALGORITHM_CLASSES",
+    "Algorithm",
+    "CentralPFL",
+    "Context",
+    "RoundStats",
+    "SimConfig",
+    "build_context",
+    "client_table",
+    "load_config_file",
+    "make_algorithm",
+    "plot_rounds",
+    "sample_participants",
+    "simulate",
+    "write_result",
+]

@@ -1,0 +1,162 @@
+"""Algorithms of the in-process simulator. Each runs one round at a time over client *stacks*
+(``pfl_edge.train``) and reports what each client would deploy, how it scores and what it sent."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..accounting import dense_bytes
+from ..aggregate import weighted_average
+from ..errors import ConfigError
+from ..models import BlockModel
+from ..seeding import generator
+from ..split import Split, take
+from ..train import ClientTensors, Stack, TrainConfig, evaluate, index_stack, stack_states, train, unstack
+from .config import SimConfig
+
+__all__ = ["ALGORITHM_CLASSES", "Algorithm", "CentralPFL", "Context", "RoundStats", "make_algorithm"]
+
+
+@dataclass(frozen=True, eq=False)
+class Context:
+    """What every algorithm of a run shares: config, model skeleton, split, client data, initial state."""
+
+    cfg: SimConfig
+    model: BlockModel
+    split: Split
+    train_data: ClientTensors
+    test_data: ClientTensors
+    init_state: dict[str, Tensor]
+
+    @property
+    def num_clients(self) -> int:
+        return int(self.train_data.n.numel())
+
+    def train_config(self, epochs: int | None = None) -> TrainConfig:
+        c = self.cfg
+        return TrainConfig(epochs=c.local_epochs if epochs is None else epochs, batch_size=c.batch_size,
+                           lr=c.lr, momentum=c.momentum, weight_decay=c.weight_decay)
+
+    def gens(self, label: str, t: int, rows: Tensor) -> list[torch.Generator]:
+        return [generator(self.cfg.seed, label, t, int(i)) for i in rows]
+
+
+@dataclass(frozen=True)
+class RoundStats:
+    client_acc: list[float]
+    client_loss: list[float]
+    train_loss: float
+    client_bytes_up: list[int]
+    client_bytes_down: list[int]
+    busiest_node_bytes: int
+    participants: list[int]
+
+
+class Algorithm(ABC):
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+
+    @abstractmethod
+    def run_round(self, t: int, participants: Tensor) -> RoundStats:
+        """Round ``t`` (1-based) with the sampled ``participants`` (sorted client ids)."""
+
+    @abstractmethod
+    def deployed(self) -> Stack:
+        """Every client's model as it would deploy it now, stacked."""
+
+    def shared(self) -> dict[str, Tensor] | None:
+        """The shared part (a global model or base), if the algorithm has one."""
+        return None
+
+
+class CentralPFL(Algorithm):
+    """local, FedAvg(-FT), FedPer(-FT): a server averages the base blocks, weighted by training samples; the
+    personal blocks (the last K_P; none for FedAvg, all for local) stay on each client.
+
+    -FT: FedAvg-FT fine-tunes the new global model on each client for ``ft_epochs`` before evaluating (the
+    fine-tuned copy is what it deploys; the next round starts from the global model again). FedPer-FT trains
+    the personal blocks alone for ``ft_epochs`` on every new base, base frozen, before the joint training of
+    the next round (ALGORITHMS.md); its evaluation comes after that step.
+    """
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        n = ctx.num_clients
+        self.clients: Stack = stack_states([ctx.init_state] * n)
+        self.base = take(ctx.init_state, ctx.split.base)
+        self.all_rows = torch.arange(n)
+        self.personal_params = [k for k, _ in ctx.model.named_parameters() if k in set(ctx.split.personal)]
+        self._deployed: Stack | None = None
+        self.ft = {"fedavg-ft": "all", "fedper-ft": "personal"}.get(ctx.cfg.algorithm)
+        if self.ft == "personal":
+            self._personal_ft(0)
+
+    def _with_base(self, stack: Stack) -> Stack:
+        out = dict(stack)
+        for k, v in self.base.items():
+            out[k] = v.unsqueeze(0).expand(len(next(iter(stack.values()))), *v.shape).clone()
+        return out
+
+    def _personal_ft(self, t: int) -> None:
+        ctx = self.ctx
+        if not self.personal_params or ctx.cfg.ft_epochs == 0:
+            return
+        res = train(ctx.model, self._with_base(self.clients), ctx.train_data, self.all_rows,
+                    ctx.train_config(ctx.cfg.ft_epochs), ctx.gens("finetune", t, self.all_rows),
+                    trainable=self.personal_params, engine=ctx.cfg.engine)
+        self.clients = res.stack
+
+    def run_round(self, t: int, participants: Tensor) -> RoundStats:
+        ctx = self.ctx
+        start = self._with_base(index_stack(self.clients, participants))
+        res = train(ctx.model, start, ctx.train_data, participants, ctx.train_config(),
+                    ctx.gens("train", t, participants), engine=ctx.cfg.engine)
+        for k, v in res.stack.items():
+            self.clients[k][participants] = v
+        base_bytes = dense_bytes(self.base)
+        if ctx.split.base:
+            weights = [float(n) for n in ctx.train_data.n[participants]]
+            updates = [take(unstack(res.stack, j), ctx.split.base) for j in range(len(participants))]
+            self.base = weighted_average(updates, weights)
+        up = [0] * ctx.num_clients
+        down = [0] * ctx.num_clients
+        for i in participants.tolist():
+            up[i] = down[i] = base_bytes
+
+        if self.ft == "personal":
+            self._personal_ft(t)
+        deployed = self._with_base(self.clients)
+        if self.ft == "all" and ctx.cfg.ft_epochs:
+            deployed = train(ctx.model, deployed, ctx.train_data, self.all_rows,
+                             ctx.train_config(ctx.cfg.ft_epochs), ctx.gens("finetune", t, self.all_rows),
+                             engine=ctx.cfg.engine).stack
+        self._deployed = deployed
+        acc, loss = evaluate(ctx.model, deployed, ctx.test_data, self.all_rows)
+        n_part = ctx.train_data.n[participants].float()
+        train_loss = float((res.loss * n_part).sum() / n_part.sum())
+        return RoundStats(acc.tolist(), loss.tolist(), train_loss, up, down, sum(up) + sum(down),
+                          participants.tolist())
+
+    def deployed(self) -> Stack:
+        return self._deployed if self._deployed is not None else self._with_base(self.clients)
+
+    def shared(self) -> dict[str, Tensor] | None:
+        return dict(self.base) if self.base else None
+
+
+ALGORITHM_CLASSES: dict[str, Callable[[Context], Algorithm]] = {
+    name: CentralPFL for name in ("local", "fedavg", "fedavg-ft", "fedper", "fedper-ft")
+}
+
+
+def make_algorithm(ctx: Context) -> Algorithm:
+    try:
+        cls = ALGORITHM_CLASSES[ctx.cfg.algorithm]
+    except KeyError:
+        raise ConfigError(f"unknown algorithm {ctx.cfg.algorithm!r}; valid: {sorted(ALGORITHM_CLASSES)}") from None
+    return cls(ctx)

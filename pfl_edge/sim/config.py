@@ -1,0 +1,116 @@
+"""The simulator's configuration: one frozen dataclass, validated on creation, saved into every result."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Literal
+
+from ..errors import ConfigError
+
+__all__ = ["ALGORITHMS", "SimConfig", "load_config_file"]
+
+ALGORITHMS = ("local", "fedavg", "fedavg-ft", "fedper", "fedper-ft")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Everything a simulated run depends on; the same config gives the same numbers."""
+
+    algorithm: str = "fedper"
+    model: str = "cnn"
+    dataset: str = "fashion-mnist"
+    data_dir: str | None = None
+    partition: str = "pathological:4"
+    clients: int = 10
+    rounds: int = 30
+    local_epochs: int = 2
+    batch_size: int = 32
+    lr: float = 0.01
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    kp: int = 2
+    base: Literal["deep", "linear"] = "deep"
+    participation: float = 1.0
+    samples_per_client: int | None = None
+    test_per_client: int | None = None
+    ft_epochs: int = 1
+    local_norm_stats: bool = False
+    engine: Literal["auto", "vmap", "loop"] = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise ConfigError(f"unknown algorithm {self.algorithm!r}; valid algorithms: {', '.join(ALGORITHMS)}")
+        for name in ("clients", "rounds", "local_epochs", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kp < 0:
+            raise ConfigError(f"kp must be >= 0, got {self.kp}")
+        if self.ft_epochs < 0:
+            raise ConfigError(f"ft_epochs must be >= 0, got {self.ft_epochs}")
+        if not (math.isfinite(self.participation) and 0 < self.participation <= 1):
+            raise ConfigError(f"participation must be in (0, 1], got {self.participation}")
+        if self.base not in ("deep", "linear"):
+            raise ConfigError(f"base must be 'deep' or 'linear', got {self.base!r}")
+        if self.base == "linear" and (self.algorithm not in ("fedper", "fedper-ft", "local") or self.kp < 1):
+            raise ConfigError("base 'linear' is FedPer's control: use it with fedper, fedper-ft or local and kp >= 1")
+        if self.engine not in ("auto", "vmap", "loop"):
+            raise ConfigError(f"engine must be auto, vmap or loop, got {self.engine!r}")
+        for name in ("samples_per_client", "test_per_client"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ConfigError(f"{name} must be >= 1, got {v}")
+        # lr, momentum, weight decay are checked by TrainConfig; check here too, so a bad file fails at once
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ConfigError(f"lr must be finite and > 0, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"momentum must be in [0, 1), got {self.momentum}")
+
+    @property
+    def effective_kp(self) -> int | None:
+        """K_P as the algorithm uses it: 0 for FedAvg, every block for local (None), else kp."""
+        if self.algorithm in ("fedavg", "fedavg-ft"):
+            return 0
+        if self.algorithm == "local":
+            return None
+        return self.kp
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SimConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ConfigError(f"unknown config keys {sorted(unknown)}; valid keys: {', '.join(sorted(known))}")
+        return cls(**d)
+
+    def replace(self, **changes: Any) -> SimConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """A TOML file of config keys, or the JSON of an earlier run (its ``config``), as a dict."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config {p}: {e}") from e
+    try:
+        if p.suffix == ".toml":
+            data: Any = tomllib.loads(text)
+        else:
+            data = json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{p} is not valid {'TOML' if p.suffix == '.toml' else 'JSON'}: {e}") from e
+    if isinstance(data, dict) and isinstance(data.get("config"), dict):
+        data = data["config"]
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p} must hold a table of config keys")
+    return {k.replace("-", "_"): v for k, v in data.items()}

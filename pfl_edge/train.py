@@ -1,0 +1,336 @@
+"""Local training and evaluation of many clients at once.
+
+Client states are *stacks*: ``dict[str, Tensor]`` whose tensors carry a leading client dimension. Two engines
+train a stack with identical semantics (plain SGD as ``torch.optim.SGD`` defines it, per-client shuffling,
+a partial last batch, optional masks and gradient clipping):
+
+- ``vmap``: every client's step in one call (``torch.func.vmap`` over ``grad``), which turns per-client small
+  batches into one large batched computation. Used whenever the model has no buffers.
+- ``loop``: one client after another with ``torch.optim.SGD``; the reference, and the engine for models with
+  buffers (BatchNorm's running statistics cannot be updated under vmap).
+
+The tests check that both give the same weights.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call, grad_and_value, vmap
+
+from .errors import ConfigError
+
+__all__ = [
+    "ClientTensors",
+    "Engine",
+    "Stack",
+    "TrainConfig",
+    "TrainResult",
+    "batch_schedule",
+    "evaluate",
+    "index_stack",
+    "stack_states",
+    "train",
+    "unstack",
+]
+
+Stack = dict[str, Tensor]
+Engine = Literal["auto", "vmap", "loop"]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Local SGD. ``momentum`` and ``weight_decay`` as in ``torch.optim.SGD``; ``clip_norm`` as
+    ``clip_grad_norm_`` (per client, over its trainable tensors). The optimizer starts afresh each call, as
+    on a device that trains once per round."""
+
+    epochs: int = 1
+    batch_size: int = 32
+    lr: float = 0.01
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    clip_norm: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.epochs < 0:
+            raise ConfigError(f"epochs must be >= 0, got {self.epochs}")
+        if self.batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {self.batch_size}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ConfigError(f"lr must be finite and > 0, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"momentum must be in [0, 1), got {self.momentum}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ConfigError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise ConfigError(f"clip_norm must be > 0, got {self.clip_norm}")
+
+
+@dataclass(frozen=True, eq=False)
+class ClientTensors:
+    """Every client's samples, padded to one length: ``x`` (C, n_max, ...), ``y`` (C, n_max), ``n`` (C,)."""
+
+    x: Tensor
+    y: Tensor
+    n: Tensor
+
+    @staticmethod
+    def build(images: Tensor, indices: Sequence[Tensor], labels: Sequence[Tensor]) -> ClientTensors:
+        n = torch.tensor([len(i) for i in indices], dtype=torch.int64)
+        n_max = int(n.max()) if len(n) else 0
+        x = images.new_zeros((len(indices), n_max, *images.shape[1:]))
+        y = torch.zeros((len(indices), n_max), dtype=torch.int64)
+        for c, (idx, lab) in enumerate(zip(indices, labels, strict=True)):
+            x[c, : len(idx)] = images[idx]
+            y[c, : len(idx)] = lab
+        return ClientTensors(x, y, n)
+
+
+@dataclass(frozen=True, eq=False)
+class TrainResult:
+    stack: Stack
+    loss: Tensor  # (C,) mean training loss over all steps
+    steps: Tensor  # (C,) optimizer steps taken
+    samples: Tensor  # (C,) samples processed (epochs x n)
+
+
+def stack_states(states: Sequence[Mapping[str, Tensor]]) -> Stack:
+    return {k: torch.stack([s[k] for s in states]) for k in states[0]}
+
+
+def unstack(stack: Mapping[str, Tensor], i: int) -> dict[str, Tensor]:
+    return {k: v[i] for k, v in stack.items()}
+
+
+def index_stack(stack: Mapping[str, Tensor], rows: Tensor) -> Stack:
+    return {k: v[rows] for k, v in stack.items()}
+
+
+def batch_schedule(n: Tensor, epochs: int, batch_size: int,
+                   gens: Sequence[torch.Generator]) -> tuple[Tensor, Tensor]:
+    """Sample indices ``(S, C, B)`` and validity weights ``(S, C, B)`` for every client's steps: each epoch a
+    fresh permutation from the client's own generator, the last batch of an epoch partial. Clients with fewer
+    steps than the longest get all-zero weights at the end (they sit out)."""
+    per_client = []
+    for c, gen in enumerate(gens):
+        nc = int(n[c])
+        steps: list[torch.Tensor] = []
+        for _ in range(epochs):
+            perm = torch.randperm(nc, generator=gen)
+            steps.extend(perm[s: s + batch_size] for s in range(0, nc, batch_size))
+        per_client.append(steps)
+    s_max = max((len(s) for s in per_client), default=0)
+    idx = torch.zeros((s_max, len(gens), batch_size), dtype=torch.int64)
+    w = torch.zeros((s_max, len(gens), batch_size), dtype=torch.float32)
+    for c, steps in enumerate(per_client):
+        for s, b in enumerate(steps):
+            idx[s, c, : len(b)] = b
+            w[s, c, : len(b)] = 1.0
+    return idx, w
+
+
+def _engine(model: nn.Module, engine: Engine) -> Literal["vmap", "loop"]:
+    has_buffers = any(True for _ in model.buffers())
+    if engine == "auto":
+        return "loop" if has_buffers else "vmap"
+    if engine == "vmap" and has_buffers:
+        raise ConfigError("the vmap engine cannot train models with buffers (BatchNorm); use engine='loop'")
+    return engine
+
+
+def train(
+    model: nn.Module,
+    stack: Mapping[str, Tensor],
+    data: ClientTensors,
+    rows: Tensor,
+    cfg: TrainConfig,
+    gens: Sequence[torch.Generator],
+    *,
+    trainable: Collection[str] | None = None,
+    masks: Mapping[str, Tensor] | None = None,
+    engine: Engine = "auto",
+) -> TrainResult:
+    """Train client ``rows[c]`` of ``data`` from state ``stack[*][c]`` for ``cfg.epochs`` epochs.
+
+    ``trainable``: parameter names to update (default: all parameters); the rest stay fixed. ``masks``: 0/1
+    tensors stacked like ``stack`` for some parameters; gradients are masked and the mask is re-applied after
+    every step, so masked-out weights stay zero. Returns a new stack; the input is not modified.
+    """
+    if len(rows) != len(gens):
+        raise ConfigError(f"{len(rows)} clients but {len(gens)} generators")
+    param_names = [k for k, _ in model.named_parameters()]
+    names = list(param_names if trainable is None else [k for k in param_names if k in set(trainable)])
+    unknown = set(trainable or ()) - set(param_names)
+    if unknown:
+        raise ConfigError(f"trainable names that are not parameters: {sorted(unknown)}")
+    idx, w = batch_schedule(data.n[rows], cfg.epochs, cfg.batch_size, gens)
+    chosen = _engine(model, engine)
+    fn = _train_vmap if chosen == "vmap" else _train_loop
+    return fn(model, stack, data, rows, cfg, idx, w, names, masks or {})
+
+
+def _train_vmap(model: nn.Module, stack: Mapping[str, Tensor], data: ClientTensors, rows: Tensor,
+                cfg: TrainConfig, idx: Tensor, w: Tensor, names: list[str],
+                masks: Mapping[str, Tensor]) -> TrainResult:
+    out = {k: v.detach().clone() for k, v in stack.items()}
+    fixed = {k: v for k, v in out.items() if k not in set(names)}
+    params = {k: out[k] for k in names}
+    for k, m in masks.items():
+        out[k].mul_(m)  # training starts from w * m
+    bufs = {k: torch.zeros_like(v) for k, v in params.items()} if cfg.momentum else {}
+    n_clients = len(rows)
+
+    def loss_fn(p: dict[str, Tensor], f: dict[str, Tensor], x: Tensor, y: Tensor, wt: Tensor) -> Tensor:
+        logits = functional_call(model, {**p, **f}, (x,))
+        losses = F.cross_entropy(logits, y, reduction="none")
+        return (losses * wt).sum() / wt.sum().clamp_min(1.0)
+
+    step_fn = vmap(grad_and_value(loss_fn))
+    loss_sum = torch.zeros(n_clients)
+    steps = torch.zeros(n_clients, dtype=torch.int64)
+    row_col = rows[:, None]
+    was_training = model.training
+    model.train()
+    try:
+        for s in range(idx.shape[0]):
+            x = data.x[row_col, idx[s]]
+            y = data.y[row_col, idx[s]]
+            wt = w[s]
+            active = wt.sum(dim=1) > 0  # (C,)
+            grads, loss = step_fn(params, fixed, x, y, wt)
+            with torch.no_grad():
+                loss_sum += torch.where(active, loss, 0.0)
+                steps += active.to(torch.int64)
+                _sgd_step(params, grads, bufs, masks, active, cfg)
+    finally:
+        model.train(was_training)
+    out.update(params)
+    n = data.n[rows]
+    return TrainResult(out, loss_sum / steps.clamp_min(1), steps, n * cfg.epochs)
+
+
+def _sgd_step(params: dict[str, Tensor], grads: dict[str, Tensor], bufs: dict[str, Tensor],
+              masks: Mapping[str, Tensor], active: Tensor, cfg: TrainConfig) -> None:
+    """One ``torch.optim.SGD`` step (dampening 0, no Nesterov) for every active client, in place."""
+    for k, m in masks.items():
+        if k in grads:
+            grads[k].mul_(m)
+    if cfg.clip_norm is not None:
+        # clip_grad_norm_: total norm over the client's tensors, coefficient max/(norm + 1e-6) capped at 1
+        sq = sum(g.flatten(1).pow(2).sum(1) for g in grads.values())
+        assert isinstance(sq, Tensor)
+        coef = (cfg.clip_norm / (sq.sqrt() + 1e-6)).clamp(max=1.0)
+        for g in grads.values():
+            g.mul_(coef.view(-1, *([1] * (g.dim() - 1))))
+    for k, p in params.items():
+        g = grads[k]
+        if cfg.weight_decay:
+            g = g.add(p, alpha=cfg.weight_decay)
+        act = active.view(-1, *([1] * (p.dim() - 1)))
+        if cfg.momentum:
+            buf = bufs[k]
+            buf.copy_(torch.where(act, buf * cfg.momentum + g, buf))
+            g = buf
+        p.copy_(torch.where(act, p - cfg.lr * g, p))
+        if k in masks:
+            p.mul_(masks[k])
+
+
+def _train_loop(model: nn.Module, stack: Mapping[str, Tensor], data: ClientTensors, rows: Tensor,
+                cfg: TrainConfig, idx: Tensor, w: Tensor, names: list[str],
+                masks: Mapping[str, Tensor]) -> TrainResult:
+    out = {k: v.detach().clone() for k, v in stack.items()}
+    n_clients = len(rows)
+    loss_sum = torch.zeros(n_clients)
+    steps = torch.zeros(n_clients, dtype=torch.int64)
+    named = dict(model.named_parameters())
+    was_training = model.training
+    model.train()
+    try:
+        for c in range(n_clients):
+            model.load_state_dict(unstack(out, c))
+            for p in model.parameters():
+                p.requires_grad_(False)
+            train_params = [named[k] for k in names]
+            for p in train_params:
+                p.requires_grad_(True)
+            cmask = {k: m[c] for k, m in masks.items()}
+            with torch.no_grad():
+                for k, m in cmask.items():
+                    named[k].mul_(m)
+            opt = torch.optim.SGD(train_params, lr=cfg.lr, momentum=cfg.momentum,
+                                  weight_decay=cfg.weight_decay)
+            r = int(rows[c])
+            for s in range(idx.shape[0]):
+                valid = w[s, c] > 0
+                if not valid.any():
+                    break
+                b = idx[s, c][valid]
+                opt.zero_grad(set_to_none=True)
+                loss = F.cross_entropy(model(data.x[r, b]), data.y[r, b])
+                loss.backward()
+                for k, m in cmask.items():
+                    if named[k].grad is not None:
+                        named[k].grad.mul_(m)  # type: ignore[union-attr]
+                if cfg.clip_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(train_params, cfg.clip_norm)
+                opt.step()
+                with torch.no_grad():
+                    for k, m in cmask.items():
+                        named[k].mul_(m)
+                loss_sum[c] += loss.detach()
+                steps[c] += 1
+            state = model.state_dict()
+            for k in out:
+                out[k][c] = state[k].detach()
+    finally:
+        for p in model.parameters():
+            p.requires_grad_(True)
+        model.train(was_training)
+    n = data.n[rows]
+    return TrainResult(out, loss_sum / steps.clamp_min(1), steps, n * cfg.epochs)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, stack: Mapping[str, Tensor], data: ClientTensors, rows: Tensor,
+             *, chunk: int = 512) -> tuple[Tensor, Tensor]:
+    """Accuracy and mean loss ``(C,)`` of client ``rows[c]``'s model ``stack[*][c]`` on its own samples."""
+    n_clients = len(rows)
+    n = data.n[rows]
+    correct = torch.zeros(n_clients)
+    loss_sum = torch.zeros(n_clients)
+    was_training = model.training
+    model.eval()
+    try:
+        if _engine(model, "auto") == "vmap":
+            def fwd(p: dict[str, Tensor], x: Tensor) -> Tensor:
+                return functional_call(model, p, (x,))
+
+            batched = vmap(fwd)
+            for s in range(0, int(n.max()), chunk):
+                x = data.x[rows, s: s + chunk]
+                y = data.y[rows, s: s + chunk]
+                valid = (torch.arange(s, s + x.shape[1])[None, :] < n[:, None]).float()
+                logits = batched(dict(stack), x)
+                losses = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view_as(valid)
+                correct += ((logits.argmax(-1) == y).float() * valid).sum(1)
+                loss_sum += (losses * valid).sum(1)
+        else:
+            for c in range(n_clients):
+                model.load_state_dict(unstack(stack, c))
+                r, nc = int(rows[c]), int(n[c])
+                for s in range(0, nc, chunk):
+                    x, y = data.x[r, s: min(s + chunk, nc)], data.y[r, s: min(s + chunk, nc)]
+                    logits = model(x)
+                    correct[c] += (logits.argmax(-1) == y).sum()
+                    loss_sum[c] += F.cross_entropy(logits, y, reduction="sum")
+    finally:
+        model.train(was_training)
+    denom = n.clamp_min(1).float()
+    return correct / denom, loss_sum / denom

@@ -1,0 +1,21 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+FMNIST = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip = pytest.mark.skip(reason="Debian's dataset-fashion-mnist is not installed")
+    for item in items:
+        if "needs_fmnist" in item.keywords and not FMNIST.exists():
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _two_threads() -> None:
+    # the suite runs on 2 cores; keep torch from oversubscribing when tests run in parallel
+    os.environ.setdefault("OMP_NUM_THREADS", "2")

@@ -1,0 +1,185 @@
+import gzip
+import os
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pfl_edge.data import get_dataset, list_datasets, list_partitioners, partition
+from pfl_edge.errors import ConfigError, DataError, UnknownNameError
+from pfl_edge.seeding import numpy_rng
+
+
+def _labels(n: int, classes: int = 10, seed: int = 0) -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng(seed).integers(0, classes, n)).long()
+
+
+TRAIN, TEST = _labels(6000), _labels(2000, seed=1)
+
+
+def _all_disjoint(parts: list[torch.Tensor]) -> bool:
+    cat = torch.cat(parts)
+    return len(cat) == len(torch.unique(cat))
+
+
+@pytest.mark.parametrize("spec", ["iid", "pathological:2", "pathological:4", "dirichlet:0.3", "preference"])
+def test_no_sample_used_twice(spec: str) -> None:
+    p = partition(spec, TRAIN, TEST, 20, 10, numpy_rng(0, "p"))
+    assert _all_disjoint([c.train_idx for c in p.clients])
+    assert _all_disjoint([c.test_idx for c in p.clients])
+    assert all(c.n_train > 0 for c in p.clients)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 10])
+def test_pathological_gives_exactly_k_classes_evenly(k: int) -> None:
+    p = partition(f"pathological:{k}", TRAIN, TEST, 10, 10, numpy_rng(3, "p"))
+    for c in p.clients:
+        assert len(torch.unique(c.train_y)) == k
+        assert set(torch.unique(c.test_y).tolist()) <= set(torch.unique(c.train_y).tolist())
+    # every class is held by n*k/C clients, and with all clients the whole train split is used
+    held = torch.zeros(10)
+    for c in p.clients:
+        held[torch.unique(c.train_y)] += 1
+    assert torch.all(held == k)
+    assert sum(c.n_train for c in p.clients) == len(TRAIN)
+
+
+def test_test_set_follows_train_distribution() -> None:
+    p = partition("dirichlet:0.5", TRAIN, TEST, 5, 10, numpy_rng(0, "p"), test_per_client=200)
+    for c in p.clients:
+        tr = torch.bincount(c.train_y, minlength=10).double()
+        te = torch.bincount(c.test_y, minlength=10).double()
+        assert te.sum() <= 200
+        # within rounding and the cap that keeps test samples unique
+        assert torch.allclose(te / te.sum(), tr / tr.sum(), atol=0.03)
+
+
+def test_test_per_client_default_is_ceil_test_over_clients() -> None:
+    p = partition("iid", TRAIN, TEST, 7, 10, numpy_rng(0, "p"))
+    sizes = [int(c.test_idx.numel()) for c in p.clients]
+    assert max(sizes) <= -(-2000 // 7) and min(sizes) >= 250
+
+
+def test_dirichlet_is_skewed_and_alpha_matters() -> None:
+    def skew(alpha: float) -> float:
+        p = partition(f"dirichlet:{alpha}", TRAIN, TEST, 10, 10, numpy_rng(0, "p"))
+        return float(np.mean([torch.bincount(c.train_y, minlength=10).max() / c.n_train for c in p.clients]))
+
+    assert skew(0.1) > skew(100.0) + 0.2
+
+
+def test_samples_per_client_caps_and_keeps_proportions() -> None:
+    p = partition("pathological:2", TRAIN, TEST, 10, 10, numpy_rng(0, "p"), samples_per_client=100)
+    assert all(c.n_train == 100 for c in p.clients)
+    assert all(len(torch.unique(c.train_y)) == 2 for c in p.clients)
+
+
+def test_preference_maps_are_cyclic_shifts_by_group() -> None:
+    p = partition("preference:0", TRAIN, TEST, 10, 10, numpy_rng(0, "p"))
+    assert p.num_classes == 5 and p.label_maps is not None
+    for i, m in enumerate(p.label_maps):
+        assert list(m) == [(c + i % 5) % 5 for c in range(10)]
+    # labels are the map applied to the true class
+    train_classes = TRAIN[p.clients[3].train_idx]
+    mapped = torch.tensor(p.label_maps[3])[train_classes]
+    assert torch.equal(mapped, p.clients[3].train_y)
+    test_classes = TEST[p.clients[3].test_idx]
+    assert torch.equal(torch.tensor(p.label_maps[3])[test_classes], p.clients[3].test_y)
+
+
+def test_preference_redraws_about_p_of_ratings() -> None:
+    p = partition("preference", TRAIN, TEST, 500, 10, numpy_rng(0, "p"), test_per_client=1)
+    assert p.label_maps is not None
+    changed = sum(m[c] != (c + i % 5) % 5 for i, m in enumerate(p.label_maps) for c in range(10))
+    # redrawn with probability 0.1, of which 4/5 land on another rating: 0.08 of 5000
+    assert 300 < changed < 500
+
+
+def test_preference_no_global_model_beats_one_fifth() -> None:
+    # the best single map (per class, the most common rating) is right for about 1/5 of users
+    p = partition("preference:0", TRAIN, TEST, 10, 10, numpy_rng(0, "p"))
+    assert p.label_maps is not None
+    maps = np.array(p.label_maps)
+    best = np.mean([np.bincount(maps[:, c], minlength=5).max() / len(maps) for c in range(10)])
+    assert best == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize("spec", ["pathological:0", "pathological:11", "pathological:x", "dirichlet:-1",
+                                  "dirichlet:abc", "iid:3", "preference:2"])
+def test_bad_specs(spec: str) -> None:
+    with pytest.raises(ConfigError):
+        partition(spec, TRAIN, TEST, 10, 10, numpy_rng(0, "p"))
+
+
+def test_unknown_partitioner_lists_valid() -> None:
+    with pytest.raises(UnknownNameError) as e:
+        partition("shards:2", TRAIN, TEST, 10, 10, numpy_rng(0, "p"))
+    for name in list_partitioners():
+        assert name in str(e.value)
+
+
+def test_same_seed_same_partition() -> None:
+    a = partition("dirichlet:0.3", TRAIN, TEST, 10, 10, numpy_rng(5, "p"))
+    b = partition("dirichlet:0.3", TRAIN, TEST, 10, 10, numpy_rng(5, "p"))
+    assert all(torch.equal(x.train_idx, y.train_idx) for x, y in zip(a.clients, b.clients, strict=True))
+
+
+def test_unknown_dataset_lists_valid() -> None:
+    with pytest.raises(UnknownNameError) as e:
+        get_dataset("imagenet")
+    assert all(n in str(e.value) for n in list_datasets())
+
+
+def _write_cifar(d: Path, n_per_batch: int = 20) -> None:
+    rng = np.random.default_rng(0)
+    for name in [*(f"data_batch_{i}" for i in range(1, 6)), "test_batch"]:
+        batch = {b"batch_label": name.encode(), b"labels": rng.integers(0, 10, n_per_batch).tolist(),
+                 b"data": rng.integers(0, 256, (n_per_batch, 3072), dtype=np.uint8),
+                 b"filenames": [b"x.png"] * n_per_batch}
+        (d / name).write_bytes(pickle.dumps(batch, protocol=2))
+
+
+def test_cifar10_python_batches(tmp_path: Path) -> None:
+    _write_cifar(tmp_path)
+    ds = get_dataset("cifar10", data_dir=tmp_path)
+    assert ds.train_x.shape == (100, 3, 32, 32) and ds.test_x.shape == (20, 3, 32, 32)
+    assert ds.num_classes == 10 and ds.in_channels == 3 and ds.image_size == 32
+    # pixel (channel 1, row 0, col 0) of image 0 is byte 1024 of its row: the CHW layout of the format
+    raw = pickle.loads((tmp_path / "data_batch_1").read_bytes())[b"data"][0, 1024]
+    assert ds.train_x[0, 1, 0, 0].item() == pytest.approx((raw / 255 - 0.4822) / 0.2435, abs=1e-5)
+
+
+class _Evil:
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.system, ("echo pwned",))
+
+
+def test_cifar10_refuses_foreign_pickles(tmp_path: Path) -> None:
+    _write_cifar(tmp_path)
+    (tmp_path / "test_batch").write_bytes(pickle.dumps({b"data": _Evil()}))
+    with pytest.raises(DataError, match="refusing to unpickle"):
+        get_dataset("cifar10", data_dir=tmp_path)
+
+
+def test_cifar10_missing_files(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="data_batch"):
+        get_dataset("cifar10", data_dir=tmp_path)
+
+
+def test_fashion_mnist_bad_idx(tmp_path: Path) -> None:
+    for name in ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
+                 "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"):
+        with gzip.open(tmp_path / name, "wb") as f:
+            f.write(b"\x00\x00\x08\x03" + (5).to_bytes(4, "big") * 3 + b"short")
+    with pytest.raises(DataError, match="does not match its header"):
+        get_dataset("fashion-mnist", data_dir=tmp_path)
+
+
+@pytest.mark.needs_fmnist
+def test_fashion_mnist() -> None:
+    ds = get_dataset("fashion-mnist")
+    assert ds.train_x.shape == (60000, 1, 28, 28) and ds.test_x.shape == (10000, 1, 28, 28)
+    assert torch.equal(torch.bincount(ds.train_y), torch.full((10,), 6000))
+    assert abs(float(ds.train_x.mean())) < 0.01 and abs(float(ds.train_x.std()) - 1) < 0.01

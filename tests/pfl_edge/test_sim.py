@@ -1,0 +1,162 @@
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pfl_edge.checkpoint import build_model, load_checkpoint, save_checkpoint
+from pfl_edge.errors import ConfigError
+from pfl_edge.sim import SimConfig, load_config_file, sample_participants, simulate, write_result
+
+QUICK = dict(dataset="synthetic", partition="pathological:3", clients=4, rounds=3, samples_per_client=120,
+             local_epochs=1, lr=0.05, batch_size=32)
+
+
+def _run(**kw: object) -> dict:
+    return simulate(SimConfig(**{**QUICK, **kw}), progress=False)
+
+
+def test_result_json_shape() -> None:
+    r = _run(algorithm="fedper")
+    assert [x["round"] for x in r["rounds"]] == [1, 2, 3]
+    for x in r["rounds"]:
+        assert len(x["client_acc"]) == 4 and all(0 <= a <= 1 for a in x["client_acc"])
+        assert x["mean_acc"] == pytest.approx(sum(x["client_acc"]) / 4)
+        mean = x["mean_acc"]
+        assert x["std_acc"] == pytest.approx((sum((a - mean) ** 2 for a in x["client_acc"]) / 4) ** 0.5)
+        assert x["bytes_up"] == sum(x["client_bytes_up"]) and x["bytes_down"] == sum(x["client_bytes_down"])
+        assert x["busiest_node_bytes"] == x["bytes_up"] + x["bytes_down"]  # the server
+        assert x["wall_s"] > 0
+    assert r["final"]["client_acc"] == r["rounds"][-1]["client_acc"]
+    json.dumps(r)  # serialisable
+
+
+def test_fedper_uploads_only_the_base() -> None:
+    r = _run(algorithm="fedper", kp=2)
+    base_numel = sum(torch.Size(s).numel() for s in _shapes(r["meta"]["base_keys"]))
+    assert r["rounds"][0]["client_bytes_up"] == [4 * base_numel] * 4
+    assert not set(r["meta"]["personal_keys"]) & set(r["meta"]["base_keys"])
+    assert {k.split(".")[0] for k in r["meta"]["personal_keys"]} == {"fc2", "head"}
+
+
+def _shapes(keys: list[str]) -> list[tuple[int, ...]]:
+    from pfl_edge.models import get_model
+
+    sd = get_model("cnn", num_classes=10, in_channels=1).state_dict()
+    return [tuple(sd[k].shape) for k in keys]
+
+
+def test_kp_zero_is_exactly_fedavg() -> None:
+    a = _run(algorithm="fedper", kp=0)
+    b = _run(algorithm="fedavg")
+    assert a["rounds"][-1]["client_acc"] == b["rounds"][-1]["client_acc"]
+    assert a["rounds"][-1]["client_loss"] == b["rounds"][-1]["client_loss"]
+    assert a["rounds"][-1]["bytes_up"] == b["rounds"][-1]["bytes_up"]
+
+
+def test_local_sends_nothing_and_fedavg_clients_agree() -> None:
+    loc = _run(algorithm="local")
+    assert all(x["bytes_up"] == 0 and x["busiest_node_bytes"] == 0 for x in loc["rounds"])
+
+
+def test_same_config_same_numbers() -> None:
+    a, b = _run(algorithm="fedper-ft", seed=3), _run(algorithm="fedper-ft", seed=3)
+    assert a["rounds"] == [dict(x, wall_s=y["wall_s"]) for x, y in zip(b["rounds"], a["rounds"], strict=True)]
+    c = _run(algorithm="fedper-ft", seed=4)
+    assert c["rounds"][-1]["client_acc"] != a["rounds"][-1]["client_acc"]
+
+
+@pytest.mark.parametrize("alg", ["local", "fedavg", "fedavg-ft", "fedper", "fedper-ft"])
+def test_every_algorithm_learns(alg: str) -> None:
+    r = _run(algorithm=alg, rounds=4, partition="iid")
+    assert r["final"]["mean_acc"] > 0.35  # 10 classes: chance is 0.1
+    assert r["final"]["mean_acc"] > r["rounds"][0]["mean_acc"]
+
+
+def test_linear_base_runs_and_has_one_base_block() -> None:
+    r = _run(algorithm="fedper", base="linear", kp=2)
+    assert r["meta"]["blocks"] == ["base", "fc2", "head"]
+    assert {k.split(".")[0] for k in r["meta"]["base_keys"]} == {"base"}
+
+
+def test_participation_samples_a_fraction() -> None:
+    p = sample_participants(0, 1, 100, 0.1)
+    assert len(p) == 10 and len(set(p.tolist())) == 10
+    assert torch.equal(p, sample_participants(0, 1, 100, 0.1))
+    assert not torch.equal(p, sample_participants(0, 2, 100, 0.1))
+    r = _run(algorithm="fedavg", participation=0.5)
+    for x in r["rounds"]:
+        assert len(x["participants"]) == 2
+        assert sum(b > 0 for b in x["client_bytes_up"]) == 2
+
+
+def test_checkpoints_round_trip(tmp_path: Path) -> None:
+    cfg = SimConfig(**{**QUICK, "algorithm": "fedper"})
+    r = simulate(cfg, save_dir=tmp_path, progress=False)
+    state, spec, extra = load_checkpoint(tmp_path / "client_002.safetensors")
+    assert extra["client"] == 2 and extra["kind"] == "client"
+    model = build_model(spec)
+    model.load_state_dict(state)  # strict: every tensor present, shapes right
+    base, _, _ = load_checkpoint(tmp_path / "base.safetensors")
+    assert set(base) == set(r["meta"]["base_keys"])
+    for k, v in base.items():
+        assert torch.equal(state[k], v)  # a client deploys the final base
+    # and the personal blocks differ between clients
+    other, _, _ = load_checkpoint(tmp_path / "client_000.safetensors")
+    assert not torch.equal(other["head.weight"], state["head.weight"])
+    # the saved model reproduces the reported accuracy of client 2 on its own test set
+    from pfl_edge.sim import build_context
+    from pfl_edge.train import evaluate
+
+    ctx, _ = build_context(cfg)
+    acc, _ = evaluate(model, {k: v[None] for k, v in state.items()}, ctx.test_data, torch.tensor([2]))
+    assert acc.item() == pytest.approx(r["final"]["client_acc"][2])
+
+
+def test_checkpoint_rejects_foreign_files(tmp_path: Path) -> None:
+    bad = tmp_path / "x.safetensors"
+    bad.write_bytes(b"\x00" * 64)
+    with pytest.raises(ConfigError):
+        load_checkpoint(bad)
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.zeros(1)}, str(bad))
+    with pytest.raises(ConfigError, match="not a pfl-edge checkpoint"):
+        load_checkpoint(bad)
+
+
+def test_save_checkpoint_is_not_pickle(tmp_path: Path) -> None:
+    from pfl_edge.checkpoint import ModelSpec
+
+    p = save_checkpoint(tmp_path / "m.safetensors", {"w": torch.ones(2)}, ModelSpec("cnn", 10, 1, 28))
+    assert not p.read_bytes().startswith(b"\x80")  # pickle's PROTO opcode
+
+
+def test_config_rerun_from_json_and_toml(tmp_path: Path) -> None:
+    r = _run(algorithm="fedavg", rounds=2)
+    out = write_result(r, tmp_path / "run.json", plot=True)
+    assert out.with_suffix(".png").stat().st_size > 1000
+    again = simulate(SimConfig.from_dict(load_config_file(out)), progress=False)
+    assert again["final"] == r["final"]
+    toml = tmp_path / "c.toml"
+    toml.write_text('algorithm = "fedavg"\ndataset = "synthetic"\nsamples-per-client = 120\n')
+    cfg = SimConfig.from_dict(load_config_file(toml))
+    assert cfg.samples_per_client == 120 and cfg.algorithm == "fedavg"
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(algorithm="fedsgd"), "valid algorithms"),
+    (dict(participation=0.0), "participation"),
+    (dict(clients=0), "clients"),
+    (dict(base="linear", algorithm="fedavg"), "linear"),
+    (dict(base="linear", kp=0), "linear"),
+    (dict(lr=-1.0), "lr"),
+])
+def test_bad_config(kw: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        SimConfig(**kw)
+
+
+def test_unknown_config_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="unknown config keys"):
+        SimConfig.from_dict({"rounds": 3, "roudns": 4})

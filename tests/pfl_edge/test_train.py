@@ -1,0 +1,132 @@
+import pytest
+import torch
+
+from pfl_edge.data import get_dataset, partition
+from pfl_edge.errors import ConfigError
+from pfl_edge.models import get_model
+from pfl_edge.seeding import generator, numpy_rng
+from pfl_edge.train import ClientTensors, TrainConfig, batch_schedule, evaluate, stack_states, train
+
+N_CLIENTS = 4
+
+
+@pytest.fixture(scope="module")
+def data() -> ClientTensors:
+    ds = get_dataset("synthetic")
+    p = partition("dirichlet:0.5", ds.train_y, ds.test_y, N_CLIENTS, 10, numpy_rng(0, "p"), samples_per_client=90)
+    # unequal sizes on purpose: clients finish at different steps
+    idx = [c.train_idx[: 40 + 15 * i] for i, c in enumerate(p.clients)]
+    lab = [c.train_y[: 40 + 15 * i] for i, c in enumerate(p.clients)]
+    return ClientTensors.build(ds.train_x, idx, lab)
+
+
+def _gens() -> list[torch.Generator]:
+    return [generator(0, "t", i) for i in range(N_CLIENTS)]
+
+
+def _start(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    # different starting points per client
+    states = []
+    for i in range(N_CLIENTS):
+        torch.manual_seed(i)
+        states.append({k: v + 0.01 * torch.randn_like(v) for k, v in model.state_dict().items()})
+    return stack_states(states)
+
+
+def test_batch_schedule_visits_every_sample_once_per_epoch() -> None:
+    n = torch.tensor([10, 7])
+    idx, w = batch_schedule(n, 3, 4, [generator(0, "a"), generator(0, "b")])
+    assert idx.shape == (9, 2, 4)  # client 0: 3 epochs x ceil(10/4) = 9 steps
+    for c, nc in enumerate(n.tolist()):
+        seen = idx[:, c][w[:, c] > 0]
+        assert torch.equal(torch.bincount(seen, minlength=nc), torch.full((nc,), 3))
+    assert w[6:, 1].sum() == 0  # client 1 has 3 x 2 = 6 steps, then sits out
+
+
+@pytest.mark.parametrize("cfg", [
+    TrainConfig(epochs=2, batch_size=16, lr=0.05, momentum=0.0),
+    TrainConfig(epochs=2, batch_size=16, lr=0.05, momentum=0.9, weight_decay=5e-3),
+    TrainConfig(epochs=1, batch_size=32, lr=0.1, momentum=0.5, clip_norm=0.5),
+])
+def test_vmap_engine_matches_torch_optim_loop(data: ClientTensors, cfg: TrainConfig) -> None:
+    model = get_model("cnn", num_classes=10, in_channels=1)
+    start = _start(model)
+    rows = torch.arange(N_CLIENTS)
+    a = train(model, start, data, rows, cfg, _gens(), engine="vmap")
+    b = train(model, start, data, rows, cfg, _gens(), engine="loop")
+    assert torch.equal(a.steps, b.steps)
+    assert a.steps.tolist() == [cfg.epochs * -(-(40 + 15 * i) // cfg.batch_size) for i in range(N_CLIENTS)]
+    for k in start:
+        assert torch.allclose(a.stack[k], b.stack[k], atol=2e-5, rtol=1e-4), k
+        assert not torch.equal(a.stack[k], start[k]), f"{k} did not train"
+    assert torch.allclose(a.loss, b.loss, atol=1e-5)
+
+
+def test_frozen_parameters_do_not_move(data: ClientTensors) -> None:
+    model = get_model("cnn", num_classes=10, in_channels=1)
+    start = _start(model)
+    trainable = ["head.weight", "head.bias"]
+    for engine in ("vmap", "loop"):
+        out = train(model, start, data, torch.arange(N_CLIENTS), TrainConfig(lr=0.1, weight_decay=0.1),
+                    _gens(), trainable=trainable, engine=engine).stack
+        for k in start:
+            assert torch.equal(out[k], start[k]) != (k in trainable), (engine, k)
+
+
+def test_masked_weights_stay_zero_through_momentum_and_weight_decay(data: ClientTensors) -> None:
+    model = get_model("cnn", num_classes=10, in_channels=1)
+    start = _start(model)
+    g = torch.Generator().manual_seed(0)
+    masks = {k: (torch.rand(start[k].shape, generator=g) < 0.3).float()
+             for k in ("fc1.1.weight", "conv2.0.weight")}
+    cfg = TrainConfig(epochs=2, batch_size=16, lr=0.1, momentum=0.9, weight_decay=0.01)
+    outs = [train(model, start, data, torch.arange(N_CLIENTS), cfg, _gens(), masks=masks, engine=e).stack
+            for e in ("vmap", "loop")]
+    for out in outs:
+        for k, m in masks.items():
+            assert torch.all(out[k][m == 0] == 0)
+            assert torch.all(out[k][m == 1] != start[k][m == 1])  # the active ones trained
+    for k in start:
+        assert torch.allclose(outs[0][k], outs[1][k], atol=2e-5, rtol=1e-4)
+
+
+def test_batchnorm_models_use_the_loop_engine(data: ClientTensors) -> None:
+    model = get_model("mobilenet-v1", num_classes=10, in_channels=1, norm="batch", width_mult=0.25)
+    start = stack_states([model.state_dict()] * N_CLIENTS)
+    with pytest.raises(ConfigError, match="buffers"):
+        train(model, start, data, torch.arange(N_CLIENTS), TrainConfig(), _gens(), engine="vmap")
+    out = train(model, start, data, torch.arange(N_CLIENTS), TrainConfig(batch_size=64), _gens()).stack
+    key = "stem.1.running_mean"
+    assert not torch.equal(out[key], start[key])  # running statistics were updated
+
+
+def test_evaluate_matches_plain_forward(data: ClientTensors) -> None:
+    model = get_model("cnn", num_classes=10, in_channels=1)
+    start = _start(model)
+    rows = torch.arange(N_CLIENTS)
+    acc, loss = evaluate(model, start, data, rows, chunk=7)
+    for c in range(N_CLIENTS):
+        model.load_state_dict({k: v[c] for k, v in start.items()})
+        n = int(data.n[c])
+        with torch.no_grad():
+            logits = model(data.x[c, :n])
+        assert acc[c].item() == pytest.approx((logits.argmax(1) == data.y[c, :n]).float().mean().item())
+        assert loss[c].item() == pytest.approx(
+            torch.nn.functional.cross_entropy(logits, data.y[c, :n]).item(), rel=1e-5)
+
+
+def test_training_learns(data: ClientTensors) -> None:
+    model = get_model("cnn", num_classes=10, in_channels=1)
+    start = stack_states([model.state_dict()] * N_CLIENTS)
+    rows = torch.arange(N_CLIENTS)
+    before, _ = evaluate(model, start, data, rows)
+    out = train(model, start, data, rows, TrainConfig(epochs=8, lr=0.05), _gens()).stack
+    after, _ = evaluate(model, out, data, rows)
+    assert after.mean() > before.mean() + 0.3
+
+
+@pytest.mark.parametrize("kw", [dict(epochs=-1), dict(batch_size=0), dict(lr=0.0), dict(lr=float("nan")),
+                                dict(momentum=1.0), dict(weight_decay=-1.0), dict(clip_norm=0.0)])
+def test_bad_train_config(kw: dict) -> None:
+    with pytest.raises(ConfigError):
+        TrainConfig(**kw)
