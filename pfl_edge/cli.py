@@ -33,6 +33,7 @@ _SIM_FLAGS: list[tuple[str, type, str]] = [
     ("test-per-client", int, "test samples per client (default ceil(test split / clients))"),
     ("ft-epochs", int, "-ft algorithms: fine-tuning epochs"),
     ("engine", str, "auto | vmap | loop (training engine)"),
+    ("workers", int, "training processes (default: one per core)"),
     ("seed", int, "the one seed every random stream derives from"),
 ]
 

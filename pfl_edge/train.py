@@ -299,8 +299,11 @@ def _train_loop(model: nn.Module, stack: Mapping[str, Tensor], data: ClientTenso
 
 @torch.no_grad()
 def evaluate(model: nn.Module, stack: Mapping[str, Tensor], data: ClientTensors, rows: Tensor,
-             *, chunk: int = 512) -> tuple[Tensor, Tensor]:
-    """Accuracy and mean loss ``(C,)`` of client ``rows[c]``'s model ``stack[*][c]`` on its own samples."""
+             *, chunk: int = 1000) -> tuple[Tensor, Tensor]:
+    """Accuracy and mean loss ``(C,)`` of client ``rows[c]``'s model ``stack[*][c]`` on its own samples.
+
+    One client at a time: for a forward pass alone, vmap's grouped convolutions are slower than the plain
+    loop (measured: 2.5x slower for the cnn)."""
     n_clients = len(rows)
     n = data.n[rows]
     correct = torch.zeros(n_clients)
@@ -308,28 +311,14 @@ def evaluate(model: nn.Module, stack: Mapping[str, Tensor], data: ClientTensors,
     was_training = model.training
     model.eval()
     try:
-        if _engine(model, "auto") == "vmap":
-            def fwd(p: dict[str, Tensor], x: Tensor) -> Tensor:
-                return functional_call(model, p, (x,))
-
-            batched = vmap(fwd)
-            for s in range(0, int(n.max()), chunk):
-                x = data.x[rows, s: s + chunk]
-                y = data.y[rows, s: s + chunk]
-                valid = (torch.arange(s, s + x.shape[1])[None, :] < n[:, None]).float()
-                logits = batched(dict(stack), x)
-                losses = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view_as(valid)
-                correct += ((logits.argmax(-1) == y).float() * valid).sum(1)
-                loss_sum += (losses * valid).sum(1)
-        else:
-            for c in range(n_clients):
-                model.load_state_dict(unstack(stack, c))
-                r, nc = int(rows[c]), int(n[c])
-                for s in range(0, nc, chunk):
-                    x, y = data.x[r, s: min(s + chunk, nc)], data.y[r, s: min(s + chunk, nc)]
-                    logits = model(x)
-                    correct[c] += (logits.argmax(-1) == y).sum()
-                    loss_sum[c] += F.cross_entropy(logits, y, reduction="sum")
+        for c in range(n_clients):
+            model.load_state_dict(unstack(stack, c))
+            r, nc = int(rows[c]), int(n[c])
+            for s in range(0, nc, chunk):
+                x, y = data.x[r, s: min(s + chunk, nc)], data.y[r, s: min(s + chunk, nc)]
+                logits = model(x)
+                correct[c] += (logits.argmax(-1) == y).sum()
+                loss_sum[c] += F.cross_entropy(logits, y, reduction="sum")
     finally:
         model.train(was_training)
     denom = n.clamp_min(1).float()

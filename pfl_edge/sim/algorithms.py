@@ -14,9 +14,10 @@ from ..accounting import dense_bytes
 from ..aggregate import weighted_average
 from ..errors import ConfigError
 from ..models import BlockModel
+from ..parallel import Trainer
 from ..seeding import generator
 from ..split import Split, take
-from ..train import ClientTensors, Stack, TrainConfig, evaluate, index_stack, stack_states, train, unstack
+from ..train import ClientTensors, Stack, TrainConfig, index_stack, stack_states, unstack
 from .config import SimConfig
 
 __all__ = ["ALGORITHM_CLASSES", "Algorithm", "CentralPFL", "Context", "RoundStats", "make_algorithm"]
@@ -32,6 +33,7 @@ class Context:
     train_data: ClientTensors
     test_data: ClientTensors
     init_state: dict[str, Tensor]
+    trainer: Trainer
 
     @property
     def num_clients(self) -> int:
@@ -106,16 +108,14 @@ class CentralPFL(Algorithm):
         ctx = self.ctx
         if not self.personal_params or ctx.cfg.ft_epochs == 0:
             return
-        res = train(ctx.model, self._with_base(self.clients), ctx.train_data, self.all_rows,
-                    ctx.train_config(ctx.cfg.ft_epochs), ctx.gens("finetune", t, self.all_rows),
-                    trainable=self.personal_params, engine=ctx.cfg.engine)
+        res = ctx.trainer.train(self._with_base(self.clients), self.all_rows, ctx.train_config(ctx.cfg.ft_epochs),
+                                ctx.gens("finetune", t, self.all_rows), trainable=self.personal_params)
         self.clients = res.stack
 
     def run_round(self, t: int, participants: Tensor) -> RoundStats:
         ctx = self.ctx
         start = self._with_base(index_stack(self.clients, participants))
-        res = train(ctx.model, start, ctx.train_data, participants, ctx.train_config(),
-                    ctx.gens("train", t, participants), engine=ctx.cfg.engine)
+        res = ctx.trainer.train(start, participants, ctx.train_config(), ctx.gens("train", t, participants))
         for k, v in res.stack.items():
             self.clients[k][participants] = v
         base_bytes = dense_bytes(self.base)
@@ -132,11 +132,10 @@ class CentralPFL(Algorithm):
             self._personal_ft(t)
         deployed = self._with_base(self.clients)
         if self.ft == "all" and ctx.cfg.ft_epochs:
-            deployed = train(ctx.model, deployed, ctx.train_data, self.all_rows,
-                             ctx.train_config(ctx.cfg.ft_epochs), ctx.gens("finetune", t, self.all_rows),
-                             engine=ctx.cfg.engine).stack
+            deployed = ctx.trainer.train(deployed, self.all_rows, ctx.train_config(ctx.cfg.ft_epochs),
+                                         ctx.gens("finetune", t, self.all_rows)).stack
         self._deployed = deployed
-        acc, loss = evaluate(ctx.model, deployed, ctx.test_data, self.all_rows)
+        acc, loss = ctx.trainer.evaluate(deployed, self.all_rows)
         n_part = ctx.train_data.n[participants].float()
         train_loss = float((res.loss * n_part).sum() / n_part.sum())
         return RoundStats(acc.tolist(), loss.tolist(), train_loss, up, down, sum(up) + sum(down),

@@ -41,6 +41,7 @@ class SimConfig:
     ft_epochs: int = 1
     local_norm_stats: bool = False
     engine: Literal["auto", "vmap", "loop"] = "auto"
+    workers: int | None = None  # training processes; None: one per core
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -61,6 +62,8 @@ class SimConfig:
             raise ConfigError("base 'linear' is FedPer's control: use it with fedper, fedper-ft or local and kp >= 1")
         if self.engine not in ("auto", "vmap", "loop"):
             raise ConfigError(f"engine must be auto, vmap or loop, got {self.engine!r}")
+        if self.workers is not None and self.workers < 1:
+            raise ConfigError(f"workers must be >= 1, got {self.workers}")
         for name in ("samples_per_client", "test_per_client"):
             v = getattr(self, name)
             if v is not None and v < 1:

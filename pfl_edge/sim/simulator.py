@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from ..checkpoint import ModelSpec, build_model, save_checkpoint
 from ..data import get_dataset, partition
+from ..parallel import Trainer
 from ..seeding import derive_seed, generator, numpy_rng, seed_everything
 from ..split import split_keys
 from ..train import ClientTensors, unstack
@@ -49,7 +50,8 @@ def build_context(cfg: SimConfig) -> tuple[Context, ModelSpec]:
                                      [c.train_y for c in part.clients])
     test_data = ClientTensors.build(ds.test_x, [c.test_idx for c in part.clients],
                                     [c.test_y for c in part.clients])
-    return Context(cfg, model, split, train_data, test_data, init), spec
+    trainer = Trainer(model, train_data, test_data, workers=cfg.workers, engine=cfg.engine)
+    return Context(cfg, model, split, train_data, test_data, init, trainer), spec
 
 
 def _pstd(xs: list[float]) -> float:
@@ -64,6 +66,14 @@ def simulate(cfg: SimConfig, *, save_dir: str | Path | None = None, progress: bo
     """
     t0 = time.perf_counter()
     ctx, spec = build_context(cfg)
+    try:
+        return _run(cfg, ctx, spec, t0, save_dir, progress)
+    finally:
+        ctx.trainer.close()
+
+
+def _run(cfg: SimConfig, ctx: Context, spec: ModelSpec, t0: float, save_dir: str | Path | None,
+         progress: bool | None) -> dict[str, Any]:
     algo = make_algorithm(ctx)
     setup_s = time.perf_counter() - t0
     rounds: list[dict[str, Any]] = []
@@ -101,6 +111,7 @@ def simulate(cfg: SimConfig, *, save_dir: str | Path | None = None, progress: bo
             "pfl_edge_version": _version(),
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
+            "workers": ctx.trainer.workers,
             "num_classes": spec.num_classes,
             "blocks": ctx.model.block_names,
             "base_keys": list(ctx.split.base),
