@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "DataError", "InternalError", "PflEdgeError", "UnknownNameError"]
+__all__ = ["CodecError", "ConfigError", "DataError", "InternalError", "PflEdgeError", "UnknownNameError"]
 
 
 class PflEdgeError(Exception):
@@ -32,6 +32,13 @@ class DataError(PflEdgeError):
     """A data set is missing, unreadable or not in the expected format."""
 
     exit_code = 3
+
+
+class CodecError(PflEdgeError, ValueError):
+    """A payload could not be encoded or was refused on decoding (truncated, corrupt, wrong version, names or
+    shapes that don't match, NaN/Inf, over the size limit). Nothing was changed."""
+
+    exit_code = 4
 
 
 class InternalError(PflEdgeError, RuntimeError):
