@@ -1,8 +1,4 @@
-"""Byte accounting for what travels between nodes.
-
-Until the wire codec exists, a payload's size is its tensors' raw bytes (float32: 4 per element), header not
-included; every figure that uses it says so.
-"""
+"""Byte accounting: what a message would cost on a real network, taken from the wire codec itself."""
 
 from __future__ import annotations
 
@@ -10,8 +6,12 @@ from collections.abc import Mapping
 
 from torch import Tensor
 
-__all__ = ["dense_bytes"]
+from .codec import encoded_size
+
+__all__ = ["payload_bytes"]
 
 
-def dense_bytes(state: Mapping[str, Tensor]) -> int:
-    return sum(int(t.numel()) * t.element_size() for t in state.values())
+def payload_bytes(tensors: Mapping[str, Tensor], masks: Mapping[str, Tensor] | None = None) -> int:
+    """Bytes of the payload that carries ``tensors`` (sparse where ``masks`` say so), header and checksum
+    included: exactly ``len(codec.encode(...))``."""
+    return encoded_size(tensors, masks=masks)

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from .errors import ConfigError
 
-__all__ = ["RunningAverage", "weighted_average"]
+__all__ = ["RunningAverage", "masked_average", "neighbourhood_average", "weighted_average"]
 
 
 class RunningAverage:
@@ -62,3 +62,42 @@ def weighted_average(states: Sequence[Mapping[str, Tensor]], weights: Sequence[f
     for state, w in zip(states, weights, strict=True):
         avg.add(state, float(w))
     return avg.result()
+
+
+def masked_average(weights: Sequence[Mapping[str, Tensor]],
+                   masks: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
+    """DisPFL's intersection-weighted average: per coordinate, sum_j w_j m_j / sum_j m_j, 0 where no mask
+    covers it (equal weights). A tensor without a mask counts as dense (a plain mean)."""
+    if len(weights) != len(masks) or not weights:
+        raise ConfigError(f"masked_average needs as many masks as weights (>= 1), got {len(weights)}, {len(masks)}")
+    out: dict[str, Tensor] = {}
+    for k in weights[0]:
+        num = torch.zeros(weights[0][k].shape, dtype=torch.float64)
+        den = torch.zeros(weights[0][k].shape, dtype=torch.float64)
+        for w, m in zip(weights, masks, strict=True):
+            mk = m[k].to(torch.float64) if k in m else torch.ones_like(num)
+            num += w[k].to(torch.float64) * mk
+            den += mk
+        out[k] = torch.where(den > 0, num / den.clamp_min(1), 0.0).to(weights[0][k].dtype)
+    return out
+
+
+def neighbourhood_average(stack: Mapping[str, Tensor], mixing: Tensor,
+                          masks: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:
+    """``masked_average`` for every client at once: client i averages the rows j with ``mixing[i, j] = 1``.
+    Tensors are stacked ``(C, ...)``; ``masks`` stacked likewise for the masked ones (others count as dense).
+    One sparse matrix product per tensor (a client has few neighbours) instead of a loop over clients; sums
+    of at most C terms in float32."""
+    out: dict[str, Tensor] = {}
+    a = mixing.to(torch.float32).to_sparse()
+    counts = mixing.sum(1, keepdim=True).to(torch.float32)
+    for k, w in stack.items():
+        flat = w.reshape(w.shape[0], -1).to(torch.float32)
+        if masks is not None and k in masks:
+            m = masks[k].reshape(w.shape[0], -1).to(torch.float32)
+            num, den = torch.sparse.mm(a, flat * m), torch.sparse.mm(a, m)
+            avg = torch.where(den > 0, num / den.clamp_min(1), 0.0)
+        else:
+            avg = torch.sparse.mm(a, flat) / counts
+        out[k] = avg.to(w.dtype).view_as(w)
+    return out

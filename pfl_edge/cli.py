@@ -8,13 +8,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .errors import PflEdgeError
+from .errors import ConfigError, PflEdgeError
 
 __all__ = ["main"]
 
 # flag -> (SimConfig field, type, help)
 _SIM_FLAGS: list[tuple[str, type, str]] = [
-    ("algorithm", str, "local | fedavg | fedavg-ft | fedper | fedper-ft"),
+    ("algorithm", str, "local | fedavg | fedavg-ft | fedper | fedper-ft | dispfl | dpsgd | dpsgd-ft"),
     ("model", str, "registered model (pfl-edge list)"),
     ("dataset", str, "registered data set (pfl-edge list)"),
     ("data-dir", str, "folder of the data set's files"),
@@ -24,6 +24,8 @@ _SIM_FLAGS: list[tuple[str, type, str]] = [
     ("local-epochs", int, "local epochs per round"),
     ("batch-size", int, "local batch size"),
     ("lr", float, "SGD learning rate"),
+    ("lr-decay", float, "learning rate of round t: lr * lr_decay ** (t - 1)"),
+    ("clip-norm", float, "clip each client's gradient norm to this"),
     ("momentum", float, "SGD momentum (state reset every round)"),
     ("weight-decay", float, "SGD weight decay"),
     ("kp", int, "FedPer: number of personal (trailing) blocks"),
@@ -32,6 +34,11 @@ _SIM_FLAGS: list[tuple[str, type, str]] = [
     ("samples-per-client", int, "cap on training samples per client"),
     ("test-per-client", int, "test samples per client (default ceil(test split / clients))"),
     ("ft-epochs", int, "-ft algorithms: fine-tuning epochs"),
+    ("topology", str, "decentralized: random:K | ring | full"),
+    ("density", float, "DisPFL: every client's density (1 - sparsity)"),
+    ("densities", str, "DisPFL: comma-separated densities cycled over clients, e.g. 0.2,0.4,0.6,0.8,1.0"),
+    ("alpha0", float, "DisPFL: initial prune rate (cosine-annealed)"),
+    ("regrow", str, "DisPFL: gradient (the paper) | random (the released scripts)"),
     ("engine", str, "auto | vmap | loop (training engine)"),
     ("workers", int, "training processes (default: one per core)"),
     ("seed", int, "the one seed every random stream derives from"),
@@ -57,6 +64,11 @@ def _sim_config(args: argparse.Namespace, **defaults: Any) -> Any:
         v = getattr(args, flag.replace("-", "_"))
         if v is not None:
             values[flag.replace("-", "_")] = v
+    if isinstance(values.get("densities"), str):
+        try:
+            values["densities"] = tuple(float(d) for d in values["densities"].split(","))
+        except ValueError:
+            raise ConfigError(f"--densities takes comma-separated numbers, got {values['densities']!r}") from None
     if args.local_norm_stats:
         values["local_norm_stats"] = True
     return SimConfig.from_dict(values)

@@ -17,7 +17,17 @@ import torch
 from torch import Tensor, nn
 
 from .errors import ConfigError
-from .train import ClientTensors, Engine, TrainConfig, TrainResult, evaluate, index_stack, train
+from .train import (
+    ClientTensors,
+    Engine,
+    Stack,
+    TrainConfig,
+    TrainResult,
+    dense_gradients,
+    evaluate,
+    index_stack,
+    train,
+)
 
 __all__ = ["Trainer", "default_workers"]
 
@@ -40,6 +50,20 @@ def _init_worker(model: nn.Module, data: ClientTensors, test_data: ClientTensors
     _WORKER["model"], _WORKER["data"], _WORKER["test_data"] = model, data, test_data
 
 
+def _gens(states: list[Tensor]) -> list[torch.Generator]:
+    gens = []
+    for s in states:
+        g = torch.Generator()
+        g.set_state(s)
+        gens.append(g)
+    return gens
+
+
+def _grads_shard(args: tuple[Any, ...]) -> Stack:
+    stack, rows, batch_size, gen_states = args
+    return dense_gradients(_WORKER["model"], stack, _WORKER["data"], rows, batch_size, _gens(gen_states))
+
+
 def _evaluate_shard(args: tuple[Any, ...]) -> tuple[Tensor, Tensor]:
     stack, rows = args
     return evaluate(_WORKER["model"], stack, _WORKER["test_data"], rows)
@@ -47,13 +71,8 @@ def _evaluate_shard(args: tuple[Any, ...]) -> tuple[Tensor, Tensor]:
 
 def _train_shard(args: tuple[Any, ...]) -> TrainResult:
     stack, rows, cfg, gen_states, trainable, masks, engine = args
-    gens = []
-    for s in gen_states:
-        g = torch.Generator()
-        g.set_state(s)
-        gens.append(g)
-    return train(_WORKER["model"], stack, _WORKER["data"], rows, cfg, gens, trainable=trainable, masks=masks,
-                 engine=engine)
+    return train(_WORKER["model"], stack, _WORKER["data"], rows, cfg, _gens(gen_states), trainable=trainable,
+                 masks=masks, engine=engine)
 
 
 class Trainer:
@@ -106,6 +125,18 @@ class Trainer:
         parts: list[tuple[Tensor, Tensor]] = self._pool.map(_evaluate_shard, jobs)
         cat = _concat_in_order(shards)
         return cat([p[0] for p in parts]), cat([p[1] for p in parts])
+
+    def dense_gradients(self, stack: Mapping[str, Tensor], rows: Tensor, batch_size: int,
+                        gens: Sequence[torch.Generator]) -> Stack:
+        """``pfl_edge.train.dense_gradients``, sharded over the workers."""
+        if self._pool is None or len(rows) < 2:
+            return dense_gradients(self.model, stack, self.data, rows, batch_size, gens)
+        shards = _balance([1] * len(rows), self.workers)
+        jobs = [(index_stack(stack, torch.tensor(pos)), rows[torch.tensor(pos)], batch_size,
+                 [gens[i].get_state() for i in pos]) for pos in shards]
+        parts: list[Stack] = self._pool.map(_grads_shard, jobs)
+        cat = _concat_in_order(shards)
+        return {k: cat([p[k] for p in parts]) for k in parts[0]}
 
     def close(self) -> None:
         if self._pool is not None:

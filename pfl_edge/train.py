@@ -33,6 +33,7 @@ __all__ = [
     "TrainConfig",
     "TrainResult",
     "batch_schedule",
+    "dense_gradients",
     "evaluate",
     "index_stack",
     "stack_states",
@@ -323,3 +324,27 @@ def evaluate(model: nn.Module, stack: Mapping[str, Tensor], data: ClientTensors,
         model.train(was_training)
     denom = n.clamp_min(1).float()
     return correct / denom, loss_sum / denom
+
+
+def dense_gradients(model: nn.Module, stack: Mapping[str, Tensor], data: ClientTensors, rows: Tensor,
+                    batch_size: int, gens: Sequence[torch.Generator]) -> Stack:
+    """Per client, the gradient of the loss on one random local batch with respect to *every* parameter,
+    including those a mask holds at zero: DisPFL's regrowth screen. (Gradients of ``w * m`` with respect
+    to ``w`` would be masked; here the weights are the variables, so zeros get a gradient too.)"""
+    names = [k for k, _ in model.named_parameters()]
+    out = {k: torch.zeros_like(stack[k]) for k in names}
+    named = dict(model.named_parameters())
+    was_training = model.training
+    model.train()
+    try:
+        for c in range(len(rows)):
+            model.load_state_dict(unstack(stack, c))
+            r, n = int(rows[c]), int(data.n[rows[c]])
+            b = torch.randperm(n, generator=gens[c])[:batch_size]
+            loss = F.cross_entropy(model(data.x[r, b]), data.y[r, b])
+            grads = torch.autograd.grad(loss, [named[k] for k in names])
+            for k, g in zip(names, grads, strict=True):
+                out[k][c] = g
+    finally:
+        model.train(was_training)
+    return out

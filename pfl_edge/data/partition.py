@@ -1,6 +1,6 @@
 """Partitioners: how a data set's train split is dealt out to clients, and how each client's test set is drawn.
 
-Specs are ``name`` or ``name:ARG``: ``iid``, ``pathological:K``, ``dirichlet:ALPHA``, ``preference`` (or
+Specs are ``name`` or ``name:ARG``: ``iid``, ``pathological:K``, ``dirichlet:ALPHA``, ``groups:G``, ``preference`` (or
 ``preference:P``, the probability that a user re-draws a class's rating; 0.1 by default). Register a new one with
 ``@register_partitioner``.
 
@@ -204,6 +204,26 @@ def _dirichlet(y: np.ndarray, n: int, arg: str | None, num_classes: int,
         if min(len(q) for q in parts) >= min_size:
             return [np.asarray(q, dtype=np.int64) for q in parts], None
     raise DataError(f"dirichlet:{alpha} could not give every one of {n} clients {min_size} samples")
+
+
+@register_partitioner("groups")
+def _groups(y: np.ndarray, n: int, arg: str | None, num_classes: int,
+            rng: np.random.Generator) -> tuple[list[np.ndarray], None]:
+    """G groups of clients (client i in group i mod G); the classes are split into G disjoint sets as evenly as
+    possible and every client of a group draws only from its group's classes (each class's samples shared
+    evenly among the group). Clients of one group have the same label distribution; for DisPFL's mask study."""
+    if arg is None or not arg.isdigit() or not 1 <= int(arg) <= min(n, num_classes):
+        raise ConfigError(f"groups:G needs an integer G in [1, min(clients, classes)], got {arg!r}")
+    g = int(arg)
+    class_sets = np.array_split(rng.permutation(num_classes), g)
+    parts: list[list[np.ndarray]] = [[] for _ in range(n)]
+    for grp, classes in enumerate(class_sets):
+        members = list(range(grp, n, g))
+        for c in classes:
+            idx = rng.permutation(np.flatnonzero(y == c))
+            for i, chunk in zip(members, np.array_split(idx, len(members)), strict=True):
+                parts[i].append(chunk)
+    return [np.concatenate(p) for p in parts], None
 
 
 @register_partitioner("preference")

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from ..accounting import dense_bytes
+from ..accounting import payload_bytes
 from ..aggregate import weighted_average
 from ..errors import ConfigError
 from ..models import BlockModel
@@ -18,7 +18,7 @@ from ..parallel import Trainer
 from ..seeding import generator
 from ..split import Split, take
 from ..train import ClientTensors, Stack, TrainConfig, index_stack, stack_states, unstack
-from .config import SimConfig
+from .config import CENTRAL, SimConfig
 
 __all__ = ["ALGORITHM_CLASSES", "Algorithm", "CentralPFL", "Context", "RoundStats", "make_algorithm"]
 
@@ -34,15 +34,22 @@ class Context:
     test_data: ClientTensors
     init_state: dict[str, Tensor]
     trainer: Trainer
+    dense_flops: int  # forward FLOPs per sample of the dense model
+    num_classes: int
 
     @property
     def num_clients(self) -> int:
         return int(self.train_data.n.numel())
 
-    def train_config(self, epochs: int | None = None) -> TrainConfig:
+    def train_config(self, t: int, epochs: int | None = None) -> TrainConfig:
         c = self.cfg
         return TrainConfig(epochs=c.local_epochs if epochs is None else epochs, batch_size=c.batch_size,
-                           lr=c.lr, momentum=c.momentum, weight_decay=c.weight_decay)
+                           lr=c.lr_at(max(t, 1)), momentum=c.momentum, weight_decay=c.weight_decay,
+                           clip_norm=c.clip_norm)
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.train_data.x.shape[2:])
 
     def gens(self, label: str, t: int, rows: Tensor) -> list[torch.Generator]:
         return [generator(self.cfg.seed, label, t, int(i)) for i in rows]
@@ -57,6 +64,9 @@ class RoundStats:
     client_bytes_down: list[int]
     busiest_node_bytes: int
     participants: list[int]
+    client_flops: list[int]
+    client_density: list[float]
+    extra: dict[str, object] = field(default_factory=dict)
 
 
 class Algorithm(ABC):
@@ -74,6 +84,10 @@ class Algorithm(ABC):
     def shared(self) -> dict[str, Tensor] | None:
         """The shared part (a global model or base), if the algorithm has one."""
         return None
+
+    def analysis(self) -> dict[str, object]:
+        """Extra end-of-run analysis for the result JSON (DisPFL: masks against label similarity)."""
+        return {}
 
 
 class CentralPFL(Algorithm):
@@ -108,17 +122,17 @@ class CentralPFL(Algorithm):
         ctx = self.ctx
         if not self.personal_params or ctx.cfg.ft_epochs == 0:
             return
-        res = ctx.trainer.train(self._with_base(self.clients), self.all_rows, ctx.train_config(ctx.cfg.ft_epochs),
+        res = ctx.trainer.train(self._with_base(self.clients), self.all_rows, ctx.train_config(t, ctx.cfg.ft_epochs),
                                 ctx.gens("finetune", t, self.all_rows), trainable=self.personal_params)
         self.clients = res.stack
 
     def run_round(self, t: int, participants: Tensor) -> RoundStats:
         ctx = self.ctx
         start = self._with_base(index_stack(self.clients, participants))
-        res = ctx.trainer.train(start, participants, ctx.train_config(), ctx.gens("train", t, participants))
+        res = ctx.trainer.train(start, participants, ctx.train_config(t), ctx.gens("train", t, participants))
         for k, v in res.stack.items():
             self.clients[k][participants] = v
-        base_bytes = dense_bytes(self.base)
+        base_bytes = payload_bytes(self.base) if self.base else 0
         if ctx.split.base:
             weights = [float(n) for n in ctx.train_data.n[participants]]
             updates = [take(unstack(res.stack, j), ctx.split.base) for j in range(len(participants))]
@@ -132,14 +146,20 @@ class CentralPFL(Algorithm):
             self._personal_ft(t)
         deployed = self._with_base(self.clients)
         if self.ft == "all" and ctx.cfg.ft_epochs:
-            deployed = ctx.trainer.train(deployed, self.all_rows, ctx.train_config(ctx.cfg.ft_epochs),
+            deployed = ctx.trainer.train(deployed, self.all_rows, ctx.train_config(t, ctx.cfg.ft_epochs),
                                          ctx.gens("finetune", t, self.all_rows)).stack
         self._deployed = deployed
         acc, loss = ctx.trainer.evaluate(deployed, self.all_rows)
         n_part = ctx.train_data.n[participants].float()
         train_loss = float((res.loss * n_part).sum() / n_part.sum())
+        # training a sample costs 3 forwards; fine-tuning counts alike (ALGORITHMS.md's accounting)
+        epochs = torch.zeros(ctx.num_clients, dtype=torch.int64)
+        epochs[participants] += ctx.cfg.local_epochs
+        if self.ft is not None and (self.ft == "all" or self.personal_params):
+            epochs += ctx.cfg.ft_epochs
+        flops = (3 * ctx.dense_flops * epochs * ctx.train_data.n).tolist()
         return RoundStats(acc.tolist(), loss.tolist(), train_loss, up, down, sum(up) + sum(down),
-                          participants.tolist())
+                          participants.tolist(), flops, [1.0] * ctx.num_clients)
 
     def deployed(self) -> Stack:
         return self._deployed if self._deployed is not None else self._with_base(self.clients)
@@ -148,9 +168,16 @@ class CentralPFL(Algorithm):
         return dict(self.base) if self.base else None
 
 
-ALGORITHM_CLASSES: dict[str, Callable[[Context], Algorithm]] = {
-    name: CentralPFL for name in ("local", "fedavg", "fedavg-ft", "fedper", "fedper-ft")
-}
+ALGORITHM_CLASSES: dict[str, Callable[[Context], Algorithm]] = dict.fromkeys(CENTRAL, CentralPFL)
+
+
+def _register_decentral() -> None:
+    from .decentral import DPSGD, DisPFL
+
+    ALGORITHM_CLASSES.update({"dispfl": DisPFL, "dpsgd": DPSGD, "dpsgd-ft": DPSGD})
+
+
+_register_decentral()
 
 
 def make_algorithm(ctx: Context) -> Algorithm:

@@ -12,9 +12,11 @@ from typing import Any, Literal
 
 from ..errors import ConfigError
 
-__all__ = ["ALGORITHMS", "SimConfig", "load_config_file"]
+__all__ = ["ALGORITHMS", "CENTRAL", "DECENTRAL", "SimConfig", "load_config_file"]
 
-ALGORITHMS = ("local", "fedavg", "fedavg-ft", "fedper", "fedper-ft")
+CENTRAL = ("local", "fedavg", "fedavg-ft", "fedper", "fedper-ft")
+DECENTRAL = ("dispfl", "dpsgd", "dpsgd-ft")
+ALGORITHMS = CENTRAL + DECENTRAL
 
 
 @dataclass(frozen=True)
@@ -31,8 +33,10 @@ class SimConfig:
     local_epochs: int = 2
     batch_size: int = 32
     lr: float = 0.01
+    lr_decay: float = 1.0  # lr of round t: lr * lr_decay ** (t - 1)
     momentum: float = 0.9
     weight_decay: float = 0.0
+    clip_norm: float | None = None
     kp: int = 2
     base: Literal["deep", "linear"] = "deep"
     participation: float = 1.0
@@ -40,6 +44,12 @@ class SimConfig:
     test_per_client: int | None = None
     ft_epochs: int = 1
     local_norm_stats: bool = False
+    # decentralized algorithms (DisPFL, D-PSGD)
+    topology: str = "random:10"
+    density: float = 0.5
+    densities: tuple[float, ...] | None = None  # cycled over clients; overrides density
+    alpha0: float = 0.5
+    regrow: Literal["gradient", "random"] = "gradient"
     engine: Literal["auto", "vmap", "loop"] = "auto"
     workers: int | None = None  # training processes; None: one per core
     seed: int = 0
@@ -62,6 +72,27 @@ class SimConfig:
             raise ConfigError("base 'linear' is FedPer's control: use it with fedper, fedper-ft or local and kp >= 1")
         if self.engine not in ("auto", "vmap", "loop"):
             raise ConfigError(f"engine must be auto, vmap or loop, got {self.engine!r}")
+        if self.densities is not None:
+            object.__setattr__(self, "densities", tuple(float(d) for d in self.densities))
+        for d in (self.density, *(self.densities or ())):
+            if not 0 < d <= 1:
+                raise ConfigError(f"densities must be in (0, 1], got {d}")
+        if self.densities is not None and not self.densities:
+            raise ConfigError("densities must not be empty")
+        if not 0 <= self.alpha0 <= 1:
+            raise ConfigError(f"alpha0 must be in [0, 1], got {self.alpha0}")
+        if self.regrow not in ("gradient", "random"):
+            raise ConfigError(f"regrow must be 'gradient' or 'random', got {self.regrow!r}")
+        if not (math.isfinite(self.lr_decay) and 0 < self.lr_decay <= 1):
+            raise ConfigError(f"lr_decay must be in (0, 1], got {self.lr_decay}")
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise ConfigError(f"clip_norm must be > 0, got {self.clip_norm}")
+        if self.algorithm in DECENTRAL:
+            from ..topology import check_topology
+
+            check_topology(self.topology, self.clients)
+            if self.participation != 1.0:
+                raise ConfigError("decentralized algorithms train every client every round: participation must be 1")
         if self.workers is not None and self.workers < 1:
             raise ConfigError(f"workers must be >= 1, got {self.workers}")
         for name in ("samples_per_client", "test_per_client"):
@@ -77,11 +108,18 @@ class SimConfig:
     @property
     def effective_kp(self) -> int | None:
         """K_P as the algorithm uses it: 0 for FedAvg, every block for local (None), else kp."""
-        if self.algorithm in ("fedavg", "fedavg-ft"):
+        if self.algorithm in ("fedavg", "fedavg-ft") or self.algorithm in DECENTRAL:
             return 0
         if self.algorithm == "local":
             return None
         return self.kp
+
+    def client_density(self, i: int) -> float:
+        """Client i's capacity: ``densities`` cycled over clients, else ``density``."""
+        return self.densities[i % len(self.densities)] if self.densities else self.density
+
+    def lr_at(self, t: int) -> float:
+        return self.lr * self.lr_decay ** (t - 1)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

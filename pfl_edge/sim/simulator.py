@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from ..checkpoint import ModelSpec, build_model, save_checkpoint
 from ..data import get_dataset, partition
+from ..flops import forward_flops
 from ..parallel import Trainer
 from ..seeding import derive_seed, generator, numpy_rng, seed_everything
 from ..split import split_keys
@@ -51,7 +52,8 @@ def build_context(cfg: SimConfig) -> tuple[Context, ModelSpec]:
     test_data = ClientTensors.build(ds.test_x, [c.test_idx for c in part.clients],
                                     [c.test_y for c in part.clients])
     trainer = Trainer(model, train_data, test_data, workers=cfg.workers, engine=cfg.engine)
-    return Context(cfg, model, split, train_data, test_data, init, trainer), spec
+    flops = forward_flops(model, (ds.in_channels, ds.image_size, ds.image_size))
+    return Context(cfg, model, split, train_data, test_data, init, trainer, flops, part.num_classes), spec
 
 
 def _pstd(xs: list[float]) -> float:
@@ -98,6 +100,10 @@ def _run(cfg: SimConfig, ctx: Context, spec: ModelSpec, t0: float, save_dir: str
             "client_bytes_down": st.client_bytes_down,
             "busiest_node_bytes": st.busiest_node_bytes,
             "participants": st.participants,
+            "flops": sum(st.client_flops) / len(st.client_flops),
+            "client_flops": st.client_flops,
+            "client_density": st.client_density,
+            **st.extra,
             "wall_s": wall,
         })
         bar.set_postfix(acc=f"{rounds[-1]['mean_acc']:.3f}")
@@ -122,6 +128,9 @@ def _run(cfg: SimConfig, ctx: Context, spec: ModelSpec, t0: float, save_dir: str
             "total_s": time.perf_counter() - t0,
         },
     }
+    analysis = algo.analysis()
+    if analysis:
+        result["mask_analysis"] = analysis
     if save_dir is not None:
         _save(Path(save_dir), cfg, spec, algo.deployed(), algo.shared())
     return result

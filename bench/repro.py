@@ -1,0 +1,117 @@
+"""Shared machinery of the reproduction benchmarks: run a table of configs (each run cached as JSON, so seeds
+can be added later), then summarise whatever runs exist into JSON, Markdown and one PNG per table."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pfl_edge.sim import SimConfig, plot_rounds, simulate, write_result
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str  # run file stem
+    label: str  # in the table
+    overrides: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Table:
+    key: str
+    title: str
+    rows: tuple[Row, ...]
+
+
+def command(budget: Mapping[str, Any], row: Row, seed: int) -> str:
+    cfg = {**budget, **row.overrides, "seed": seed}
+    flags = " ".join(f"--{k.replace('_', '-')} {','.join(map(str, v)) if isinstance(v, tuple) else v}"
+                     for k, v in cfg.items())
+    return f"pfl-edge simulate {flags} --out {row.name}-s{seed}.json"
+
+
+def run_all(tables: list[Table], budget: Mapping[str, Any], seeds: list[int], out: Path) -> None:
+    runs = out / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    todo = {(row.name, seed): row for t in tables for row in t.rows for seed in seeds}
+    for i, ((name, seed), row) in enumerate(todo.items(), 1):
+        path = runs / f"{name}-s{seed}.json"
+        if path.exists():
+            continue
+        start = time.perf_counter()
+        res = simulate(SimConfig(**{**budget, **row.overrides, "seed": seed}), progress=False)
+        write_result(res, path)
+        print(f"[{i}/{len(todo)}] {name} seed {seed}: final {res['final']['mean_acc']:.3f} "
+              f"(std {res['final']['std_acc']:.3f}) in {time.perf_counter() - start:.0f}s", flush=True)
+
+
+def row_summary(res: list[dict[str, Any]]) -> dict[str, Any]:
+    finals = [r["final"]["mean_acc"] for r in res]
+    rounds = [r["rounds"] for r in res]
+    return {
+        "seeds": [r["config"]["seed"] for r in res],
+        "final_mean_acc": statistics.fmean(finals),
+        "final_mean_acc_sd_over_seeds": statistics.pstdev(finals) if len(finals) > 1 else None,
+        "client_std_acc": statistics.fmean(r["final"]["std_acc"] for r in res),
+        # rounds to reach 90 % of the method's own final accuracy: a convergence-speed figure
+        "round_to_90pct": statistics.fmean(
+            next(x["round"] for x in rs if x["mean_acc"] >= 0.9 * r["final"]["mean_acc"])
+            for r, rs in zip(res, rounds, strict=True)),
+        "busiest_node_mb_per_round": statistics.fmean(x["busiest_node_bytes"] for rs in rounds for x in rs) / 1e6,
+        "client_mb_up_per_round": statistics.fmean(x["bytes_up"] / len(x["client_acc"])
+                                                   for rs in rounds for x in rs) / 1e6,
+        "gflops_per_client_round": statistics.fmean(x.get("flops", 0) for rs in rounds for x in rs) / 1e9,
+        "mean_density": statistics.fmean(statistics.fmean(x.get("client_density", [1.0])) for rs in rounds
+                                         for x in rs),
+        "wall_s": statistics.fmean(r["meta"]["total_s"] for r in res),
+    }
+
+
+def summarise(tables: list[Table], budget: Mapping[str, Any], out: Path, rel: str) -> dict[str, Any]:
+    """``rel``: the results folder as BENCHMARKS.md links to it."""
+    runs = out / "runs"
+    summary: dict[str, Any] = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()}, Python {platform.python_version()}, torch {torch.__version__}, "
+                   f"{torch.get_num_threads()} threads",
+        "budget": dict(budget),
+        "tables": {},
+    }
+    md = [f"Budget for every method: `{json.dumps(dict(budget))}`.", ""]
+    for table in tables:
+        rows, curves = [], {}
+        for row in table.rows:
+            files = sorted(runs.glob(f"{row.name}-s*.json"))
+            if not files:
+                continue
+            res = [json.loads(f.read_text()) for f in files]
+            rows.append({"run": row.name, "label": row.label, **row_summary(res),
+                         "command": command(budget, row, res[0]["config"]["seed"])})
+            curves[row.label] = res[0]
+        if not rows:
+            continue
+        summary["tables"][table.key] = rows
+        plot_rounds(curves, out / f"table{table.key}.png", title=table.title)
+        md += [f"**Table {table.key}**: {table.title}", "",
+               "| method | final mean acc | std across clients | round to 90 % of final | busiest node MB/round "
+               "| MB up/client/round | GFLOPs/client/round | density | seeds |",
+               "|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            sd = r["final_mean_acc_sd_over_seeds"]
+            acc = f"{r['final_mean_acc']:.3f}" + (f" ± {sd:.3f}" if sd is not None else "")
+            md.append(f"| {r['label']} | {acc} | {r['client_std_acc']:.3f} | {r['round_to_90pct']:.1f} | "
+                      f"{r['busiest_node_mb_per_round']:.2f} | {r['client_mb_up_per_round']:.2f} | "
+                      f"{r['gflops_per_client_round']:.2f} | {r['mean_density']:.2f} | {len(r['seeds'])} |")
+        md += ["", f"![table {table.key}]({rel}/table{table.key}.png)", ""]
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    (out / "summary.md").write_text("\n".join(md))
+    return summary

@@ -1,0 +1,57 @@
+"""FLOP counts as ALGORITHMS.md defines them (DisPFL's accounting).
+
+Per sample, forward: a convolution costs (2 * nnz(W) + nnz(b)) * H_out * W_out, a linear layer
+2 * nnz(W) + nnz(b); norms, activations and pooling are not counted. (ALGORITHMS.md writes C_out for a
+convolution's bias term; for a dense bias that is nnz(b), and a convolution without bias adds nothing.)
+Training a sample costs 3 forwards (forward, and backward for inputs and weights).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["forward_flops", "layer_sizes"]
+
+
+def layer_sizes(model: nn.Module, input_shape: tuple[int, ...]) -> dict[str, tuple[str, int]]:
+    """For every conv / linear module: (kind, output positions per sample), found by one forward pass."""
+    found: dict[str, tuple[str, int]] = {}
+    hooks = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Conv2d | nn.Linear):
+            def hook(m: nn.Module, inp: object, out: Tensor, name: str = name) -> None:
+                positions = int(out.shape[2] * out.shape[3]) if out.dim() == 4 else 1
+                found[name] = ("conv" if isinstance(m, nn.Conv2d) else "linear", positions)
+            hooks.append(mod.register_forward_hook(hook))
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(torch.zeros(1, *input_shape))
+    finally:
+        for h in hooks:
+            h.remove()
+        model.train(was_training)
+    return found
+
+
+def forward_flops(model: nn.Module, input_shape: tuple[int, ...], masks: Mapping[str, Tensor] | None = None,
+                  sizes: dict[str, tuple[str, int]] | None = None) -> int:
+    """Forward FLOPs for one sample, counting only the weights active in ``masks`` (dense if absent)."""
+    sizes = sizes if sizes is not None else layer_sizes(model, input_shape)
+    params = dict(model.named_parameters())
+    total = 0
+    for name, (_kind, positions) in sizes.items():
+        total += positions * (2 * _nnz(params, masks, f"{name}.weight") + _nnz(params, masks, f"{name}.bias"))
+    return total
+
+
+def _nnz(params: Mapping[str, Tensor], masks: Mapping[str, Tensor] | None, key: str) -> int:
+    if key not in params:
+        return 0
+    if masks is not None and key in masks:
+        return int(masks[key].count_nonzero())
+    return params[key].numel()

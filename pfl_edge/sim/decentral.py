@@ -1,0 +1,176 @@
+"""Decentralized algorithms: DisPFL (personal sparse masks) and D-PSGD (dense neighbourhood averaging).
+
+Every client trains every round; client i receives the models of its in-neighbours of that round
+(``pfl_edge.topology``). Bytes are the codec's payload sizes, one transfer per recipient; the busiest node is
+the client that sends plus receives the most.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..accounting import payload_bytes
+from ..aggregate import neighbourhood_average
+from ..flops import forward_flops, layer_sizes
+from ..seeding import generator
+from ..sparse import erk_densities, init_masks, prune_rate, prune_regrow
+from ..topology import mixing_matrix, neighbours
+from ..train import Stack, stack_states, unstack
+from .algorithms import Algorithm, Context, RoundStats
+
+__all__ = ["DPSGD", "DisPFL", "hamming_matrix", "mask_summary"]
+
+
+def _traffic(payload: list[int], nbrs: list[list[int]]) -> tuple[list[int], list[int], int]:
+    """Per client bytes sent (its payload once per recipient) and received; the busiest node's total."""
+    n = len(nbrs)
+    up, down = [0] * n, [0] * n
+    for i, js in enumerate(nbrs):
+        for j in js:
+            down[i] += payload[j]
+            up[j] += payload[j]
+    return up, down, max(u + d for u, d in zip(up, down, strict=True))
+
+
+class DisPFL(Algorithm):
+    """Dai et al., ICML 2022 (ALGORITHMS.md). Each round, from the round's snapshot: client i averages its
+    neighbours' sparse models (and its own) over the intersection of masks, keeps its own mask's support,
+    trains with masked SGD, then prunes ``ceil(alpha_t * nnz)`` weights per tensor and regrows as many."""
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        cfg = ctx.cfg
+        self.shapes = {k: tuple(v.shape) for k, v in ctx.model.named_parameters()}
+        by_density: dict[float, dict[str, float]] = {}
+        masks = []
+        for i in range(ctx.num_clients):
+            d = cfg.client_density(i)
+            dens = by_density.setdefault(d, erk_densities(self.shapes, d))
+            masks.append(init_masks(self.shapes, dens, generator(cfg.seed, "mask", i)))
+        self.masks: Stack = stack_states(masks)
+        self.weights: Stack = {k: v * self.masks[k] if k in self.masks else v
+                               for k, v in stack_states([ctx.init_state] * ctx.num_clients).items()}
+        self.rows = torch.arange(ctx.num_clients)
+        self.sizes = layer_sizes(ctx.model, ctx.input_shape)
+        # per client, the tensors its density leaves dense: sent without a mask (nnz never changes)
+        self.dense_keys = [{k for k, m in self.masks.items() if bool(m[i].all())} for i in range(ctx.num_clients)]
+        self.label_counts = torch.stack([torch.bincount(ctx.train_data.y[i, : int(ctx.train_data.n[i])],
+                                                        minlength=ctx.num_classes) for i in range(ctx.num_clients)])
+
+    def _client_masks(self, i: int) -> dict[str, Tensor]:
+        return {k: m[i] for k, m in self.masks.items()}
+
+    def _payload(self, i: int) -> int:
+        masks = {k: m for k, m in self._client_masks(i).items() if k not in self.dense_keys[i]}
+        return payload_bytes(unstack(self.weights, i), masks)
+
+    def run_round(self, t: int, participants: Tensor) -> RoundStats:
+        ctx, cfg = self.ctx, self.ctx.cfg
+        nbrs = neighbours(cfg.topology, ctx.num_clients, t, cfg.seed)
+        up, down, busiest = _traffic([self._payload(i) for i in range(ctx.num_clients)], nbrs)
+        avg = neighbourhood_average(self.weights, mixing_matrix(nbrs), self.masks)
+        start = {k: v * self.masks[k] if k in self.masks else v for k, v in avg.items()}
+        res = ctx.trainer.train(start, self.rows, ctx.train_config(t), ctx.gens("train", t, self.rows),
+                                masks=self.masks)
+        trained = res.stack
+        flops = [ctx.cfg.local_epochs * int(ctx.train_data.n[i]) * 3
+                 * forward_flops(ctx.model, ctx.input_shape, self._client_masks(i), self.sizes)
+                 + cfg.batch_size * 3 * ctx.dense_flops for i in range(ctx.num_clients)]
+        self._update_masks(t, trained)
+        acc, loss = ctx.trainer.evaluate(self.weights, self.rows)
+        density = [self._density(i) for i in range(ctx.num_clients)]
+        return RoundStats(acc.tolist(), loss.tolist(), float(res.loss.mean()), up, down, busiest,
+                          self.rows.tolist(), flops, density, {"mask": mask_summary(self.masks, self.label_counts)})
+
+    def _update_masks(self, t: int, trained: Stack) -> None:
+        ctx, cfg = self.ctx, self.ctx.cfg
+        alpha = prune_rate(cfg.alpha0, t, cfg.rounds)
+        grads = (ctx.trainer.dense_gradients(trained, self.rows, cfg.batch_size, ctx.gens("regrow", t, self.rows))
+                 if cfg.regrow == "gradient" else None)
+        for i in range(ctx.num_clients):
+            sparse = {k: m for k, m in self._client_masks(i).items() if k not in self.dense_keys[i]}
+            w, m = prune_regrow({k: trained[k][i] for k in sparse}, sparse, alpha,
+                                grads=None if grads is None else {k: grads[k][i] for k in sparse},
+                                gen=generator(cfg.seed, "regrow-random", t, i) if grads is None else None)
+            for k in sparse:
+                trained[k][i] = w[k]
+                self.masks[k][i] = m[k]
+        self.weights = trained
+
+    def _density(self, i: int) -> float:
+        ones = sum(float(m[i].sum()) for m in self.masks.values())
+        return ones / sum(m[i].numel() for m in self.masks.values())
+
+    def deployed(self) -> Stack:
+        return self.weights
+
+    def analysis(self) -> dict[str, object]:
+        """Pairwise mask Hamming distances beside the cosine similarity of label distributions."""
+        ham = hamming_matrix(self.masks)
+        cos = _cosine(self.label_counts.float())
+        return {"hamming": ham.tolist(), "label_cosine": cos.tolist()}
+
+
+class DPSGD(Algorithm):
+    """Decentralized parallel SGD with multi-epoch local training: every client trains, then averages its
+    model with its in-neighbours' (equal weights, dense). Evaluated on that neighbourhood average, the
+    client's consensus model; ``dpsgd-ft`` first fine-tunes it locally for ``ft_epochs`` (not kept)."""
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        self.weights: Stack = stack_states([ctx.init_state] * ctx.num_clients)
+        self.rows = torch.arange(ctx.num_clients)
+        self.ft = ctx.cfg.algorithm == "dpsgd-ft"
+        self._deployed: Stack | None = None
+
+    def run_round(self, t: int, participants: Tensor) -> RoundStats:
+        ctx, cfg = self.ctx, self.ctx.cfg
+        res = ctx.trainer.train(self.weights, self.rows, ctx.train_config(t), ctx.gens("train", t, self.rows))
+        nbrs = neighbours(cfg.topology, ctx.num_clients, t, cfg.seed)
+        up, down, busiest = _traffic([payload_bytes(unstack(res.stack, i)) for i in range(ctx.num_clients)],
+                                     nbrs)
+        self.weights = neighbourhood_average(res.stack, mixing_matrix(nbrs))
+        deployed = self.weights
+        epochs = cfg.local_epochs
+        if self.ft and cfg.ft_epochs:
+            deployed = ctx.trainer.train(deployed, self.rows, ctx.train_config(t, cfg.ft_epochs),
+                                         ctx.gens("finetune", t, self.rows)).stack
+            epochs += cfg.ft_epochs
+        self._deployed = deployed
+        acc, loss = ctx.trainer.evaluate(deployed, self.rows)
+        flops = (3 * ctx.dense_flops * epochs * ctx.train_data.n).tolist()
+        return RoundStats(acc.tolist(), loss.tolist(), float(res.loss.mean()), up, down, busiest,
+                          self.rows.tolist(), flops, [1.0] * ctx.num_clients)
+
+    def deployed(self) -> Stack:
+        return self._deployed if self._deployed is not None else self.weights
+
+
+def hamming_matrix(masks: Stack) -> Tensor:
+    """Fraction of coordinates where two clients' masks differ, over every masked tensor: (C, C)."""
+    flat = torch.cat([m.reshape(m.shape[0], -1) for m in masks.values()], dim=1)
+    ones = flat.sum(1)
+    inter = flat @ flat.T
+    return (ones[:, None] + ones[None, :] - 2 * inter) / flat.shape[1]
+
+
+def _cosine(counts: Tensor) -> Tensor:
+    v = counts / counts.norm(dim=1, keepdim=True).clamp_min(1e-12)
+    return v @ v.T
+
+
+def mask_summary(masks: Stack, label_counts: Tensor, threshold: float = 0.5) -> dict[str, float | int | None]:
+    """Mean Hamming distance between masks of clients whose label distributions are similar (cosine >=
+    ``threshold``) and of those that are not."""
+    ham = hamming_matrix(masks)
+    cos = _cosine(label_counts.float())
+    off = ~torch.eye(len(ham), dtype=torch.bool)
+    sim = (cos >= threshold) & off
+    dis = (cos < threshold) & off
+    return {
+        "hamming_similar": float(ham[sim].mean()) if sim.any() else None,
+        "hamming_dissimilar": float(ham[dis].mean()) if dis.any() else None,
+        "similar_pairs": int(sim.sum()) // 2,
+        "dissimilar_pairs": int(dis.sum()) // 2,
+    }

@@ -1,0 +1,123 @@
+"""DisPFL's sparse machinery as pure functions: ERK densities, mask initialisation, prune-and-regrow.
+
+Masks are 0/1 float tensors of the parameter's shape (float, so that ``w * m`` needs no cast).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+from .errors import ConfigError
+
+__all__ = [
+    "density_of",
+    "erk_densities",
+    "init_masks",
+    "prune_rate",
+    "prune_regrow",
+]
+
+
+def erk_densities(shapes: Mapping[str, tuple[int, ...] | torch.Size], density: float,
+                  power: float = 1.0) -> dict[str, float]:
+    """Per-tensor densities by the Erdős–Rényi-Kernel rule, for overall density ``density``.
+
+    raw_l = (sum of dims / product of dims) ** power; eps solves sum_l density_l * N_l = density * sum_l N_l
+    with density_l = eps * raw_l; while the largest raw_l * eps exceeds 1, every tensor at that maximum
+    becomes dense and eps is recomputed. 1-D tensors (biases, norm weights) come out dense.
+    """
+    if not 0 < density <= 1:
+        raise ConfigError(f"density must be in (0, 1], got {density}")
+    numel = {k: math.prod(s) for k, s in shapes.items()}
+    if any(n == 0 for n in numel.values()):
+        raise ConfigError("erk_densities: empty tensors have no density")
+    if density == 1:
+        return dict.fromkeys(shapes, 1.0)
+    raw = {k: (sum(s) / numel[k]) ** power for k, s in shapes.items()}
+    dense: set[str] = set()
+    while True:
+        sparse_keys = [k for k in shapes if k not in dense]
+        if not sparse_keys:
+            break
+        divisor = sum(raw[k] * numel[k] for k in sparse_keys)
+        rhs = density * sum(numel[k] for k in sparse_keys) - (1 - density) * sum(numel[k] for k in dense)
+        eps = rhs / divisor
+        top = max(raw[k] for k in sparse_keys)
+        if top * eps > 1:
+            dense |= {k for k in sparse_keys if raw[k] == top}
+        else:
+            break
+    return {k: 1.0 if k in dense else eps * raw[k] for k in shapes}
+
+
+def init_masks(shapes: Mapping[str, tuple[int, ...] | torch.Size], densities: Mapping[str, float],
+               gen: torch.Generator) -> dict[str, Tensor]:
+    """Exactly ``int(density_l * numel)`` ones per tensor, at positions drawn from ``gen``."""
+    masks = {}
+    for k, shape in shapes.items():
+        n = math.prod(shape)
+        ones = int(densities[k] * n)
+        flat = torch.zeros(n)
+        flat[torch.randperm(n, generator=gen)[:ones]] = 1.0
+        masks[k] = flat.view(*shape)
+    return masks
+
+
+def prune_rate(alpha0: float, t: int, total_rounds: int) -> float:
+    """Cosine-annealed prune rate: alpha_t = alpha0 / 2 * (1 + cos(pi * t / T))."""
+    return alpha0 / 2 * (1 + math.cos(math.pi * t / total_rounds))
+
+
+def prune_regrow(weights: Mapping[str, Tensor], masks: Mapping[str, Tensor], alpha: float, *,
+                 grads: Mapping[str, Tensor] | None = None,
+                 gen: torch.Generator | None = None) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """One mask update: per tensor that is not dense, prune ``ceil(alpha * nnz)`` active weights of smallest
+    magnitude, then regrow as many among the zeros of the pruned mask, by largest ``|grads|`` (the dense
+    gradient; ``regrow gradient``) or uniformly at random from ``gen`` (``regrow random``). Returns new
+    (weights, masks): pruned and regrown weights are 0; per-tensor nnz is preserved; dense tensors untouched.
+    """
+    if (grads is None) == (gen is None):
+        raise ConfigError("prune_regrow needs exactly one of grads (regrow by gradient) or gen (random)")
+    if not 0 <= alpha <= 1:
+        raise ConfigError(f"prune rate must be in [0, 1], got {alpha}")
+    new_w: dict[str, Tensor] = {}
+    new_m: dict[str, Tensor] = {}
+    for k, m in masks.items():
+        w = weights[k]
+        flat_m = m.reshape(-1)
+        nnz = int(flat_m.sum())
+        n = flat_m.numel()
+        k_swap = math.ceil(alpha * nnz)
+        if nnz == n or nnz == 0 or k_swap == 0:
+            new_w[k], new_m[k] = w * m, m.clone()
+            continue
+        k_swap = min(k_swap, nnz)
+        mag = torch.where(flat_m > 0, w.reshape(-1).abs(), torch.inf)
+        drop = torch.topk(mag, k_swap, largest=False).indices
+        pruned = flat_m.clone()
+        pruned[drop] = 0.0
+        if grads is not None:
+            score = torch.where(pruned > 0, -torch.inf, grads[k].reshape(-1).abs())
+        else:
+            score = torch.where(pruned > 0, -torch.inf, torch.rand(n, generator=gen))
+        grow = torch.topk(score, k_swap).indices
+        out_m = pruned.clone()
+        out_m[grow] = 1.0
+        new_m[k] = out_m.view_as(m)
+        # regrown weights start at zero; pruned ones are zeroed by the mask
+        new_w[k] = w * pruned.view_as(m)
+    for k, w in weights.items():
+        if k not in masks:
+            new_w[k] = w
+    return new_w, new_m
+
+
+def density_of(masks: Mapping[str, Tensor], shapes: Mapping[str, tuple[int, ...] | torch.Size]) -> float:
+    """Achieved overall density: ones in the masks over all elements of ``shapes`` (unmasked count as dense)."""
+    total = sum(math.prod(s) for s in shapes.values())
+    ones = sum(float(masks[k].sum()) if k in masks else math.prod(s) for k, s in shapes.items())
+    return ones / total

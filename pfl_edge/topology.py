@@ -1,0 +1,53 @@
+"""Who receives from whom in decentralized algorithms. The graph of round t comes from its own random stream
+(``seeding``), so the same seed gives the same graphs to every algorithm."""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import ConfigError
+from .seeding import generator
+
+__all__ = ["check_topology", "mixing_matrix", "neighbours"]
+
+
+def check_topology(spec: str, num_clients: int) -> None:
+    name, _, arg = spec.partition(":")
+    if name == "random":
+        if not arg.isdigit() or not 1 <= int(arg) <= max(1, num_clients - 1):
+            raise ConfigError(f"random:K needs 1 <= K <= {num_clients - 1} (clients - 1), got {spec!r}")
+    elif name in ("ring", "full"):
+        if arg:
+            raise ConfigError(f"{name} takes no argument, got {spec!r}")
+    else:
+        raise ConfigError(f"unknown topology {spec!r}; valid topologies: random:K, ring, full")
+
+
+def neighbours(spec: str, num_clients: int, t: int, seed: int) -> list[list[int]]:
+    """In-neighbours of every client in round ``t`` (never itself): ``random:K`` draws K others per client
+    per round (directed, time-varying), ``ring`` the two adjacent clients, ``full`` everyone else."""
+    check_topology(spec, num_clients)
+    n = num_clients
+    name, _, arg = spec.partition(":")
+    if name == "full":
+        return [[j for j in range(n) if j != i] for i in range(n)]
+    if name == "ring":
+        return [sorted({(i - 1) % n, (i + 1) % n} - {i}) for i in range(n)]
+    k = int(arg)
+    gen = generator(seed, "topology", t)
+    out = []
+    for i in range(n):
+        others = torch.randperm(n - 1, generator=gen)[:k]
+        out.append(sorted(int(j) + (j >= i) for j in others))  # skip i itself
+    return out
+
+
+def mixing_matrix(nbrs: list[list[int]], *, include_self: bool = True) -> torch.Tensor:
+    """0/1 matrix A with A[i, j] = 1 when i receives from j (and A[i, i] = 1 with ``include_self``)."""
+    n = len(nbrs)
+    a = torch.zeros(n, n)
+    for i, js in enumerate(nbrs):
+        a[i, js] = 1.0
+        if include_self:
+            a[i, i] = 1.0
+    return a

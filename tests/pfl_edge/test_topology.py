@@ -1,0 +1,63 @@
+import pytest
+import torch
+
+from pfl_edge.aggregate import masked_average, neighbourhood_average
+from pfl_edge.errors import ConfigError
+from pfl_edge.flops import forward_flops
+from pfl_edge.models import get_model
+from pfl_edge.topology import mixing_matrix, neighbours
+
+
+def test_random_topology_k_distinct_others_and_seeded_per_round() -> None:
+    nb = neighbours("random:3", 10, 1, 0)
+    assert all(len(js) == 3 and i not in js and len(set(js)) == 3 for i, js in enumerate(nb))
+    assert nb == neighbours("random:3", 10, 1, 0)
+    assert nb != neighbours("random:3", 10, 2, 0)
+
+
+def test_ring_and_full() -> None:
+    assert neighbours("ring", 5, 1, 0) == [[1, 4], [0, 2], [1, 3], [2, 4], [0, 3]]
+    assert neighbours("full", 3, 1, 0) == [[1, 2], [0, 2], [0, 1]]
+    a = mixing_matrix(neighbours("ring", 4, 1, 0))
+    assert torch.equal(a.diag(), torch.ones(4)) and a.sum() == 12
+
+
+@pytest.mark.parametrize("spec", ["random:0", "random:10", "random", "star", "ring:2"])
+def test_bad_topologies(spec: str) -> None:
+    with pytest.raises(ConfigError):
+        neighbours(spec, 10, 1, 0)
+
+
+def test_masked_average_hand_worked() -> None:
+    w1, m1 = {"x": torch.tensor([2.0, 4.0, 0.0, 0.0])}, {"x": torch.tensor([1.0, 1.0, 0.0, 0.0])}
+    w2, m2 = {"x": torch.tensor([0.0, 8.0, 6.0, 0.0])}, {"x": torch.tensor([0.0, 1.0, 1.0, 0.0])}
+    out = masked_average([w1, w2], [m1, m2])
+    assert torch.equal(out["x"], torch.tensor([2.0, 6.0, 6.0, 0.0]))
+
+
+def test_neighbourhood_average_matches_per_client_dense_reference() -> None:
+    g = torch.Generator().manual_seed(0)
+    n = 6
+    masks = {"w": (torch.rand(n, 3, 4, generator=g) < 0.5).float()}
+    stack = {"w": torch.randn(n, 3, 4, generator=g) * masks["w"], "b": torch.randn(n, 2, generator=g)}
+    nb = neighbours("random:2", n, 3, 0)
+    out = neighbourhood_average(stack, mixing_matrix(nb), masks)
+    for i in range(n):
+        group = [i, *nb[i]]
+        # float64 reference written out coordinate by coordinate
+        for idx in range(12):
+            vals = [float(stack["w"][j].flatten()[idx]) for j in group if masks["w"][j].flatten()[idx] > 0]
+            ref = sum(vals) / len(vals) if vals else 0.0
+            assert float(out["w"][i].flatten()[idx]) == pytest.approx(ref, abs=1e-6)
+        ref_b = masked_average([{"b": stack["b"][j]} for j in group], [{} for _ in group])["b"]
+        assert torch.allclose(out["b"][i], ref_b, atol=1e-6)
+
+
+def test_flops_hand_computed_for_the_cnn_and_masks() -> None:
+    model = get_model("cnn", num_classes=10, in_channels=1)
+    # conv1 5x5 1->32 stride 2: 14x14 outputs; conv2 32->64: 7x7; fc1 3136->128; fc2 128->64; head 64->10
+    dense = ((2 * 800 + 32) * 196 + (2 * 51200 + 64) * 49 + 2 * 401408 + 128 + 2 * 8192 + 64 + 2 * 640 + 10)
+    assert forward_flops(model, (1, 28, 28)) == dense
+    half = torch.zeros(128, 3136)
+    half[:64] = 1
+    assert forward_flops(model, (1, 28, 28), {"fc1.1.weight": half}) == dense - 2 * 64 * 3136
