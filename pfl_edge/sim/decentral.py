@@ -62,7 +62,7 @@ class DisPFL(Algorithm):
         return {k: m[i] for k, m in self.masks.items()}
 
     def _payload(self, i: int) -> int:
-        masks = {k: m for k, m in self._client_masks(i).items() if k not in self.dense_keys[i]}
+        masks = {k: m.bool() for k, m in self._client_masks(i).items() if k not in self.dense_keys[i]}
         return payload_bytes(unstack(self.weights, i), masks)
 
     def run_round(self, t: int, participants: Tensor) -> RoundStats:

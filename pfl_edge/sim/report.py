@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["client_table", "plot_rounds", "write_result"]
+__all__ = ["client_table", "plot_masks", "plot_rounds", "write_result"]
 
 
 def write_result(result: Mapping[str, Any], out: str | Path, *, plot: bool = True) -> Path:
@@ -19,6 +19,40 @@ def write_result(result: Mapping[str, Any], out: str | Path, *, plot: bool = Tru
     tmp.replace(p)
     if plot:
         plot_rounds({result["config"]["algorithm"]: result}, p.with_suffix(".png"))
+        if "mask_analysis" in result:
+            plot_masks(result, p.with_name(p.stem + "-masks.png"))
+    return p
+
+
+def plot_masks(result: Mapping[str, Any], out: str | Path) -> Path:
+    """DisPFL's mask study: pairwise mask Hamming distance against label-distribution cosine similarity
+    (scatter), and both matrices side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    ham = np.asarray(result["mask_analysis"]["hamming"])
+    cos = np.asarray(result["mask_analysis"]["label_cosine"])
+    iu = np.triu_indices(len(ham), k=1)
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4), dpi=100)
+    axes[0].scatter(cos[iu], ham[iu], s=8, alpha=0.6)
+    axes[0].set_xlabel("cosine similarity of label distributions")
+    axes[0].set_ylabel("mask Hamming distance (fraction)")
+    axes[0].grid(alpha=0.3)
+    for ax, mat, title in ((axes[1], ham, "mask Hamming distance"), (axes[2], cos, "label cosine similarity")):
+        im = ax.imshow(mat, cmap="viridis")
+        ax.set_title(title)
+        ax.set_xlabel("client")
+        ax.set_ylabel("client")
+        fig.colorbar(im, ax=ax, fraction=0.046)
+    cfg = result["config"]
+    fig.suptitle(f"DisPFL masks after {cfg['rounds']} rounds: {cfg['partition']}, {cfg['clients']} clients")
+    fig.tight_layout()
+    p = Path(out)
+    fig.savefig(p)
+    plt.close(fig)
     return p
 
 
