@@ -1,9 +1,8 @@
 """FLOP counts as ALGORITHMS.md defines them (DisPFL's accounting).
 
-Per sample, forward: a convolution costs (2 * nnz(W) + nnz(b)) * H_out * W_out, a linear layer
-2 * nnz(W) + nnz(b); norms, activations and pooling are not counted. (ALGORITHMS.md writes C_out for a
-convolution's bias term; for a dense bias that is nnz(b), and a convolution without bias adds nothing.)
-Training a sample costs 3 forwards (forward, and backward for inputs and weights).
+Per sample, forward: a convolution costs (2 * nnz(W) + C_out) * H_out * W_out, a linear layer
+2 * nnz(W) + nnz(b); norms, activations and pooling are not counted. Exactly as ALGORITHMS.md (and the DisPFL
+reference) write it: C_out for every convolution, with or without a bias. Training a sample costs 3 forwards.
 """
 
 from __future__ import annotations
@@ -44,8 +43,10 @@ def forward_flops(model: nn.Module, input_shape: tuple[int, ...], masks: Mapping
     sizes = sizes if sizes is not None else layer_sizes(model, input_shape)
     params = dict(model.named_parameters())
     total = 0
-    for name, (_kind, positions) in sizes.items():
-        total += positions * (2 * _nnz(params, masks, f"{name}.weight") + _nnz(params, masks, f"{name}.bias"))
+    for name, (kind, positions) in sizes.items():
+        weight = params[f"{name}.weight"]
+        extra = weight.shape[0] if kind == "conv" else _nnz(params, masks, f"{name}.bias")
+        total += positions * (2 * _nnz(params, masks, f"{name}.weight") + extra)
     return total
 
 

@@ -83,8 +83,10 @@ class Trainer:
                  workers: int | None = None, engine: Engine = "auto") -> None:
         self.model, self.data, self.test_data = model, data, test_data
         self.workers = default_workers() if workers is None else workers
-        # On one thread per worker, the plain loop beats vmap for small models (bench/throughput.py)
-        self.engine: Engine = "loop" if engine == "auto" and self.workers > 1 else engine
+        # "auto" is the plain loop whatever the worker count, so that a run's numbers do not depend on the
+        # machine's cores; on one thread per worker it is also the faster engine (bench/throughput.py).
+        # vmap (all clients' steps in one call) is opt-in.
+        self.engine: Engine = "loop" if engine == "auto" else engine
         if self.workers < 1:
             raise ConfigError(f"workers must be >= 1, got {self.workers}")
         self._pool: Any = None
@@ -98,9 +100,8 @@ class Trainer:
     def train(self, stack: Mapping[str, Tensor], rows: Tensor, cfg: TrainConfig, gens: Sequence[torch.Generator],
               *, trainable: Collection[str] | None = None, masks: Mapping[str, Tensor] | None = None) -> TrainResult:
         if self._pool is None or len(rows) < 2:
-            engine: Engine = "auto" if self._pool is not None else self.engine
             return train(self.model, stack, self.data, rows, cfg, gens, trainable=trainable, masks=masks,
-                         engine=engine)
+                         engine=self.engine)
         shards = _balance(self.data.n[rows].tolist(), self.workers)
         jobs = []
         for pos in shards:

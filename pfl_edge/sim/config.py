@@ -45,7 +45,7 @@ class SimConfig:
     ft_epochs: int = 1
     local_norm_stats: bool = False
     # decentralized algorithms (DisPFL, D-PSGD)
-    topology: str = "random:10"
+    topology: str | None = None  # None: random:K with K = min(10, clients - 1), the paper's 10 neighbours
     density: float = 0.5
     densities: tuple[float, ...] | None = None  # cycled over clients; overrides density
     alpha0: float = 0.5
@@ -90,7 +90,7 @@ class SimConfig:
         if self.algorithm in DECENTRAL:
             from ..topology import check_topology
 
-            check_topology(self.topology, self.clients)
+            check_topology(self.topology_spec, self.clients)
             if self.participation != 1.0:
                 raise ConfigError("decentralized algorithms train every client every round: participation must be 1")
         if self.workers is not None and self.workers < 1:
@@ -117,6 +117,10 @@ class SimConfig:
     def client_density(self, i: int) -> float:
         """Client i's capacity: ``densities`` cycled over clients, else ``density``."""
         return self.densities[i % len(self.densities)] if self.densities else self.density
+
+    @property
+    def topology_spec(self) -> str:
+        return self.topology if self.topology is not None else f"random:{max(1, min(10, self.clients - 1))}"
 
     def lr_at(self, t: int) -> float:
         return self.lr * self.lr_decay ** (t - 1)

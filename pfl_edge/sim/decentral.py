@@ -54,6 +54,7 @@ class DisPFL(Algorithm):
         self.rows = torch.arange(ctx.num_clients)
         self.sizes = layer_sizes(ctx.model, ctx.input_shape)
         # per client, the tensors its density leaves dense: sent without a mask (nnz never changes)
+        self._deployed: Stack | None = None
         self.dense_keys = [{k for k, m in self.masks.items() if bool(m[i].all())} for i in range(ctx.num_clients)]
         self.label_counts = torch.stack([torch.bincount(ctx.train_data.y[i, : int(ctx.train_data.n[i])],
                                                         minlength=ctx.num_classes) for i in range(ctx.num_clients)])
@@ -67,25 +68,33 @@ class DisPFL(Algorithm):
 
     def run_round(self, t: int, participants: Tensor) -> RoundStats:
         ctx, cfg = self.ctx, self.ctx.cfg
-        nbrs = neighbours(cfg.topology, ctx.num_clients, t, cfg.seed)
+        nbrs = neighbours(cfg.topology_spec, ctx.num_clients, t, cfg.seed)
         up, down, busiest = _traffic([self._payload(i) for i in range(ctx.num_clients)], nbrs)
         avg = neighbourhood_average(self.weights, mixing_matrix(nbrs), self.masks)
         start = {k: v * self.masks[k] if k in self.masks else v for k, v in avg.items()}
         res = ctx.trainer.train(start, self.rows, ctx.train_config(t), ctx.gens("train", t, self.rows),
                                 masks=self.masks)
-        trained = res.stack
-        flops = [ctx.cfg.local_epochs * int(ctx.train_data.n[i]) * 3
+        flops = [cfg.local_epochs * int(ctx.train_data.n[i]) * 3
                  * forward_flops(ctx.model, ctx.input_shape, self._client_masks(i), self.sizes)
-                 + cfg.batch_size * 3 * ctx.dense_flops for i in range(ctx.num_clients)]
-        self._update_masks(t, trained)
-        acc, loss = ctx.trainer.evaluate(self.weights, self.rows)
+                 for i in range(ctx.num_clients)]
+        if cfg.regrow == "gradient":  # the dense-gradient screen: one batch, 3 dense forwards per sample
+            flops = [f + min(cfg.batch_size, int(n)) * 3 * ctx.dense_flops
+                     for f, n in zip(flops, ctx.train_data.n, strict=True)]
+        # What a client deploys this round is its trained sparse model, as in the reference code's
+        # evaluation; the prune-and-regrow that follows prepares the next round.
+        self._deployed = {k: v.clone() for k, v in res.stack.items()}
+        acc, loss = ctx.trainer.evaluate(self._deployed, self.rows)
         density = [self._density(i) for i in range(ctx.num_clients)]
-        return RoundStats(acc.tolist(), loss.tolist(), float(res.loss.mean()), up, down, busiest,
-                          self.rows.tolist(), flops, density, {"mask": mask_summary(self.masks, self.label_counts)})
+        summary = mask_summary(self.masks, self.label_counts)
+        self._update_masks(t, res.stack)
+        return RoundStats(acc.tolist(), loss.tolist(), _weighted_loss(res.loss, ctx.train_data.n), up, down,
+                          busiest, self.rows.tolist(), flops, density, {"mask": summary})
 
     def _update_masks(self, t: int, trained: Stack) -> None:
         ctx, cfg = self.ctx, self.ctx.cfg
-        alpha = prune_rate(cfg.alpha0, t, cfg.rounds)
+        # round t (1-based) uses alpha at t - 1, so the first update prunes at alpha0 and the last one is not
+        # a no-op (the reference counts rounds from 0)
+        alpha = prune_rate(cfg.alpha0, t - 1, cfg.rounds)
         grads = (ctx.trainer.dense_gradients(trained, self.rows, cfg.batch_size, ctx.gens("regrow", t, self.rows))
                  if cfg.regrow == "gradient" else None)
         for i in range(ctx.num_clients):
@@ -103,7 +112,7 @@ class DisPFL(Algorithm):
         return ones / sum(m[i].numel() for m in self.masks.values())
 
     def deployed(self) -> Stack:
-        return self.weights
+        return self._deployed if self._deployed is not None else self.weights
 
     def analysis(self) -> dict[str, object]:
         """Pairwise mask Hamming distances beside the cosine similarity of label distributions."""
@@ -127,7 +136,7 @@ class DPSGD(Algorithm):
     def run_round(self, t: int, participants: Tensor) -> RoundStats:
         ctx, cfg = self.ctx, self.ctx.cfg
         res = ctx.trainer.train(self.weights, self.rows, ctx.train_config(t), ctx.gens("train", t, self.rows))
-        nbrs = neighbours(cfg.topology, ctx.num_clients, t, cfg.seed)
+        nbrs = neighbours(cfg.topology_spec, ctx.num_clients, t, cfg.seed)
         up, down, busiest = _traffic([payload_bytes(unstack(res.stack, i)) for i in range(ctx.num_clients)],
                                      nbrs)
         self.weights = neighbourhood_average(res.stack, mixing_matrix(nbrs))
@@ -140,19 +149,35 @@ class DPSGD(Algorithm):
         self._deployed = deployed
         acc, loss = ctx.trainer.evaluate(deployed, self.rows)
         flops = (3 * ctx.dense_flops * epochs * ctx.train_data.n).tolist()
-        return RoundStats(acc.tolist(), loss.tolist(), float(res.loss.mean()), up, down, busiest,
-                          self.rows.tolist(), flops, [1.0] * ctx.num_clients)
+        return RoundStats(acc.tolist(), loss.tolist(), _weighted_loss(res.loss, ctx.train_data.n), up, down,
+                          busiest, self.rows.tolist(), flops, [1.0] * ctx.num_clients)
 
     def deployed(self) -> Stack:
         return self._deployed if self._deployed is not None else self.weights
 
 
 def hamming_matrix(masks: Stack) -> Tensor:
-    """Fraction of coordinates where two clients' masks differ, over every masked tensor: (C, C)."""
-    flat = torch.cat([m.reshape(m.shape[0], -1) for m in masks.values()], dim=1)
-    ones = flat.sum(1)
-    inter = flat @ flat.T
-    return (ones[:, None] + ones[None, :] - 2 * inter) / flat.shape[1]
+    """Fraction of coordinates where two clients' masks differ, over every masked tensor: (C, C).
+    Tensor by tensor (no copy of the whole stack); float32 products are exact for counts below 2**24, so
+    larger tensors are split into chunks; sums in float64."""
+    n = next(iter(masks.values())).shape[0]
+    inter = torch.zeros(n, n, dtype=torch.float64)
+    ones = torch.zeros(n, dtype=torch.float64)
+    total = 0
+    for m in masks.values():
+        flat = m.reshape(n, -1)
+        for s in range(0, flat.shape[1], 1 << 23):
+            part = flat[:, s: s + (1 << 23)].to(torch.float32)
+            inter += (part @ part.T).to(torch.float64)
+            ones += part.sum(1, dtype=torch.float64)
+        total += flat.shape[1]
+    return ((ones[:, None] + ones[None, :] - 2 * inter) / total).to(torch.float32)
+
+
+def _weighted_loss(loss: Tensor, n: Tensor) -> float:
+    """Mean training loss over clients weighted by their samples, as the central algorithms report it."""
+    w = n.to(torch.float64)
+    return float((loss.to(torch.float64) * w).sum() / w.sum())
 
 
 def _cosine(counts: Tensor) -> Tensor:

@@ -110,7 +110,8 @@ def _run(cfg: SimConfig, ctx: Context, spec: ModelSpec, t0: float, save_dir: str
     bar.close()
     last = rounds[-1]
     result: dict[str, Any] = {
-        "config": cfg.to_dict(),
+        # the resolved worker count, so that --config re-runs on the same number of processes
+        "config": {**cfg.to_dict(), "workers": ctx.trainer.workers},
         "rounds": rounds,
         "final": {k: last[k] for k in ("mean_acc", "std_acc", "client_acc")},
         "meta": {

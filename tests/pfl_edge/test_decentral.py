@@ -51,7 +51,8 @@ def test_dpsgd_on_a_full_graph_with_equal_data_is_fedavg() -> None:
 
 @pytest.mark.parametrize("alg", ["dispfl", "dpsgd", "dpsgd-ft"])
 def test_decentral_algorithms_learn(alg: str) -> None:
-    r = simulate(SimConfig(**{**QUICK, "algorithm": alg, "rounds": 4, "samples_per_client": 120}), progress=False)
+    # sparse models start slowly on this noisy task (masked initial weights carry less signal)
+    r = simulate(SimConfig(**{**QUICK, "algorithm": alg, "rounds": 6, "samples_per_client": 120}), progress=False)
     assert r["final"]["mean_acc"] > 0.3 and r["final"]["mean_acc"] > r["rounds"][0]["mean_acc"]
 
 
