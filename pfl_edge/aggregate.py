@@ -99,5 +99,5 @@ def neighbourhood_average(stack: Mapping[str, Tensor], mixing: Tensor,
             avg = torch.where(den > 0, num / den.clamp_min(1), 0.0)
         else:
             avg = torch.sparse.mm(a, flat) / counts
-        out[k] = avg.to(w.dtype).view_as(w)
+        out[k] = (avg if w.is_floating_point() else avg.round()).to(w.dtype).view_as(w)
     return out

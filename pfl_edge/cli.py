@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -79,6 +80,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
     cfg = _sim_config(args)
     out = args.out or Path("runs") / f"{cfg.algorithm}.json"
+    _check_writable(out, args.save_dir)
     result = simulate(cfg, save_dir=args.save_dir, progress=False if args.no_progress else None)
     write_result(result, out)
     print(client_table(result))
@@ -87,15 +89,33 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_writable(out: Path, save_dir: Path | None) -> None:
+    """Fail before a long run, not after it, when its results could not be written."""
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a folder; give a file name such as {out / 'result.json'}")
+    if save_dir is not None and save_dir.exists() and not save_dir.is_dir():
+        raise ConfigError(f"--save-dir {save_dir} exists and is not a folder")
+    for d in (out.parent, save_dir):
+        if d is None:
+            continue
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"cannot create {d}: {e.strerror}") from None
+        if not os.access(d, os.W_OK):
+            raise ConfigError(f"{d} is not writable")
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     """A short simulated federation: FedPer against FedAvg on a pathological non-IID split."""
     from .sim import client_table, plot_rounds, simulate, write_result
 
     out = Path(args.out)
+    _check_writable(out / "fedper.json", None)
     results = {}
     for alg in ("fedper", "fedavg"):
-        cfg = _sim_config(args, algorithm=alg, dataset="fashion-mnist", partition="pathological:2",
-                          clients=args.clients, rounds=args.rounds, samples_per_client=500, local_epochs=1)
+        cfg = _sim_config(args, dataset="fashion-mnist", partition="pathological:2", clients=args.clients,
+                          rounds=args.rounds, samples_per_client=500, local_epochs=1).replace(algorithm=alg)
         print(f"== {alg}: {cfg.clients} clients, {cfg.rounds} rounds, {cfg.dataset} {cfg.partition}", flush=True)
         res = simulate(cfg, save_dir=out / "checkpoints" / alg, progress=False if args.no_progress else None)
         write_result(res, out / f"{alg}.json")
@@ -149,6 +169,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PflEdgeError as e:
         print(f"pfl-edge: error: {e}", file=sys.stderr)
         return e.exit_code
+    except OSError as e:  # an output path that cannot be written, a disk that filled up
+        print(f"pfl-edge: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("pfl-edge: interrupted", file=sys.stderr)
         return 130

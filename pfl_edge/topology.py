@@ -13,8 +13,10 @@ __all__ = ["check_topology", "mixing_matrix", "neighbours"]
 
 def check_topology(spec: str, num_clients: int) -> None:
     name, _, arg = spec.partition(":")
+    if num_clients < 2:
+        raise ConfigError(f"a decentralized topology needs at least 2 clients, got {num_clients}")
     if name == "random":
-        if not arg.isdigit() or not 1 <= int(arg) <= max(1, num_clients - 1):
+        if not arg.isdigit() or not 1 <= int(arg) <= num_clients - 1:
             raise ConfigError(f"random:K needs 1 <= K <= {num_clients - 1} (clients - 1), got {spec!r}")
     elif name in ("ring", "full"):
         if arg:
@@ -37,8 +39,8 @@ def neighbours(spec: str, num_clients: int, t: int, seed: int) -> list[list[int]
     gen = generator(seed, "topology", t)
     out = []
     for i in range(n):
-        others = torch.randperm(n - 1, generator=gen)[:k]
-        out.append(sorted(int(j) + (j >= i) for j in others))  # skip i itself
+        others = torch.randperm(n - 1, generator=gen)[:k].tolist()
+        out.append(sorted(j + (j >= i) for j in others))  # skip i itself
     return out
 
 

@@ -106,6 +106,10 @@ def partition(
     per = test_per_client if test_per_client is not None else math.ceil(len(test_y) / num_clients)
     counts = np.stack([np.bincount(ytr[p], minlength=num_classes) for p in parts])
     test_parts = _draw_test(test_y.numpy(), counts, per, rng)
+    for i, q in enumerate(test_parts):
+        if len(q) == 0:
+            raise DataError(f"client {i} got no test samples (its classes are exhausted in the test split); "
+                            "use fewer clients or a larger --test-per-client")
     yte = test_y.numpy()
     clients = []
     for i, (p, q) in enumerate(zip(parts, test_parts, strict=True)):
@@ -192,18 +196,25 @@ def _dirichlet(y: np.ndarray, n: int, arg: str | None, num_classes: int,
         raise ConfigError(f"dirichlet:ALPHA needs ALPHA > 0, got {arg!r}")
     min_size = min(10, len(y) // n)
     for _ in range(1000):
-        parts: list[list[int]] = [[] for _ in range(n)]
-        for c in range(num_classes):
-            idx = rng.permutation(np.flatnonzero(y == c))
-            p = rng.dirichlet(np.full(n, alpha))
-            p = p * np.array([len(q) < len(y) / n for q in parts])
-            p = p / p.sum()
-            cuts = (np.cumsum(p) * len(idx)).astype(int)[:-1]
-            for i, chunk in enumerate(np.split(idx, cuts)):
-                parts[i].extend(chunk.tolist())
-        if min(len(q) for q in parts) >= min_size:
-            return [np.asarray(q, dtype=np.int64) for q in parts], None
+        parts = _dirichlet_once(y, n, alpha, num_classes, rng)
+        if parts is not None and min(len(q) for q in parts) >= min_size:
+            return parts, None
     raise DataError(f"dirichlet:{alpha} could not give every one of {n} clients {min_size} samples")
+
+
+def _dirichlet_once(y: np.ndarray, n: int, alpha: float, num_classes: int,
+                    rng: np.random.Generator) -> list[np.ndarray] | None:
+    parts: list[list[int]] = [[] for _ in range(n)]
+    for c in range(num_classes):
+        idx = rng.permutation(np.flatnonzero(y == c))
+        p = rng.dirichlet(np.full(n, alpha))
+        p = p * np.array([len(q) < len(y) / n for q in parts])
+        if not p.sum() > 0:  # every open client drew ~0 (tiny alpha): draw again
+            return None
+        cuts = (np.cumsum(p / p.sum()) * len(idx)).astype(int)[:-1]
+        for i, chunk in enumerate(np.split(idx, cuts)):
+            parts[i].extend(chunk.tolist())
+    return [np.asarray(q, dtype=np.int64) for q in parts]
 
 
 @register_partitioner("groups")

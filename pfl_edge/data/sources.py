@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import io
 import pickle
+import zlib
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -31,7 +32,7 @@ def load_idx(path: Path) -> np.ndarray:
     try:
         with opener(path, "rb") as f:
             raw = f.read()
-    except OSError as e:
+    except (OSError, EOFError, zlib.error) as e:  # missing, truncated or corrupt gzip
         raise DataError(f"cannot read {path}: {e}") from e
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08:
         raise DataError(f"{path} is not an IDX file of unsigned bytes")

@@ -113,7 +113,9 @@ class CentralPFL(Algorithm):
             self._personal_ft(0)
 
     def _with_base(self, stack: Stack) -> Stack:
-        out = dict(stack)
+        """A new stack: the clients' personal tensors (copied, so later rounds never change it) under the
+        current base."""
+        out = {k: v.clone() for k, v in stack.items() if k not in self.base}
         for k, v in self.base.items():
             out[k] = v.unsqueeze(0).expand(len(next(iter(stack.values()))), *v.shape).clone()
         return out

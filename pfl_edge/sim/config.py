@@ -6,6 +6,8 @@ import dataclasses
 import json
 import math
 import tomllib
+import types
+import typing
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
@@ -55,6 +57,7 @@ class SimConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        _check_types(self)
         if self.algorithm not in ALGORITHMS:
             raise ConfigError(f"unknown algorithm {self.algorithm!r}; valid algorithms: {', '.join(ALGORITHMS)}")
         for name in ("clients", "rounds", "local_epochs", "batch_size"):
@@ -72,8 +75,6 @@ class SimConfig:
             raise ConfigError("base 'linear' is FedPer's control: use it with fedper, fedper-ft or local and kp >= 1")
         if self.engine not in ("auto", "vmap", "loop"):
             raise ConfigError(f"engine must be auto, vmap or loop, got {self.engine!r}")
-        if self.densities is not None:
-            object.__setattr__(self, "densities", tuple(float(d) for d in self.densities))
         for d in (self.density, *(self.densities or ())):
             if not 0 < d <= 1:
                 raise ConfigError(f"densities must be in (0, 1], got {d}")
@@ -104,6 +105,8 @@ class SimConfig:
             raise ConfigError(f"lr must be finite and > 0, got {self.lr}")
         if not 0 <= self.momentum < 1:
             raise ConfigError(f"momentum must be in [0, 1), got {self.momentum}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ConfigError(f"weight_decay must be finite and >= 0, got {self.weight_decay}")
 
     @property
     def effective_kp(self) -> int | None:
@@ -138,6 +141,57 @@ class SimConfig:
 
     def replace(self, **changes: Any) -> SimConfig:
         return dataclasses.replace(self, **changes)
+
+
+def _check_types(cfg: SimConfig) -> None:
+    """Every field has its declared type (a config file can hold anything); ints are accepted for floats
+    and lists for tuples, and converted."""
+    hints = typing.get_type_hints(SimConfig)
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        ok, converted = _coerce(value, hints[f.name])
+        if not ok:
+            raise ConfigError(f"{f.name} must be {_describe(hints[f.name])}, got {value!r}")
+        if converted is not value:
+            object.__setattr__(cfg, f.name, converted)
+
+
+def _coerce(value: Any, hint: Any) -> tuple[bool, Any]:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(hint):
+            ok, v = _coerce(value, option)
+            if ok:
+                return True, v
+        return False, value
+    if hint is type(None):
+        return value is None, value
+    if origin is Literal:
+        return value in typing.get_args(hint), value
+    if origin is tuple:
+        if not isinstance(value, list | tuple):
+            return False, value
+        items = [_coerce(v, typing.get_args(hint)[0]) for v in value]
+        return all(ok for ok, _ in items), tuple(v for _, v in items)
+    if hint is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        return ok, float(value) if ok else value
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    return isinstance(value, hint), value
+
+
+def _describe(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return "null"
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
+    if origin is tuple:
+        return f"a list of ({_describe(typing.get_args(hint)[0])})"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(hint, str(hint))
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:

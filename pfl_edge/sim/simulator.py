@@ -24,8 +24,8 @@ __all__ = ["build_context", "sample_participants", "simulate"]
 
 
 def sample_participants(seed: int, t: int, num_clients: int, fraction: float) -> torch.Tensor:
-    """The clients of round ``t``: ``max(1, round(fraction * N))`` drawn from the round's own stream."""
-    m = max(1, min(num_clients, round(fraction * num_clients)))
+    """The clients of round ``t``: ``max(1, floor(fraction * N))`` drawn from the round's own stream."""
+    m = max(1, min(num_clients, math.floor(fraction * num_clients + 1e-9)))
     if m == num_clients:
         return torch.arange(num_clients)
     return torch.randperm(num_clients, generator=generator(seed, "participants", t))[:m].sort().values
@@ -37,22 +37,20 @@ def build_context(cfg: SimConfig) -> tuple[Context, ModelSpec]:
     part = partition(cfg.partition, ds.train_y, ds.test_y, cfg.clients, ds.num_classes,
                      numpy_rng(cfg.seed, "partition"), samples_per_client=cfg.samples_per_client,
                      test_per_client=cfg.test_per_client)
-    n_blocks = len(build_model(ModelSpec(cfg.model, part.num_classes, ds.in_channels, ds.image_size)).block_names)
-    kp = cfg.effective_kp if cfg.effective_kp is not None else n_blocks
+    # a linear base keeps cfg.kp personal blocks behind one "base" block
     spec = ModelSpec(cfg.model, part.num_classes, ds.in_channels, ds.image_size, cfg.base,
-                     kp if cfg.base == "linear" else 0)
+                     cfg.kp if cfg.base == "linear" else 0)
     torch.manual_seed(derive_seed(cfg.seed, "init"))
     model = build_model(spec)
-    if cfg.base == "linear":
-        kp = len(model.block_names) - 1 if cfg.algorithm != "local" else len(model.block_names)
+    kp = cfg.effective_kp if cfg.effective_kp is not None else len(model.block_names)  # local: all personal
     split = split_keys(model, kp, local_norm_stats=cfg.local_norm_stats)
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
     train_data = ClientTensors.build(ds.train_x, [c.train_idx for c in part.clients],
                                      [c.train_y for c in part.clients])
     test_data = ClientTensors.build(ds.test_x, [c.test_idx for c in part.clients],
                                     [c.test_y for c in part.clients])
-    trainer = Trainer(model, train_data, test_data, workers=cfg.workers, engine=cfg.engine)
     flops = forward_flops(model, (ds.in_channels, ds.image_size, ds.image_size))
+    trainer = Trainer(model, train_data, test_data, workers=cfg.workers, engine=cfg.engine)  # last: forks
     return Context(cfg, model, split, train_data, test_data, init, trainer, flops, part.num_classes), spec
 
 

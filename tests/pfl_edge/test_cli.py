@@ -43,3 +43,19 @@ def test_missing_data_exits_3(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 def test_python_dash_m_and_list() -> None:
     p = subprocess.run([sys.executable, "-m", "pfl_edge", "list"], capture_output=True, text=True, check=True)
     assert "resnet18-gn" in p.stdout and "dirichlet" in p.stdout and "fedper-ft" in p.stdout
+
+
+def test_unwritable_output_is_refused_before_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--dataset", "synthetic", "--out", str(tmp_path), "--no-progress"]) == 2
+    assert "is a folder" in capsys.readouterr().err
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert main(["simulate", "--dataset", "synthetic", "--save-dir", str(f), "--no-progress"]) == 2
+    assert "not a folder" in capsys.readouterr().err
+
+
+def test_bad_config_file_types(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('rounds = "five"\n')
+    assert main(["simulate", "--config", str(cfg), "--no-progress"]) == 2
+    assert "rounds must be an integer" in capsys.readouterr().err

@@ -183,3 +183,22 @@ def test_fashion_mnist() -> None:
     assert ds.train_x.shape == (60000, 1, 28, 28) and ds.test_x.shape == (10000, 1, 28, 28)
     assert torch.equal(torch.bincount(ds.train_y), torch.full((10,), 6000))
     assert abs(float(ds.train_x.mean())) < 0.01 and abs(float(ds.train_x.std()) - 1) < 0.01
+
+
+def test_truncated_gzip_is_a_data_error(tmp_path: Path) -> None:
+    for name in ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
+                 "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"):
+        with gzip.open(tmp_path / name, "wb") as f:
+            f.write(b"\x00\x00\x08\x01" + (5).to_bytes(4, "big") + b"abcde")
+        (tmp_path / name).write_bytes((tmp_path / name).read_bytes()[:-6])
+    with pytest.raises(DataError, match="cannot read"):
+        get_dataset("fashion-mnist", data_dir=tmp_path)
+
+
+def test_tiny_dirichlet_alpha_still_partitions_or_says_why() -> None:
+    try:
+        p = partition("dirichlet:0.001", TRAIN, TEST, 5, 10, numpy_rng(0, "p"))
+    except DataError as e:
+        assert "could not give" in str(e)
+    else:
+        assert all(c.n_train >= 10 for c in p.clients)

@@ -6,6 +6,7 @@ from pfl_edge.data import partition
 from pfl_edge.seeding import numpy_rng
 from pfl_edge.sim import SimConfig, build_context, simulate
 from pfl_edge.sim.decentral import DisPFL, hamming_matrix
+from pfl_edge.topology import neighbours
 
 QUICK = dict(dataset="synthetic", partition="iid", clients=6, rounds=2, samples_per_client=64, local_epochs=1,
              batch_size=16, lr=0.05, topology="random:2", workers=1)
@@ -18,10 +19,26 @@ def test_dispfl_keeps_masks_and_density_through_rounds() -> None:
     nnz0 = {k: m.flatten(1).sum(1) for k, m in algo.masks.items()}
     masks0 = {k: m.clone() for k, m in algo.masks.items()}
     for t in (1, 2):
+        before = {k: m.clone() for k, m in algo.masks.items()}
+        payloads = [algo._payload(i) for i in range(6)]
         st = algo.run_round(t, torch.arange(6))
+        trained = algo.deployed()
         for k, m in algo.masks.items():
             assert torch.equal(m.flatten(1).sum(1), nnz0[k]), k  # per-tensor nnz preserved
-            assert torch.all(algo.weights[k][m == 0] == 0), k  # pruned weights are zero
+            # masked SGD (momentum, weight decay) kept every weight outside the round's mask at zero ...
+            assert torch.all(trained[k][before[k] == 0] == 0), k
+            # ... and trained the ones inside it
+            assert torch.count_nonzero(trained[k][before[k] == 1]) > 0.9 * before[k].sum(), k
+        # what was evaluated is the trained model; prune-and-regrow then changed the weights kept
+        assert any(not torch.equal(trained[k], algo.weights[k]) for k in algo.masks)
+        acc, _ = ctx.trainer.evaluate(trained, torch.arange(6))
+        assert acc.tolist() == pytest.approx(st.client_acc)
+        # one transfer per recipient: client i downloads exactly its neighbours' payloads
+        nb = neighbours("random:2", 6, t, cfg.seed)
+        assert st.client_bytes_down == [sum(payloads[j] for j in nb[i]) for i in range(6)]
+        assert st.client_bytes_up == [payloads[j] * sum(j in n for n in nb) for j in range(6)]
+        totals = [u + d for u, d in zip(st.client_bytes_up, st.client_bytes_down, strict=True)]
+        assert st.busiest_node_bytes == max(totals)
         assert st.client_density[2] == 1.0 and st.client_density[0] == pytest.approx(0.2, abs=1e-3)
     # the density-1.0 client never changes its (all-ones) mask; sparse clients do
     assert all(torch.equal(m[2], masks0[k][2]) for k, m in algo.masks.items())

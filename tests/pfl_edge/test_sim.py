@@ -6,7 +6,7 @@ import torch
 
 from pfl_edge.checkpoint import build_model, load_checkpoint, save_checkpoint
 from pfl_edge.errors import ConfigError
-from pfl_edge.sim import SimConfig, load_config_file, sample_participants, simulate, write_result
+from pfl_edge.sim import SimConfig, build_context, load_config_file, sample_participants, simulate, write_result
 
 QUICK = dict(dataset="synthetic", partition="pathological:3", clients=4, rounds=3, samples_per_client=120,
              local_epochs=1, lr=0.05, batch_size=32)
@@ -80,6 +80,8 @@ def test_linear_base_runs_and_has_one_base_block() -> None:
     r = _run(algorithm="fedper", base="linear", kp=2)
     assert r["meta"]["blocks"] == ["base", "fc2", "head"]
     assert {k.split(".")[0] for k in r["meta"]["base_keys"]} == {"base"}
+    loc = _run(algorithm="local", base="linear", kp=2)  # the linear model trained alone
+    assert loc["meta"]["blocks"] == ["base", "fc2", "head"] and loc["meta"]["base_keys"] == []
 
 
 def test_participation_samples_a_fraction() -> None:
@@ -154,6 +156,12 @@ def test_config_rerun_from_json_and_toml(tmp_path: Path) -> None:
     (dict(base="linear", algorithm="fedavg"), "linear"),
     (dict(base="linear", kp=0), "linear"),
     (dict(lr=-1.0), "lr"),
+    (dict(weight_decay=-1.0), "weight_decay"),
+    (dict(rounds="5"), "rounds must be an integer"),
+    (dict(clients=2.5), "clients must be an integer"),
+    (dict(densities=0.5), "densities must be"),
+    (dict(algorithm="dispfl", clients=1), "at least 2 clients"),
+    (dict(algorithm="dispfl", topology="random:10", clients=10), "random:K"),
 ])
 def test_bad_config(kw: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
@@ -163,3 +171,39 @@ def test_bad_config(kw: dict, match: str) -> None:
 def test_unknown_config_key(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="unknown config keys"):
         SimConfig.from_dict({"rounds": 3, "roudns": 4})
+
+
+def test_fedper_base_is_the_sample_weighted_average_of_trained_bases() -> None:
+    from pfl_edge.aggregate import weighted_average
+    from pfl_edge.sim import CentralPFL
+    from pfl_edge.split import take
+    from pfl_edge.train import unstack
+
+    cfg = SimConfig(**{**QUICK, "algorithm": "fedper", "partition": "dirichlet:0.5", "samples_per_client": None,
+                       "workers": 1})
+    ctx, _ = build_context(cfg)
+    n = ctx.train_data.n
+    assert len(set(n.tolist())) > 1  # unequal sizes, so equal weights would give another answer
+    algo = CentralPFL(ctx)
+    rows = torch.arange(4)
+    # an independent replay of the round's training from the same start and generators
+    res = ctx.trainer.train(algo._with_base(algo.clients), rows, ctx.train_config(1), ctx.gens("train", 1, rows))
+    algo.run_round(1, rows)
+    bases = [take(unstack(res.stack, i), ctx.split.base) for i in range(4)]
+    expected = weighted_average(bases, n.tolist())
+    equal = weighted_average(bases, [1.0] * 4)
+    for k in ctx.split.base:
+        assert torch.allclose(algo.base[k], expected[k], atol=1e-6)
+    assert any(not torch.allclose(expected[k], equal[k], atol=1e-4) for k in ctx.split.base)
+    ctx.trainer.close()
+
+
+def test_fedper_ft_trains_personal_blocks_on_a_frozen_base() -> None:
+    from pfl_edge.sim import CentralPFL
+
+    ctx, _ = build_context(SimConfig(**{**QUICK, "algorithm": "fedper-ft", "workers": 1}))
+    algo = CentralPFL(ctx)  # fine-tunes the personal blocks on the initial base at once
+    for k, v in ctx.init_state.items():
+        moved = [not torch.equal(algo.clients[k][i], v) for i in range(4)]
+        assert all(moved) if k in ctx.split.personal else not any(moved), k
+    ctx.trainer.close()

@@ -61,3 +61,23 @@ def test_flops_hand_computed_for_the_cnn_and_masks() -> None:
     half = torch.zeros(128, 3136)
     half[:64] = 1
     assert forward_flops(model, (1, 28, 28), {"fc1.1.weight": half}) == dense - 2 * 64 * 3136
+
+
+def test_flops_count_c_out_for_convolutions_without_bias() -> None:
+    model = get_model("resnet18-gn", num_classes=10, in_channels=3, image_size=32)
+    sd = model.state_dict()
+    assert "stem.0.bias" not in sd
+    masks = {k: torch.zeros_like(v) for k, v in model.named_parameters() if v.dim() > 1}
+    # with every weight masked off, only C_out * H * W per convolution and the head's bias remain
+    convs = sum(m.out_channels * hw for m, hw in _conv_positions(model))
+    assert forward_flops(model, (3, 32, 32), masks) == convs + 10
+
+
+def _conv_positions(model: torch.nn.Module) -> list[tuple[torch.nn.Conv2d, int]]:
+    out = []
+    hooks = [m.register_forward_hook(lambda m, i, o: out.append((m, o.shape[2] * o.shape[3])))
+             for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+    model(torch.zeros(1, 3, 32, 32))
+    for h in hooks:
+        h.remove()
+    return out
