@@ -17,11 +17,10 @@ Runs are cached in OUT/runs (add seeds later); OUT/summary.{json,md} and PNGs co
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
-from repro import Row, Table, run_all, summarise
+from repro import Row, Table, main
 
 from pfl_edge.sim.report import plot_masks
 
@@ -67,23 +66,11 @@ TABLES = [
 ]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tables", default=",".join(t.key for t in TABLES))
-    ap.add_argument("--seeds", default="0")
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "dispfl")
-    ap.add_argument("--summary-only", action="store_true")
-    args = ap.parse_args()
-    tables = [t for t in TABLES if t.key in args.tables.split(",")]
-    if not args.summary_only:
-        run_all(tables, BUDGET, [int(s) for s in args.seeds.split(",")], args.out)
-    summarise(sorted(TABLES, key=lambda t: t.key), BUDGET, args.out, "bench/results/dispfl")
-    groups = args.out / "runs" / "dispfl-groups-s0.json"
+def _plot_mask_study(out: Path) -> None:
+    groups = out / "runs" / "dispfl-groups-s0.json"
     if groups.exists():
-        res = json.loads(groups.read_text())
-        plot_masks(res, args.out / "masks.png")
-    print((args.out / "summary.md").read_text())
+        plot_masks(json.loads(groups.read_text()), out / "masks.png")
 
 
 if __name__ == "__main__":
-    main()
+    main(__doc__, TABLES, BUDGET, "dispfl", after=_plot_mask_study)

@@ -14,10 +14,7 @@ a PNG per table are made from whatever runs exist. In the background:
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
-from repro import Row, Table, run_all, summarise
+from repro import Row, Table, main
 
 BUDGET = dict(model="cnn", dataset="fashion-mnist", samples_per_client=1000, local_epochs=2, rounds=30,
               batch_size=32, lr=0.01, momentum=0.9, participation=1.0)
@@ -41,19 +38,5 @@ TABLES = [
 ]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tables", default="1,2,3")
-    ap.add_argument("--seeds", default="0")
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "fedper")
-    ap.add_argument("--summary-only", action="store_true")
-    args = ap.parse_args()
-    tables = [t for t in TABLES if t.key in args.tables.split(",")]
-    if not args.summary_only:
-        run_all(tables, BUDGET, [int(s) for s in args.seeds.split(",")], args.out)
-    summarise(TABLES, BUDGET, args.out, "bench/results/fedper")
-    print((args.out / "summary.md").read_text())
-
-
 if __name__ == "__main__":
-    main()
+    main(__doc__, TABLES, BUDGET, "fedper")

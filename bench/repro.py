@@ -3,11 +3,12 @@ can be added later), then summarise whatever runs exist into JSON, Markdown and 
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -69,7 +70,9 @@ def row_summary(res: list[dict[str, Any]]) -> dict[str, Any]:
         "busiest_node_mb_per_round": statistics.fmean(x["busiest_node_bytes"] for rs in rounds for x in rs) / 1e6,
         "client_mb_up_per_round": statistics.fmean(x["bytes_up"] / len(x["client_acc"])
                                                    for rs in rounds for x in rs) / 1e6,
-        "gflops_per_client_round": statistics.fmean(x.get("flops", 0) for rs in rounds for x in rs) / 1e9,
+        # runs made before FLOP accounting existed have none: None, not 0
+        "gflops_per_client_round": (statistics.fmean(x["flops"] for rs in rounds for x in rs) / 1e9
+                                    if all("flops" in x for rs in rounds for x in rs) else None),
         "mean_density": statistics.fmean(statistics.fmean(x.get("client_density", [1.0])) for rs in rounds
                                          for x in rs),
         "wall_s": statistics.fmean(r["meta"]["total_s"] for r in res),
@@ -110,8 +113,31 @@ def summarise(tables: list[Table], budget: Mapping[str, Any], out: Path, rel: st
             acc = f"{r['final_mean_acc']:.3f}" + (f" ± {sd:.3f}" if sd is not None else "")
             md.append(f"| {r['label']} | {acc} | {r['client_std_acc']:.3f} | {r['round_to_90pct']:.1f} | "
                       f"{r['busiest_node_mb_per_round']:.2f} | {r['client_mb_up_per_round']:.2f} | "
-                      f"{r['gflops_per_client_round']:.2f} | {r['mean_density']:.2f} | {len(r['seeds'])} |")
+                      f"{_num(r['gflops_per_client_round'])} | {r['mean_density']:.2f} | {len(r['seeds'])} |")
         md += ["", f"![table {table.key}]({rel}/table{table.key}.png)", ""]
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "summary.md").write_text("\n".join(md))
     return summary
+
+
+def _num(x: float | None) -> str:
+    return "–" if x is None else f"{x:.2f}"
+
+
+def main(doc: str | None, tables: list[Table], budget: Mapping[str, Any], name: str,
+         after: Callable[[Path], None] | None = None) -> None:
+    """The command line of a reproduction script: run the chosen tables and seeds (cached), then summarise
+    into bench/results/NAME; ``after`` adds what else the script draws from the runs."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tables", default=",".join(t.key for t in tables))
+    ap.add_argument("--seeds", default="0")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / name)
+    ap.add_argument("--summary-only", action="store_true")
+    args = ap.parse_args()
+    if not args.summary_only:
+        chosen = [t for t in tables if t.key in args.tables.split(",")]
+        run_all(chosen, budget, [int(s) for s in args.seeds.split(",")], args.out)
+    summarise(sorted(tables, key=lambda t: t.key), budget, args.out, f"bench/results/{name}")
+    if after is not None:
+        after(args.out)
+    print((args.out / "summary.md").read_text())

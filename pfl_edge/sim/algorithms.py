@@ -97,7 +97,9 @@ class CentralPFL(Algorithm):
     -FT: FedAvg-FT fine-tunes the new global model on each client for ``ft_epochs`` before evaluating (the
     fine-tuned copy is what it deploys; the next round starts from the global model again). FedPer-FT trains
     the personal blocks alone for ``ft_epochs`` on every new base, base frozen, before the joint training of
-    the next round (ALGORITHMS.md); its evaluation comes after that step.
+    the next round (ALGORITHMS.md); its evaluation comes after that step. Every client that deploys the new
+    base adapts its head this way, participants of the next round or not (with full participation, the
+    default, the two readings agree), and its FLOPs are counted.
     """
 
     def __init__(self, ctx: Context) -> None:
