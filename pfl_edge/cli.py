@@ -51,6 +51,7 @@ def _add_sim_flags(p: argparse.ArgumentParser) -> None:
         p.add_argument(f"--{flag}", type=typ, default=None, help=help_)
     p.add_argument("--local-norm-stats", action="store_true", default=None,
                    help="keep base normalisation statistics on the client (FedBN-style)")
+    p.add_argument("--fleet", help="DisPFL: take the clients' densities from a device fleet (pfl-edge list)")
     p.add_argument("--config", type=Path, help="re-run a config: TOML, or the JSON of an earlier run")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -72,6 +73,11 @@ def _sim_config(args: argparse.Namespace, **defaults: Any) -> Any:
             raise ConfigError(f"--densities takes comma-separated numbers, got {values['densities']!r}") from None
     if args.local_norm_stats:
         values["local_norm_stats"] = True
+    if getattr(args, "fleet", None):
+        from device_profiles import get_fleet
+
+        # the fleet's densities in dealing order, cycled over clients; recorded as plain densities
+        values["densities"] = get_fleet(args.fleet).densities()
     return SimConfig.from_dict(values)
 
 
@@ -127,7 +133,32 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_check(args: argparse.Namespace) -> int:
+    """Does a model fit each device class at its density and batch size?"""
+    from device_profiles import check, get_profile, list_profiles
+
+    from .data import get_dataset
+    from .models import get_model
+
+    ds = get_dataset(args.dataset, data_dir=args.data_dir)
+    model = get_model(args.model, num_classes=ds.num_classes, in_channels=ds.in_channels, image_size=ds.image_size)
+    names = list_profiles() if args.profiles == "all" else args.profiles.split(",")
+    rows = [("profile", "density", "batch", "params", "active", "train MB", "ceiling", "infer MB", "budget", "fits")]
+    for name in names:
+        prof = get_profile(name)
+        fit = check(prof, model, (ds.in_channels, ds.image_size, ds.image_size))
+        rows.append((name, f"{fit.density:.2f}", str(prof.batch_size), f"{fit.params:,}", f"{fit.active_params:,}",
+                     f"{fit.train_mb:.1f}", str(prof.train_memory_mb), f"{fit.infer_mb:.1f}", str(prof.ram_budget_mb),
+                     "yes" if fit.ok else "NO: " + "; ".join(fit.reasons())))
+    widths = [max(len(r[j]) for r in rows) for j in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    return 0
+
+
 def _cmd_list(args: argparse.Namespace) -> int:
+    from device_profiles import get_fleet, get_profile, list_fleets, list_profiles
+
     from .data import list_datasets, list_partitioners
     from .models import list_models, model_entry
     from .sim import ALGORITHMS
@@ -138,6 +169,14 @@ def _cmd_list(args: argparse.Namespace) -> int:
     print("datasets:     " + ", ".join(list_datasets()))
     print("partitioners: " + ", ".join(list_partitioners()))
     print("algorithms:   " + ", ".join(ALGORITHMS))
+    print("device profiles:")
+    for name in list_profiles():
+        prof = get_profile(name)
+        print(f"  {name:17s} density {prof.density:.1f}, K_P {prof.kp}, batch {prof.batch_size:3d}, "
+              f"{prof.inference_runtime}/{prof.training_backend}: {prof.description}")
+    print("fleets:")
+    for name in list_fleets():
+        print(f"  {name:17s} {get_fleet(name).description}")
     return 0
 
 
@@ -157,7 +196,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=Path("runs/demo"), help="run folder (default runs/demo)")
     p.set_defaults(func=_cmd_demo)
 
-    p = sub.add_parser("list", help="list models, data sets, partitioners and algorithms")
+    p = sub.add_parser("check", help="does a model fit each device class at its density and batch size?")
+    p.add_argument("--model", default="cnn")
+    p.add_argument("--dataset", default="fashion-mnist", help="sets the input shape and classes")
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--profiles", default="all", help="all, or comma-separated profile names")
+    p.set_defaults(func=_cmd_check)
+
+    p = sub.add_parser("list", help="list models, data sets, partitions, algorithms, device profiles and fleets")
     p.set_defaults(func=_cmd_list)
     return parser
 
