@@ -53,8 +53,8 @@ class DisPFL(Algorithm):
                                for k, v in stack_states([ctx.init_state] * ctx.num_clients).items()}
         self.rows = torch.arange(ctx.num_clients)
         self.sizes = layer_sizes(ctx.model, ctx.input_shape)
-        # per client, the tensors its density leaves dense: sent without a mask (nnz never changes)
         self._deployed: Stack | None = None
+        # per client, the tensors its density leaves dense: sent without a mask (nnz never changes)
         self.dense_keys = [{k for k, m in self.masks.items() if bool(m[i].all())} for i in range(ctx.num_clients)]
         self.label_counts = torch.stack([torch.bincount(ctx.train_data.y[i, : int(ctx.train_data.n[i])],
                                                         minlength=ctx.num_classes) for i in range(ctx.num_clients)])
