@@ -156,6 +156,36 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    """Export a device's model for a profile, verify it against eager PyTorch, record it in the manifest."""
+    from device_profiles import get_profile
+    from export import lower_onnx, package, prepare, verify
+
+    from .checkpoint import ModelSpec
+    from .data import get_dataset
+    from .errors import DataError
+
+    profile = get_profile(args.profile)
+    spec = None if args.checkpoint else ModelSpec(args.model, args.num_classes, args.in_channels, args.image_size)
+    prep = prepare(profile, checkpoint=args.checkpoint, spec=spec, seed=args.seed)
+    if args.checkpoint is None:
+        print(f"no --checkpoint: exporting a fresh, untrained {args.model} (for sizes and latency, not accuracy)")
+    real = None
+    try:
+        ds = get_dataset(args.dataset, data_dir=args.data_dir)
+        if tuple(ds.test_x.shape[1:]) == prep.input_shape:
+            real = ds.test_x[:32]
+    except DataError as e:
+        print(f"verifying on random inputs only: {e}")
+    packaged = package(lower_onnx(prep), args.out)
+    ver = verify(packaged, real=real)
+    print(f"{packaged.path}  {packaged.entry['bytes']:,} bytes  opset {packaged.entry['opset']}  density "
+          f"{prep.density:.2f}  verified on {', '.join(ver.inputs)}: max abs error {ver.max_abs_err:.2e}, "
+          f"max rel error {ver.max_rel_err:.2e}")
+    print(f"manifest: {packaged.path.parent / 'manifest.json'}")
+    return 0
+
+
 def _cmd_list(args: argparse.Namespace) -> int:
     from device_profiles import get_fleet, get_profile, list_fleets, list_profiles
 
@@ -202,6 +232,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", default=None)
     p.add_argument("--profiles", default="all", help="all, or comma-separated profile names")
     p.set_defaults(func=_cmd_check)
+
+    p = sub.add_parser("export", help="export a device's model (ONNX), verified against eager PyTorch")
+    p.add_argument("--profile", required=True, help="device profile (pfl-edge list)")
+    p.add_argument("--checkpoint", type=Path, help="a client checkpoint from simulate --save-dir (default: fresh)")
+    p.add_argument("--model", default="cnn", help="for a fresh model")
+    p.add_argument("--num-classes", type=int, default=10, help="for a fresh model")
+    p.add_argument("--in-channels", type=int, default=1, help="for a fresh model")
+    p.add_argument("--image-size", type=int, default=28, help="for a fresh model")
+    p.add_argument("--format", choices=["onnx"], default="onnx",
+                   help="onnx (ExecuTorch formats are not in this release yet)")
+    p.add_argument("--dataset", default="fashion-mnist", help="real inputs for the parity check, if shapes match")
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("artefacts"))
+    p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser("list", help="list models, data sets, partitions, algorithms, device profiles and fleets")
     p.set_defaults(func=_cmd_list)
