@@ -1,6 +1,6 @@
-"""Export a device's model: ``prepare`` -> ``lower_onnx`` -> ``package`` -> ``verify``, with a manifest.
-
-ONNX (fixed opset, dynamic batch) is here; ExecuTorch inference and training programs come next (issue 4).
+"""Export a device's model: ``prepare`` -> ``lower_onnx`` | ``lower_executorch`` -> ``package`` -> ``verify``,
+with a manifest. ONNX (fixed opset, dynamic batch) and ExecuTorch inference (XNNPACK) are here; int8 and
+on-device training programs come next.
 """
 
 from .stages import (
@@ -10,6 +10,7 @@ from .stages import (
     Packaged,
     Prepared,
     Verified,
+    lower_executorch,
     lower_onnx,
     package,
     prepare,
@@ -23,6 +24,7 @@ __all__ = [
     "Packaged",
     "Prepared",
     "Verified",
+    "lower_executorch",
     "lower_onnx",
     "package",
     "prepare",

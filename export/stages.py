@@ -27,6 +27,7 @@ __all__ = [
     "Packaged",
     "Prepared",
     "Verified",
+    "lower_executorch",
     "lower_onnx",
     "package",
     "prepare",
@@ -137,12 +138,33 @@ def lower_onnx(prepared: Prepared, *, opset: int = ONNX_OPSET) -> Lowered:
     return Lowered(prepared, "onnx", program, {"opset": opset, "operators": ops})
 
 
+def lower_executorch(prepared: Prepared, *, max_batch: int = 256) -> Lowered:
+    """An ExecuTorch inference program (``.pte``) delegated to XNNPACK, batch dynamic from 1 to ``max_batch``."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+
+    # batch 2 in the example: an example of batch 1 would specialise the batch dimension to 1
+    example = torch.zeros(2, *prepared.input_shape)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ep = torch.export.export(prepared.model, (example,),
+                                     dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=max_batch)},))
+            edge = to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()])
+            program = edge.to_executorch().buffer
+    except Exception as e:  # export and lowering raise many kinds; say which model and why
+        raise ExportError(f"ExecuTorch export of {prepared.spec.model} failed: {e}") from e
+    ops = sorted({str(n.target) for n in edge.exported_program().graph.nodes if n.op == "call_function"})
+    return Lowered(prepared, "executorch", program, {"backend": "xnnpack", "max_batch": max_batch,
+                                                       "operators": ops})
+
+
 def package(lowered: Lowered, out_dir: str | Path) -> Packaged:
     """Write the artefact (atomically) and its entry into ``manifest.json`` beside it."""
     prep = lowered.prepared
     d = Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)
-    suffix = {"onnx": ".onnx"}.get(lowered.format, ".bin")
+    suffix = {"onnx": ".onnx", "executorch": ".pte"}[lowered.format]
     path = d / f"{prep.spec.model}-{prep.profile.name}-{prep.tag}{suffix}"
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_bytes(lowered.program)
@@ -220,4 +242,17 @@ def _runner(packaged: Packaged) -> Any:
         opts.intra_op_num_threads = packaged.lowered.prepared.profile.threads
         sess = ort.InferenceSession(str(packaged.path), opts, providers=["CPUExecutionProvider"])
         return lambda x: sess.run(None, {"input": x.astype(np.float32)})[0]
+    if fmt == "executorch":
+        from executorch.runtime import Runtime
+
+        data = packaged.path.read_bytes()  # the runtime reads from this buffer without owning it: keep it alive
+        program = Runtime.get().load_program(data)
+        method = program.load_method("forward")
+
+        def run(x: np.ndarray) -> np.ndarray:
+            _ = (data, program)  # referenced here so they live as long as the method
+            out = method.execute([torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))])[0]
+            return np.asarray(out.numpy())
+
+        return run
     raise ExportError(f"no runner for format {fmt!r}")

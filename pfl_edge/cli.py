@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -159,7 +159,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     """Export a device's model for a profile, verify it against eager PyTorch, record it in the manifest."""
     from device_profiles import get_profile
-    from export import lower_onnx, package, prepare, verify
+    from export import Lowered, Prepared, lower_executorch, lower_onnx, package, prepare, verify
 
     from .checkpoint import ModelSpec
     from .data import get_dataset
@@ -177,12 +177,13 @@ def _cmd_export(args: argparse.Namespace) -> int:
             real = ds.test_x[:32]
     except DataError as e:
         print(f"verifying on random inputs only: {e}")
-    packaged = package(lower_onnx(prep), args.out)
-    ver = verify(packaged, real=real)
-    print(f"{packaged.path}  {packaged.entry['bytes']:,} bytes  opset {packaged.entry['opset']}  density "
-          f"{prep.density:.2f}  verified on {', '.join(ver.inputs)}: max abs error {ver.max_abs_err:.2e}, "
-          f"max rel error {ver.max_rel_err:.2e}")
-    print(f"manifest: {packaged.path.parent / 'manifest.json'}")
+    lowerers: dict[str, Callable[[Prepared], Lowered]] = {"onnx": lower_onnx, "executorch": lower_executorch}
+    for fmt in (lowerers if args.format == "all" else [args.format]):
+        packaged = package(lowerers[fmt](prep), args.out)
+        ver = verify(packaged, real=real)
+        print(f"{packaged.path}  {packaged.entry['bytes']:,} bytes  density {prep.density:.2f}  verified on "
+              f"{', '.join(ver.inputs)}: max abs error {ver.max_abs_err:.2e}, max rel error {ver.max_rel_err:.2e}")
+    print(f"manifest: {Path(args.out) / 'manifest.json'}")
     return 0
 
 
@@ -233,15 +234,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profiles", default="all", help="all, or comma-separated profile names")
     p.set_defaults(func=_cmd_check)
 
-    p = sub.add_parser("export", help="export a device's model (ONNX), verified against eager PyTorch")
+    p = sub.add_parser("export", help="export a device's model (ONNX, ExecuTorch), verified against eager PyTorch")
     p.add_argument("--profile", required=True, help="device profile (pfl-edge list)")
     p.add_argument("--checkpoint", type=Path, help="a client checkpoint from simulate --save-dir (default: fresh)")
     p.add_argument("--model", default="cnn", help="for a fresh model")
     p.add_argument("--num-classes", type=int, default=10, help="for a fresh model")
     p.add_argument("--in-channels", type=int, default=1, help="for a fresh model")
     p.add_argument("--image-size", type=int, default=28, help="for a fresh model")
-    p.add_argument("--format", choices=["onnx"], default="onnx",
-                   help="onnx (ExecuTorch formats are not in this release yet)")
+    p.add_argument("--format", choices=["onnx", "executorch", "all"], default="all",
+                   help="onnx (opset 17), executorch (.pte, XNNPACK) or all; int8 and training programs: not yet")
     p.add_argument("--dataset", default="fashion-mnist", help="real inputs for the parity check, if shapes match")
     p.add_argument("--data-dir", default=None)
     p.add_argument("--seed", type=int, default=0)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from device_profiles import get_profile
-from export import ExportError, lower_onnx, package, prepare, verify
+from export import ExportError, lower_executorch, lower_onnx, package, prepare, verify
 from pfl_edge.checkpoint import ModelSpec
 from pfl_edge.cli import main
 from pfl_edge.sim import SimConfig, simulate
@@ -28,6 +28,20 @@ def test_every_model_exports_to_onnx_and_matches_eager(tmp_path: Path, model: st
     assert entry["sha256"] == hashlib.sha256(packaged.path.read_bytes()).hexdigest()
     assert entry["bytes"] == packaged.path.stat().st_size
     assert entry["verify"]["passed"] and entry["profile"] == "raspberry-pi-5" and entry["density"] == 1.0
+
+
+@pytest.mark.parametrize(("model", "channels", "size"), [("cnn", 1, 28), ("mobilenet-v1", 3, 32)])
+def test_executorch_inference_program_matches_eager(tmp_path: Path, model: str, channels: int, size: int) -> None:
+    prep = prepare(get_profile("phone-high"), spec=ModelSpec(model, 10, channels, size, "deep", 0),
+                   seed=1)
+    lowered = lower_executorch(prep)
+    assert lowered.details["backend"] == "xnnpack"
+    assert any("executorch_call_delegate" in op for op in lowered.details["operators"])  # XNNPACK took the graph
+    packaged = package(lowered, tmp_path)
+    assert packaged.path.suffix == ".pte"
+    ver = verify(packaged, real=torch.randn(3, channels, size, size))
+    assert ver.max_abs_err < 1e-4
+    assert json.loads((tmp_path / "manifest.json").read_text())[0]["format"] == "executorch"
 
 
 def test_checkpoint_from_the_simulator_exports_with_its_round_and_density(tmp_path: Path) -> None:
@@ -68,7 +82,8 @@ def test_base_only_checkpoint_and_corrupt_manifest_are_refused(tmp_path: Path) -
 
 
 def test_cli_export(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["export", "--profile", "jetson-nano", "--dataset", "synthetic", "--out", str(tmp_path)]) == 0
+    assert main(["export", "--profile", "jetson-nano", "--dataset", "synthetic", "--format", "onnx",
+                 "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "fresh, untrained" in out and "verified on random b1, random b8, real" in out
     assert (tmp_path / "cnn-jetson-nano-fresh.onnx").exists()
