@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
+from pfl_edge.flops import module_outputs
 from pfl_edge.sparse import erk_densities
 
 from .registry import Profile
@@ -47,23 +47,8 @@ class Fit:
 
 def _activation_elements(model: nn.Module, input_shape: tuple[int, ...]) -> int:
     """Elements of every leaf module's output for one sample (what autograd keeps for the backward pass)."""
-    total = 0
-
-    def hook(_m: nn.Module, _i: object, out: torch.Tensor) -> None:
-        nonlocal total
-        total += int(out[0].numel())
-
-    hooks = [m.register_forward_hook(hook) for m in model.modules() if not list(m.children())]
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            model(torch.zeros(1, *input_shape))
-    finally:
-        for h in hooks:
-            h.remove()
-        model.train(was_training)
-    return total
+    outs = module_outputs(model, input_shape, lambda _n, m: not list(m.children()))
+    return sum(int(o[0].numel()) for _m, calls in outs.values() for o in calls)
 
 
 def check(profile: Profile, model: nn.Module, input_shape: tuple[int, ...],

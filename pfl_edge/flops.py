@@ -7,23 +7,24 @@ reference) write it: C_out for every convolution, with or without a bias. Traini
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["forward_flops", "layer_sizes"]
+__all__ = ["forward_flops", "layer_sizes", "module_outputs"]
 
 
-def layer_sizes(model: nn.Module, input_shape: tuple[int, ...]) -> dict[str, tuple[str, int]]:
-    """For every conv / linear module: (kind, output positions per sample), found by one forward pass."""
-    found: dict[str, tuple[str, int]] = {}
+def module_outputs(model: nn.Module, input_shape: tuple[int, ...],
+                   pick: Callable[[str, nn.Module], bool]) -> dict[str, tuple[nn.Module, list[Tensor]]]:
+    """One eval-mode forward pass of a zero sample; the outputs of every module ``pick`` selects, by name (a
+    module called twice, like a shared ReLU, has two)."""
+    found: dict[str, tuple[nn.Module, list[Tensor]]] = {}
     hooks = []
     for name, mod in model.named_modules():
-        if isinstance(mod, nn.Conv2d | nn.Linear):
+        if pick(name, mod):
             def hook(m: nn.Module, inp: object, out: Tensor, name: str = name) -> None:
-                positions = int(out.shape[2] * out.shape[3]) if out.dim() == 4 else 1
-                found[name] = ("conv" if isinstance(m, nn.Conv2d) else "linear", positions)
+                found.setdefault(name, (m, []))[1].append(out)
             hooks.append(mod.register_forward_hook(hook))
     was_training = model.training
     model.eval()
@@ -35,6 +36,14 @@ def layer_sizes(model: nn.Module, input_shape: tuple[int, ...]) -> dict[str, tup
             h.remove()
         model.train(was_training)
     return found
+
+
+def layer_sizes(model: nn.Module, input_shape: tuple[int, ...]) -> dict[str, tuple[str, int]]:
+    """For every conv / linear module: (kind, output positions per sample), found by one forward pass."""
+    outs = module_outputs(model, input_shape, lambda _n, m: isinstance(m, nn.Conv2d | nn.Linear))
+    return {name: ("conv" if isinstance(m, nn.Conv2d) else "linear",
+                   int(out[0].shape[2] * out[0].shape[3]) if out[0].dim() == 4 else 1)
+            for name, (m, out) in outs.items()}
 
 
 def forward_flops(model: nn.Module, input_shape: tuple[int, ...], masks: Mapping[str, Tensor] | None = None,
