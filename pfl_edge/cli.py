@@ -139,6 +139,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
     from .data import get_dataset
     from .models import get_model
+    from .sim.report import format_table
 
     ds = get_dataset(args.dataset, data_dir=args.data_dir)
     model = get_model(args.model, num_classes=ds.num_classes, in_channels=ds.in_channels, image_size=ds.image_size)
@@ -150,9 +151,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         rows.append((name, f"{fit.density:.2f}", str(prof.batch_size), f"{fit.params:,}", f"{fit.active_params:,}",
                      f"{fit.train_mb:.1f}", str(prof.train_memory_mb), f"{fit.infer_mb:.1f}", str(prof.ram_budget_mb),
                      "yes" if fit.ok else "NO: " + "; ".join(fit.reasons())))
-    widths = [max(len(r[j]) for r in rows) for j in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    print(format_table(rows))
     return 0
 
 
@@ -194,6 +193,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     from export import lower_executorch, lower_onnx, package, prepare, verify
 
     from .checkpoint import ModelSpec
+    from .sim.report import format_table
 
     names = list_profiles() if args.profiles == "all" else args.profiles.split(",")
     profiles = [get_profile(n) for n in names]
@@ -218,9 +218,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         rows.append((r["profile"], str(r["threads"]), r["inference_runtime"], f"{r['artefact_bytes'] / 1024:.0f}",
                      *(f"{x['median_ms']:.2f} ({x['p95_ms']:.2f}) b{x['batch']}" for x in m),
                      "/".join(f"{x['peak_rss_mb']:.0f}" for x in m)))
-    widths = [max(len(r[j]) for r in rows) for j in range(len(header))]
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    print(format_table(rows))
     print(f"results: {args.out / 'profile.json'}  chart: {args.out / 'profile.png'}")
     return 0
 

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["client_table", "plot_masks", "plot_rounds", "write_result"]
+__all__ = ["client_table", "format_table", "plot_masks", "plot_rounds", "write_result"]
 
 
 def write_result(result: Mapping[str, Any], out: str | Path, *, plot: bool = True) -> Path:
@@ -85,6 +85,16 @@ def plot_rounds(results: Mapping[str, Mapping[str, Any]], out: str | Path, *, ti
     return p
 
 
+def format_table(rows: Sequence[Sequence[str]], *, right: bool = False, rule: bool = False) -> str:
+    """Columns aligned to their widest cell; ``rule`` draws a line under the first row (the header)."""
+    widths = [max(len(r[j]) for r in rows) for j in range(len(rows[0]))]
+    lines = ["  ".join(c.rjust(w) if right else c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+             for r in rows]
+    if rule:
+        lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
 def client_table(result: Mapping[str, Any]) -> str:
     """A per-client table of the final round: samples, accuracy, loss, bytes."""
     last = result["rounds"][-1]
@@ -95,9 +105,7 @@ def client_table(result: Mapping[str, Any]) -> str:
                      f"{acc:.3f}", f"{last['client_loss'][i]:.3f}",
                      f"{sum(r['client_bytes_up'][i] for r in result['rounds']) / 1e6:.2f}",
                      f"{sum(r['client_bytes_down'][i] for r in result['rounds']) / 1e6:.2f}"))
-    widths = [max(len(r[j]) for r in rows) for j in range(len(rows[0]))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines = [format_table(rows, right=True, rule=True)]
     cfg = result["config"]
     lines.append(f"{cfg['algorithm']}: mean accuracy {last['mean_acc']:.3f} (std {last['std_acc']:.3f}) after "
                  f"{last['round']} rounds; {result['meta']['total_s']:.1f} s")
