@@ -16,7 +16,7 @@ test: $(VENV)/.installed data
 	$(BIN)/python -m pytest -q
 
 lint: $(VENV)/.installed
-	$(BIN)/ruff check pfl_edge device_profiles export edge_runtime tests bench
+	$(BIN)/ruff check pfl_edge device_profiles export edge_runtime server tests bench
 	$(BIN)/mypy
 
 venv: $(VENV)/.installed
