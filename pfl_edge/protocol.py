@@ -1,0 +1,200 @@
+"""The protocol between the server and its devices, defined once: HTTP paths, MQTT topics and every message.
+
+Both ``server/`` and ``edge_runtime/`` import this module and nothing of each other. Messages are pydantic
+models with ``extra="forbid"``: an unknown or mistyped field is an error, not silently dropped. Weights never
+travel over MQTT: control messages carry sha256 digests of blobs, which devices fetch over HTTP.
+
+Topics (MQTT 3.1.1, QoS 1; ``fed`` is the federation id, ``dev`` a device id):
+
+- ``pfl/<fed>/round`` (retained): :class:`RoundAnnouncement`, the federation's current round and state.
+- ``pfl/<fed>/device/<dev>/task`` (retained): :class:`Task`, what this device must do in the current round.
+- ``pfl/<fed>/device/<dev>/status`` (retained): :class:`DeviceStatus`, ``online`` from the device on connect,
+  ``offline`` as its last will.
+
+HTTP (JSON unless said; every call but enrolment and the health check carries ``Authorization: Bearer
+<token>``):
+
+- ``POST /v1/federations`` (admin token): :class:`FederationCreate` -> :class:`FederationInfo`
+- ``GET /v1/federations/{fed}``: :class:`FederationInfo`
+- ``POST /v1/devices``: :class:`EnrolRequest` -> :class:`Enrolment`
+- ``PUT /v1/blobs/{sha256}`` (raw bytes) and ``GET /v1/blobs/{sha256}``
+- ``POST /v1/rounds/{t}/updates``: :class:`UpdateRequest` -> :class:`UpdateAccepted`
+- ``POST /v1/rounds/{t}/metrics``: :class:`MetricsReport`
+- ``GET /v1/federations/{fed}/metrics``: every round's metrics per device
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+__all__ = [
+    "API_PREFIX",
+    "DIGEST_RE",
+    "PROTOCOL_VERSION",
+    "DeviceStatus",
+    "EnrolRequest",
+    "Enrolment",
+    "FederationCreate",
+    "FederationInfo",
+    "MetricsReport",
+    "Neighbour",
+    "RoundAnnouncement",
+    "RoundState",
+    "Task",
+    "UpdateAccepted",
+    "UpdateRequest",
+    "round_topic",
+    "status_topic",
+    "task_topic",
+]
+
+PROTOCOL_VERSION = 1
+API_PREFIX = "/v1"
+DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
+_ID_RE = r"^[A-Za-z0-9_-]{1,64}$"
+
+RoundState = Literal["open", "collecting", "closing", "published", "finished"]
+
+
+def round_topic(fed: str) -> str:
+    return f"pfl/{fed}/round"
+
+
+def task_topic(fed: str, device: str) -> str:
+    return f"pfl/{fed}/device/{device}/task"
+
+
+def status_topic(fed: str, device: str) -> str:
+    return f"pfl/{fed}/device/{device}/status"
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _digest(v: str) -> str:
+    if not DIGEST_RE.match(v):
+        raise ValueError("must be a sha256 digest: 64 lowercase hex characters")
+    return v
+
+
+class FederationCreate(_Msg):
+    """A federation from a config. ``config`` holds the simulator's config keys (``pfl_edge.sim.SimConfig``:
+    algorithm, model, dataset, partition, clients, rounds, local epochs, lr, kp, density, topology, seed, ...);
+    ``clients`` is the number of devices the federation waits for before round 1."""
+
+    id: str = Field(pattern=_ID_RE)
+    enrol_secret: str = Field(min_length=8, max_length=256)
+    config: dict[str, object]
+    quorum: float = Field(default=1.0, gt=0, le=1)  # fraction of enrolled devices that closes a round early
+    deadline_s: float = Field(default=600.0, gt=0)  # after this, a round closes with whatever quorum it has
+    min_updates: int = Field(default=1, ge=1)  # a round past its deadline with fewer updates stays open
+    profile_capacity: bool = False  # density and K_P from each device's profile instead of the config
+
+
+class FederationInfo(_Msg):
+    id: str
+    config: dict[str, object]
+    round: int
+    state: RoundState
+    devices: int
+    quorum: float
+    deadline_s: float
+    profile_capacity: bool
+
+
+class EnrolRequest(_Msg):
+    federation: str = Field(pattern=_ID_RE)
+    enrol_secret: str = Field(max_length=256)
+    profile: str = Field(max_length=64)
+    name: str = Field(default="", max_length=64)  # a label for tables; not an identity
+    index: int | None = Field(default=None, ge=0)  # the data partition it holds, if it wants that slot
+
+
+class Enrolment(_Msg):
+    device_id: str
+    token: str
+    index: int  # its slot in the federation: seeds, partition, topology
+    federation: str
+    config: dict[str, object]
+    density: float
+    kp: int
+    broker_url: str
+    mqtt_username: str
+    mqtt_password: str
+    round: int  # the round the federation is in; a device joining late takes part from the next one
+    init_digest: str  # the model every device starts from (FedPer: its base; DisPFL: the dense init)
+
+
+class Neighbour(_Msg):
+    index: int
+    device_id: str
+    digest: str
+
+    _check = field_validator("digest")(_digest)
+
+
+class Task(_Msg):
+    """Round ``round`` for one device. FedPer: load ``base`` (the server's latest average), train, upload the
+    base part. DisPFL: average ``neighbours``' latest sparse models with its own, train, prune and regrow,
+    upload its sparse model. ``final``: no training; evaluate on ``base`` and report (FedPer's last step)."""
+
+    federation: str
+    round: int = Field(ge=0)
+    algorithm: str
+    base: str | None = None
+    neighbours: list[Neighbour] = Field(default_factory=list)
+    deadline: float  # unix time
+    final: bool = False
+
+    @field_validator("base")
+    @classmethod
+    def _base(cls, v: str | None) -> str | None:
+        return None if v is None else _digest(v)
+
+
+class RoundAnnouncement(_Msg):
+    federation: str
+    round: int
+    state: RoundState
+    base: str | None = None
+    deadline: float | None = None
+
+
+class DeviceStatus(_Msg):
+    device_id: str
+    state: Literal["online", "offline"]
+
+
+class UpdateRequest(_Msg):
+    """A device's result of round ``t``: the digest of the blob it uploaded (its base part, or its sparse
+    model), its sample count (FedPer's weight) and what it measured."""
+
+    digest: str
+    n_samples: int = Field(ge=1)
+    train_loss: float | None = None
+    train_s: float | None = Field(default=None, ge=0)
+    bytes_down: int = Field(default=0, ge=0)
+
+    _check = field_validator("digest")(_digest)
+
+
+class UpdateAccepted(_Msg):
+    round: int
+    accepted: bool  # False: an identical update was already accepted (idempotent retry)
+    updates: int  # accepted so far this round
+
+
+class MetricsReport(_Msg):
+    """Evaluation of the model a device deploys after round ``t`` on its own test data."""
+
+    accuracy: float = Field(ge=0, le=1)
+    loss: float
+    n_test: int = Field(ge=0)
+    bytes_up: int = Field(default=0, ge=0)
+    bytes_down: int = Field(default=0, ge=0)
+    step_ms: float | None = Field(default=None, ge=0)
+    train_s: float | None = Field(default=None, ge=0)
