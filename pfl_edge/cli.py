@@ -113,6 +113,21 @@ def _check_writable(out: Path, save_dir: Path | None) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    """The running system on one machine: the server, the embedded broker and N device processes."""
+    if args.simulate:
+        return _sim_demo(args)
+    from edge_runtime.fleet import DemoConfig, run_demo
+
+    cfg = DemoConfig(devices=args.devices, rounds=args.rounds, algorithm=args.algorithm, fleet=args.fleet,
+                     out=str(args.out), dataset=args.dataset, partition=args.partition, seed=args.seed,
+                     samples_per_client=args.samples_per_client, broker_url=args.broker_url,
+                     database_url=args.database_url, live=not args.no_progress)
+    _check_writable(Path(args.out) / "metrics.json", None)
+    summary = run_demo(cfg)
+    return 0 if summary["finished"] else 1
+
+
+def _sim_demo(args: argparse.Namespace) -> int:
     """A short simulated federation: FedPer against FedAvg on a pathological non-IID split."""
     from .sim import client_table, plot_rounds, simulate, write_result
 
@@ -120,8 +135,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     _check_writable(out / "fedper.json", None)
     results = {}
     for alg in ("fedper", "fedavg"):
-        cfg = _sim_config(args, dataset="fashion-mnist", partition="pathological:2", clients=args.clients,
-                          rounds=args.rounds, samples_per_client=500, local_epochs=1).replace(algorithm=alg)
+        cfg = _sim_config(args, dataset="fashion-mnist", partition="pathological:2", clients=10, rounds=10,
+                          samples_per_client=500, local_epochs=1).replace(algorithm=alg)
         print(f"== {alg}: {cfg.clients} clients, {cfg.rounds} rounds, {cfg.dataset} {cfg.partition}", flush=True)
         res = simulate(cfg, save_dir=out / "checkpoints" / alg, progress=False if args.no_progress else None)
         write_result(res, out / f"{alg}.json")
@@ -131,6 +146,40 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     a, b = results["fedper"]["final"]["mean_acc"], results["fedavg"]["final"]["mean_acc"]
     print(f"\nFedPer {a:.3f} vs FedAvg {b:.3f} mean client accuracy. Results, plots and checkpoints in {out}/")
     return 0
+
+
+def _cmd_server(args: argparse.Namespace) -> int:
+    from server.main import serve
+
+    from server.settings import load_settings
+
+    overrides: dict[str, Any] = {}
+    if args.data_dir is not None:
+        overrides["data_dir"] = args.data_dir
+    if args.broker_url:
+        overrides["broker_url"] = args.broker_url
+    if args.database_url:
+        overrides["database_url"] = args.database_url
+    serve(load_settings(args.settings, **overrides), host=args.host, port=args.port)
+    return 0
+
+
+def _cmd_client(args: argparse.Namespace) -> int:
+    import logging
+
+    from edge_runtime.agent import Agent, AgentConfig, install_signal_handlers
+
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    overrides = {k: v for k, v in (("dataset", args.dataset), ("partition", args.partition),
+                                   ("clients", args.num_partitions), ("seed", args.seed)) if v is not None}
+    cfg = AgentConfig(server=args.server, federation=args.federation, enrol_secret=args.enrol_secret,
+                      profile=args.profile, state_dir=str(args.state_dir), name=args.name,
+                      partition_id=args.partition_id, threads=args.threads, data_dir=args.dataset_dir,
+                      image_dir=args.data_dir, patience_s=args.patience, data_overrides=overrides)
+    agent = Agent(cfg)
+    install_signal_handlers(agent)
+    return agent.run()
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
@@ -257,11 +306,50 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-dir", type=Path, help="write each client's final model and the base (safetensors)")
     p.set_defaults(func=_cmd_simulate)
 
-    p = sub.add_parser("demo", help="a short simulated FedPer vs FedAvg federation on Fashion-MNIST")
-    _add_sim_flags(p)
-    p.set_defaults(clients=10, rounds=10)
+    p = sub.add_parser("demo", help="a federation on this machine: server, embedded broker, N device processes")
+    p.add_argument("--devices", type=int, default=4, help="device processes (default 4)")
+    p.add_argument("--rounds", type=int, default=5, help="rounds (default 5)")
+    p.add_argument("--algorithm", default="fedper", help="fedper | fedper-ft | fedavg | dispfl")
+    p.add_argument("--fleet", default="mixed", help="device fleet the devices are drawn from (pfl-edge list)")
+    p.add_argument("--dataset", default="fashion-mnist")
+    p.add_argument("--partition", default="pathological:2", help="non-IID split (default pathological:2)")
+    p.add_argument("--samples-per-client", type=int, default=600)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--broker-url", default="embedded", help="embedded (default) or mqtt://host:port")
+    p.add_argument("--database-url", default=None, help="default: SQLite in the run folder")
     p.add_argument("--out", type=Path, default=Path("runs/demo"), help="run folder (default runs/demo)")
-    p.set_defaults(func=_cmd_demo)
+    p.add_argument("--no-progress", action="store_true", help="no live table; one line per round")
+    p.add_argument("--simulate", action="store_true",
+                   help="instead: the in-process simulator, FedPer vs FedAvg (10 clients, 10 rounds)")
+    p.set_defaults(func=_cmd_demo, config=None, local_norm_stats=None)
+
+    p = sub.add_parser("server", help="the coordination and aggregation server (FastAPI)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--settings", type=Path, help="settings file (.env or TOML); PFL_* environment variables win")
+    p.add_argument("--data-dir", type=Path, help="where SQLite and the blobs live (default ./pfl-server)")
+    p.add_argument("--broker-url", help="embedded (default) or mqtt://host:port")
+    p.add_argument("--database-url", help="default: SQLite in the data dir; postgresql+psycopg://... for PostgreSQL")
+    p.set_defaults(func=_cmd_server)
+
+    p = sub.add_parser("client", help="a device: enrol, follow rounds, train on local data, upload")
+    p.add_argument("--server", required=True, help="the server's URL, e.g. http://10.0.0.2:8080")
+    p.add_argument("--federation", default="demo", help="federation id (default demo)")
+    p.add_argument("--enrol-secret", required=True, help="the federation's enrolment secret")
+    p.add_argument("--profile", required=True, help="this device's profile (pfl-edge list)")
+    p.add_argument("--state-dir", type=Path, required=True, help="enrolment, personal blocks, mask, progress")
+    p.add_argument("--name", default="", help="a label for tables")
+    p.add_argument("--dataset", help="registered data set (default: the federation's)")
+    p.add_argument("--partition", help="split (default: the federation's)")
+    p.add_argument("--num-partitions", type=int, help="partitions (default: the federation's clients)")
+    p.add_argument("--partition-id", type=int, help="this device's partition (default: its slot)")
+    p.add_argument("--seed", type=int, help="partition seed (default: the federation's)")
+    p.add_argument("--dataset-dir", help="where the registered data set's files are")
+    p.add_argument("--data-dir", help="the user's own labelled images instead: one folder per class")
+    p.add_argument("--threads", type=int, help="torch threads (default: the profile's)")
+    p.add_argument("--patience", type=float, default=300.0, help="seconds to keep retrying a missing server")
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.set_defaults(func=_cmd_client)
 
     p = sub.add_parser("check", help="does a model fit each device class at its density and batch size?")
     p.add_argument("--model", default="cnn")

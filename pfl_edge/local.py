@@ -35,6 +35,7 @@ __all__ = [
     "dispfl_update_mask",
     "evaluate_local",
     "init_state",
+    "load_image_folder",
     "load_local_data",
     "model_id",
     "personal_finetune",
@@ -87,6 +88,32 @@ def load_local_data(cfg: SimConfig, index: int, *, data_dir: str | None = None) 
                      cfg.kp if cfg.base == "linear" else 0)
     return LocalData(ClientTensors.build(ds.train_x, [c.train_idx], [c.train_y]),
                      ClientTensors.build(ds.test_x, [c.test_idx], [c.test_y]), spec, build_model(spec))
+
+
+def load_image_folder(root: str, cfg: SimConfig, *, seed: int, test_fraction: float = 0.2) -> LocalData:
+    """The user's own labelled images: one sub-folder per class, named by the class index (``0``, ``1``, ...)
+    or by the class's position in the sorted folder names. Images are converted to the federation's model
+    input (channels, size) and normalised to [-1, 1]; ``test_fraction`` of each class is held out."""
+    from .data.folder import read_image_folder
+
+    ds = get_dataset(cfg.dataset, data_dir=cfg.data_dir)  # the federation's model shape and classes
+    x, y = read_image_folder(root, ds.in_channels, ds.image_size, ds.num_classes)
+    gen = torch.Generator().manual_seed(seed)
+    test_idx: list[Tensor] = []
+    train_idx: list[Tensor] = []
+    for c in torch.unique(y).tolist():
+        idx = torch.nonzero(y == c).flatten()
+        idx = idx[torch.randperm(len(idx), generator=gen)]
+        k = round(test_fraction * len(idx))
+        test_idx.append(idx[:k])
+        train_idx.append(idx[k:])
+    tr, te = torch.cat(train_idx), torch.cat(test_idx)
+    if len(tr) == 0:
+        raise ConfigError(f"{root}: no training images left after holding out {test_fraction:.0%} for testing")
+    spec = ModelSpec(cfg.model, ds.num_classes, ds.in_channels, ds.image_size, cfg.base,
+                     cfg.kp if cfg.base == "linear" else 0)
+    return LocalData(ClientTensors.build(x, [tr], [y[tr]]), ClientTensors.build(x, [te], [y[te]]), spec,
+                     build_model(spec))
 
 
 def init_state(cfg: SimConfig, spec: ModelSpec) -> dict[str, Tensor]:

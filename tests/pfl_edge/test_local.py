@@ -55,7 +55,7 @@ def test_fedper_devices_match_simulator(tmp_path: Path, algorithm: str) -> None:
     base = take(init, splits[0].base)
     ft = algorithm == "fedper-ft"
     if ft:
-        states = [personal_finetune(d, s, sp, cfg, 0, i) for i, (d, s, sp) in enumerate(zip(data, states, splits))]
+        states = [personal_finetune(data[i], states[i], splits[i], cfg, 0, i) for i in range(cfg.clients)]
     for t in range(1, cfg.rounds + 1):
         uploads, weights = [], []
         for i, d in enumerate(data):
@@ -68,8 +68,8 @@ def test_fedper_devices_match_simulator(tmp_path: Path, algorithm: str) -> None:
         base = weighted_average(uploads, weights)
         states = [{**s, **base} for s in states]
         if ft:
-            states = [personal_finetune(d, s, sp, cfg, t, i) for i, (d, s, sp) in enumerate(zip(data, states, splits))]
-        accs = [evaluate_local(d, s)[0] for d, s in zip(data, states)]
+            states = [personal_finetune(data[i], states[i], splits[i], cfg, t, i) for i in range(cfg.clients)]
+        accs = [evaluate_local(d, s)[0] for d, s in zip(data, states, strict=False)]
         assert accs == pytest.approx(res["rounds"][t - 1]["client_acc"], abs=1e-6)
     for i in range(cfg.clients):
         _close(states[i], want[i])

@@ -1,0 +1,100 @@
+"""A device's state directory: its enrolment (token included), its model (personal blocks and last base, or its
+sparse model and mask), its progress through the rounds and the payload it last uploaded. Every write is
+atomic (a temporary file, fsync, then ``os.replace``), so a device killed at any moment restarts from its last
+complete step and never from half a file."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from pfl_edge.errors import ConfigError
+
+__all__ = ["StateDir", "atomic_write"]
+
+
+def atomic_write(path: Path, data: bytes, *, mode: int = 0o644) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+class StateDir:
+    """``enrolment.json`` (mode 0600: it holds the token), ``model.safetensors``, ``masks.safetensors``,
+    ``progress.json`` and ``upload.bin`` (the payload of the last round, kept until the server accepted it)."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"cannot create state dir {self.root}: {e}") from e
+        if not os.access(self.root, os.W_OK):
+            raise ConfigError(f"state dir {self.root} is not writable")
+
+    # --- JSON documents
+    def read_json(self, name: str) -> dict[str, Any] | None:
+        p = self.root / name
+        if not p.exists():
+            return None
+        try:
+            data = json.loads(p.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{p} is unreadable ({e}); remove the state dir to enrol afresh") from e
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p} does not hold a JSON object; remove the state dir to enrol afresh")
+        return data
+
+    def write_json(self, name: str, data: dict[str, Any], *, private: bool = False) -> None:
+        atomic_write(self.root / name, json.dumps(data, indent=1).encode(), mode=0o600 if private else 0o644)
+
+    @property
+    def enrolment(self) -> dict[str, Any] | None:
+        return self.read_json("enrolment.json")
+
+    def save_enrolment(self, data: dict[str, Any]) -> None:
+        self.write_json("enrolment.json", data, private=True)
+
+    @property
+    def progress(self) -> dict[str, Any]:
+        return self.read_json("progress.json") or {"round": 0, "posted": True, "metrics_round": 0,
+                                                   "bytes_up": 0, "bytes_down": 0}
+
+    def save_progress(self, data: dict[str, Any]) -> None:
+        self.write_json("progress.json", data)
+
+    # --- tensors
+    def load_tensors(self, name: str) -> dict[str, Tensor] | None:
+        p = self.root / name
+        if not p.exists():
+            return None
+        try:
+            return dict(load_file(str(p)))
+        except Exception as e:  # safetensors raises its own error types for a damaged file
+            raise ConfigError(f"{p} is damaged ({e}); remove the state dir to enrol afresh") from e
+
+    def save_tensors(self, name: str, tensors: dict[str, Tensor], meta: dict[str, str] | None = None) -> None:
+        p = self.root / name
+        tmp = p.with_name(f".{p.name}.tmp")
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+
+    # --- the payload of the round in flight
+    def save_upload(self, data: bytes) -> None:
+        atomic_write(self.root / "upload.bin", data)
+
+    def load_upload(self) -> bytes | None:
+        p = self.root / "upload.bin"
+        return p.read_bytes() if p.exists() else None
