@@ -1,0 +1,248 @@
+"""ExecuTorch *training* programs: ``lower_executorch_training`` -> ``package`` -> ``verify_training``.
+
+A training program computes one forward and backward pass and returns the loss; the runtime exposes the
+gradients of its trainable parameters and those parameters themselves, in place (DESIGN.md, "On-device training
+with ExecuTorch"): ``torch.export`` -> ``_export_forward_backward`` -> ``to_edge`` -> ``to_executorch``, no
+XNNPACK delegate. The optimizer step is not in the program; the device runs it (``edge_runtime.training``).
+
+Program signature (``details["inputs"]``): ``forward(x, y, weight, *frozen) -> (loss,)``
+
+- ``x`` (B, C, H, W), ``y`` (B,) int64 and ``weight`` (B,) float: the loss is
+  ``sum(weight * ce) / max(sum(weight), 1)``. The batch dimension is fixed at the profile's batch size; a
+  partial batch (the last of an epoch) is padded with weight-0 samples. Every model here normalises per sample
+  (GroupNorm, never BatchNorm, which cannot be trained by ExecuTorch anyway), so padded samples do not touch the
+  others' activations, and their weight-0 terms contribute exactly zero to every gradient: the gradient is the
+  mean over the real samples, as eager PyTorch computes it on the short batch (same value; the summation order
+  inside a convolution may differ, within float rounding). One program serves every batch size up to B, with no
+  second program for the remainder.
+- ``*frozen``: the parameters that are *not* trainable in this mode, passed as inputs at every call. A frozen
+  parameter left inside the program would be a constant baked into the ``.pte`` and could not be replaced, but
+  FedPer-FT's first epoch trains the personal blocks on top of a base that changes every round. As inputs they are
+  swapped for free; the program never computes their gradients, and backward stops at the first trainable layer.
+
+Modes (which parameters the program trains):
+
+- ``fedper``: every parameter (base and personal blocks; the base is what the device uploads).
+- ``personal``: the parameters of the last ``kp`` blocks (``pfl_edge.split.split_keys``); the base is frozen.
+- ``dispfl``: every parameter, and the program's parameters are the *effective* weights ``w_eff = w * m``.
+  The mask never enters the program. Masked training with ``w`` held at ``w * m`` is the same thing as the
+  simulator's: the gradient of ``loss(w * m)`` with respect to ``w`` is ``m * dloss/dw_eff``, so the backend masks
+  the gradient, steps, and re-applies the mask, exactly as ``pfl_edge.train`` does. The unmasked gradient the
+  program returns is ``dloss/dw_eff`` at ``w_eff``, which is precisely DisPFL's regrowth screen
+  (``pfl_edge.train.dense_gradients``); a program that multiplied by the mask in its forward pass would hand
+  back only the masked gradient, and could not serve the screen. And masks change every round (prune and
+  regrow) without a re-export. The graph is the ``fedper`` one; the mode is recorded for the manifest, and a
+  ``mask`` given here only sets the program's initial weights to ``w * m`` and its density.
+
+Weights are swapped into a loaded program (a new base from the server, the neighbours' average) without
+re-export: the runtime's parameter tensors alias the program's memory, and ``copy_`` into them is what the next
+``forward_backward`` sees (tested).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from pfl_edge.errors import ConfigError
+from pfl_edge.models import BlockModel
+from pfl_edge.split import split_keys
+from pfl_edge.train import TrainConfig
+
+from .stages import ExportError, Lowered, Packaged, Prepared, _update_manifest
+
+__all__ = ["TRAINING_MODES", "TrainingVerified", "TrainingWrapper", "lower_executorch_training", "verify_training"]
+
+TRAINING_MODES = ("fedper", "personal", "dispfl")
+NET = "net"  # the wrapper's attribute holding the model: the runtime names parameters "net.<state-dict key>"
+
+
+class TrainingWrapper(nn.Module):
+    """The model plus its loss: ``forward(x, y, weight, *frozen)`` returns the weighted mean cross-entropy.
+    ``frozen`` replaces the named parameters for this call (``functional_call``), so they are inputs, not
+    constants."""
+
+    def __init__(self, net: nn.Module, frozen: list[str]) -> None:
+        super().__init__()
+        self.net = net
+        self.frozen = list(frozen)
+
+    def forward(self, x: Tensor, y: Tensor, weight: Tensor, *frozen: Tensor) -> Tensor:
+        logits = functional_call(self.net, dict(zip(self.frozen, frozen, strict=True)), (x,), strict=False)
+        losses = F.cross_entropy(logits, y, reduction="none")
+        # the same expression as pfl_edge.train's vmap engine: a mean over the weight-1 samples
+        return (losses * weight).sum() / weight.sum().clamp_min(1.0)
+
+
+def trainable_keys(model: nn.Module, mode: str, kp: int | None) -> list[str]:
+    """The parameter names ``mode`` trains, in ``named_parameters`` order."""
+    names = [k for k, _ in model.named_parameters()]
+    if mode in ("fedper", "dispfl"):
+        return names
+    if mode == "personal":
+        if kp is None or kp < 1:
+            raise ConfigError(f"mode 'personal' needs kp >= 1 (the number of personal blocks), got {kp}")
+        if not isinstance(model, BlockModel):
+            raise ConfigError("mode 'personal' needs a BlockModel (blocks to count kp from)")
+        personal = set(split_keys(model, kp).personal)
+        return [k for k in names if k in personal]
+    raise ConfigError(f"unknown training mode {mode!r}; valid: {', '.join(TRAINING_MODES)}")
+
+
+def lower_executorch_training(prepared: Prepared, *, mode: str, batch_size: int, kp: int | None = None,
+                              mask: Mapping[str, Tensor] | None = None) -> Lowered:
+    """An ExecuTorch training program for ``prepared.model`` (see the module docstring for its signature).
+
+    The returned ``Lowered`` carries a copy of ``prepared`` whose tag names the mode (``fresh-train-fedper``,
+    ``client003-train-personal-kp2``), so ``package`` writes it beside the inference ``.pte`` without a clash.
+    ``details`` holds what a device needs to drive the program: ``kind``, ``mode``, ``batch_size``, ``inputs``,
+    ``trainable``, ``frozen``, ``keys`` (every state-dict key, in order), ``input_shape``."""
+    if batch_size < 1:
+        raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+    if mode != "personal" and kp is not None:
+        raise ConfigError(f"kp applies to mode 'personal' only, not {mode!r}")
+    if mask is not None and mode != "dispfl":
+        raise ConfigError(f"a mask applies to mode 'dispfl' only, not {mode!r}")
+    net = copy.deepcopy(prepared.model)  # requires_grad and the masked weights change here, not on the caller's
+    trainable = trainable_keys(net, mode, kp)
+    named = dict(net.named_parameters())
+    frozen = [k for k in named if k not in set(trainable)]
+    if any(True for _ in net.buffers()):
+        raise ExportError(f"{prepared.spec.model} has buffers (BatchNorm?): ExecuTorch cannot export BatchNorm in "
+                          "training mode; use a GroupNorm model")
+    with torch.no_grad():
+        for k, m in (mask or {}).items():
+            if k not in named:
+                raise ConfigError(f"mask for {k!r}, which is not a parameter")
+            named[k].mul_(m)
+    for k, p in named.items():
+        p.requires_grad_(k in set(trainable))
+    net.train()
+    x = torch.zeros(batch_size, *prepared.input_shape)
+    y = torch.zeros(batch_size, dtype=torch.int64)
+    w = torch.ones(batch_size)
+    example = (x, y, w, *(named[k].detach().clone() for k in frozen))
+    try:
+        from executorch.exir import to_edge
+        from torch.export.experimental import _export_forward_backward
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ep = torch.export.export(TrainingWrapper(net, frozen), example, strict=True)
+            ep = _export_forward_backward(ep)
+            edge = to_edge(ep)
+            # the edge-dialect operators, read before to_executorch rewrites the graph into out-variants
+            ops = sorted({getattr(n.target, "__name__", str(n.target)) for n in edge.exported_program().graph.nodes
+                          if n.op == "call_function"})
+            program = edge.to_executorch().buffer
+    except Exception as e:  # export and lowering raise many kinds; say which model and why
+        raise ExportError(f"ExecuTorch training export of {prepared.spec.model} ({mode}) failed: {e}") from e
+    tag = f"{prepared.tag}-train-{mode}" + (f"-kp{kp}" if mode == "personal" else "")
+    details: dict[str, Any] = {
+        "kind": "training", "mode": mode, "kp": kp, "batch_size": batch_size,
+        "inputs": ["x", "y", "weight", *frozen], "trainable": trainable, "frozen": frozen,
+        "keys": list(net.state_dict()), "shapes": {k: list(v.shape) for k, v in named.items()},
+        "input_shape": list(prepared.input_shape),
+        "loss": "sum(weight * cross_entropy) / max(sum(weight), 1)", "operators": ops,
+    }
+    if mask is not None:
+        details["mask_density"] = float(sum(m.sum() for m in mask.values()) / sum(m.numel() for m in mask.values()))
+    return Lowered(dataclasses.replace(prepared, tag=tag), "executorch", program, details)
+
+
+@dataclass(frozen=True, eq=False)
+class TrainingVerified:
+    target: Lowered | Packaged
+    grad_max_abs_err: float
+    weight_max_abs_err: float
+    loss_abs_err: float
+    grad_atol: float
+    weight_atol: float
+
+
+def verify_training(target: Lowered | Packaged, *, mask: Mapping[str, Tensor] | None = None, lr: float = 0.05,
+                    momentum: float = 0.9, weight_decay: float = 1e-3, steps: int = 2, grad_atol: float = 1e-5,
+                    weight_atol: float = 1e-5, seed: int = 0) -> TrainingVerified:
+    """Loss, gradients and ``steps`` SGD updates of the program (through ``edge_runtime``'s ``ExecuTorchBackend``,
+    as a device runs it) against eager PyTorch, from the prepared model's weights on random data: a full batch,
+    then a partial one (padded, weight 0). ``mask`` (dispfl) masks the weights, gradients and updates.
+
+    Thresholds: ``grad_atol`` on every gradient element (seen: 1e-8 for the cnn), ``weight_atol`` on every weight
+    after the steps; the loss within ``grad_atol`` too. Past them, raises ``ExportError``. A ``Packaged`` target
+    gets the errors recorded in its manifest entry."""
+    from edge_runtime.training import ExecuTorchBackend
+
+    lowered = target.lowered if isinstance(target, Packaged) else target
+    d = lowered.details
+    if d.get("kind") != "training":
+        raise ConfigError("verify_training needs a training program (lower_executorch_training)")
+    prep = lowered.prepared
+    b = int(d["batch_size"])
+    trainable = list(d["trainable"])
+    gen = torch.Generator().manual_seed(seed)
+    ncls = int(prep.spec.num_classes)
+    batches = [(torch.randn(b, *prep.input_shape, generator=gen), torch.randint(0, ncls, (b,), generator=gen))]
+    short = max(1, b - 3) if b > 1 else 1
+    batches.append((torch.randn(short, *prep.input_shape, generator=gen),
+                    torch.randint(0, ncls, (short,), generator=gen)))
+
+    eager = copy.deepcopy(prep.model).train()
+    named = dict(eager.named_parameters())
+    masks = dict(mask or {})
+    with torch.no_grad():
+        for k, m in masks.items():
+            named[k].mul_(m)
+    start = {k: v.detach().clone() for k, v in eager.state_dict().items()}
+    backend = ExecuTorchBackend(lowered.program, d)
+    backend.load(start)
+    sgd = backend.sgd(TrainConfig(lr=lr, momentum=momentum, weight_decay=weight_decay), mask=masks)
+
+    for p in eager.parameters():
+        p.requires_grad_(False)
+    params = [named[k] for k in trainable]
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    grad_err, loss_err = 0.0, 0.0
+    for i in range(steps):
+        x, y = batches[i % len(batches)]
+        got_loss, got = backend.gradients(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(eager(x), y)
+        loss.backward()
+        loss_err = max(loss_err, abs(loss.item() - got_loss))
+        for k in trainable:
+            g = named[k].grad
+            assert g is not None
+            grad_err = max(grad_err, float((g - got[k]).abs().max()))
+            if k in masks:
+                g.mul_(masks[k])
+        opt.step()
+        with torch.no_grad():
+            for k, m in masks.items():
+                named[k].mul_(m)
+        sgd.step(got)
+    state = backend.state()
+    weight_err = max(float((state[k] - v.detach()).abs().max()) for k, v in eager.state_dict().items())
+    name = target.path.name if isinstance(target, Packaged) else f"{prep.spec.model} training program"
+    if grad_err > grad_atol or loss_err > grad_atol:
+        raise ExportError(f"{name}: gradients differ from eager PyTorch by {grad_err:.3g} (loss by {loss_err:.3g}; "
+                          f"atol {grad_atol})")
+    if weight_err > weight_atol:
+        raise ExportError(f"{name}: weights after {steps} SGD steps differ from eager PyTorch by {weight_err:.3g} "
+                          f"(atol {weight_atol})")
+    if isinstance(target, Packaged):
+        target.entry["verify"] = {"grad_max_abs_err": grad_err, "weight_max_abs_err": weight_err,
+                                  "loss_abs_err": loss_err, "steps": steps, "grad_atol": grad_atol,
+                                  "weight_atol": weight_atol, "passed": True}
+        _update_manifest(target.path.parent, target.entry)
+    return TrainingVerified(target, grad_err, weight_err, loss_err, grad_atol, weight_atol)

@@ -1,0 +1,206 @@
+"""Durable state in SQL through SQLAlchemy 2 (SQLite by default, PostgreSQL by URL).
+
+Tables: federations, devices, rounds, updates, metrics, blobs and blob_refs (which federation, and which device,
+may read a blob). The latest sparse model of a DisPFL device is derived from its updates. ``UNIQUE(federation,
+round, device)`` on updates is what makes an accepted update count exactly once, even under a race.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import time
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Engine,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    UniqueConstraint,
+    create_engine,
+    event,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
+
+__all__ = [
+    "Base",
+    "Blob",
+    "BlobRef",
+    "Device",
+    "Federation",
+    "Metric",
+    "Round",
+    "Update",
+    "hash_secret",
+    "hash_token",
+    "make_engine",
+    "make_sessionmaker",
+    "verify_secret",
+]
+
+SERVER = ""  # uploader of the blobs the server makes itself (initial models, averaged bases)
+
+
+def now() -> float:
+    return time.time()
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Federation(Base):
+    __tablename__ = "pfl_federations"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    config: Mapped[dict[str, Any]] = mapped_column(JSON)
+    enrol_secret_hash: Mapped[str] = mapped_column(String(200))
+    quorum: Mapped[float] = mapped_column(Float)
+    deadline_s: Mapped[float] = mapped_column(Float)
+    min_updates: Mapped[int] = mapped_column(Integer)
+    profile_capacity: Mapped[bool] = mapped_column(Boolean)
+    round: Mapped[int] = mapped_column(Integer, default=0)
+    state: Mapped[str] = mapped_column(String(16), default="open")
+    init_digest: Mapped[str] = mapped_column(String(64))  # the dense initial model
+    base_digest: Mapped[str] = mapped_column(String(64))  # FedPer: the server's whole model after the last close
+    round_deadline: Mapped[float | None] = mapped_column(Float, nullable=True)
+    created_at: Mapped[float] = mapped_column(Float, default=now)
+
+
+class Device(Base):
+    __tablename__ = "pfl_devices"
+    __table_args__ = (UniqueConstraint("federation", "slot", name="uq_pfl_device_slot"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    federation: Mapped[str] = mapped_column(ForeignKey("pfl_federations.id"), index=True)
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)  # sha256 of the token; never the token
+    profile: Mapped[str] = mapped_column(String(64))
+    name: Mapped[str] = mapped_column(String(64), default="")
+    slot: Mapped[int] = mapped_column(Integer)  # the protocol's ``index``
+    density: Mapped[float] = mapped_column(Float)
+    kp: Mapped[int] = mapped_column(Integer)
+    online: Mapped[bool] = mapped_column(Boolean, default=False)
+    last_seen: Mapped[float | None] = mapped_column(Float, nullable=True)
+    joined_round: Mapped[int] = mapped_column(Integer)  # takes part from joined_round + 1
+    enrolled_at: Mapped[float] = mapped_column(Float, default=now)
+
+
+class Round(Base):
+    __tablename__ = "pfl_rounds"
+
+    federation: Mapped[str] = mapped_column(ForeignKey("pfl_federations.id"), primary_key=True)
+    round: Mapped[int] = mapped_column(Integer, primary_key=True)
+    state: Mapped[str] = mapped_column(String(16))
+    opened_at: Mapped[float] = mapped_column(Float)
+    deadline: Mapped[float] = mapped_column(Float)
+    closed_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    active: Mapped[int] = mapped_column(Integer, default=0)  # devices given a task
+    start_digest: Mapped[str | None] = mapped_column(String(64), nullable=True)  # FedPer: the model it starts from
+    base_digest: Mapped[str | None] = mapped_column(String(64), nullable=True)  # FedPer: the average it produced
+
+
+class Update(Base):
+    __tablename__ = "pfl_updates"
+    __table_args__ = (
+        UniqueConstraint("federation", "round", "device", name="uq_pfl_update"),
+        Index("ix_pfl_updates_device", "federation", "device", "round"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)  # the order of acceptance
+    federation: Mapped[str] = mapped_column(ForeignKey("pfl_federations.id"))
+    round: Mapped[int] = mapped_column(Integer)
+    device: Mapped[str] = mapped_column(ForeignKey("pfl_devices.id"))
+    digest: Mapped[str] = mapped_column(String(64))
+    n_samples: Mapped[int] = mapped_column(Integer)
+    train_loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    train_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    bytes_down: Mapped[int] = mapped_column(BigInteger, default=0)
+    accepted_at: Mapped[float] = mapped_column(Float, default=now)
+
+
+class Metric(Base):
+    __tablename__ = "pfl_metrics"
+
+    federation: Mapped[str] = mapped_column(ForeignKey("pfl_federations.id"), primary_key=True)
+    round: Mapped[int] = mapped_column(Integer, primary_key=True)
+    device: Mapped[str] = mapped_column(ForeignKey("pfl_devices.id"), primary_key=True)
+    accuracy: Mapped[float] = mapped_column(Float)
+    loss: Mapped[float] = mapped_column(Float)
+    n_test: Mapped[int] = mapped_column(Integer)
+    bytes_up: Mapped[int] = mapped_column(BigInteger, default=0)
+    bytes_down: Mapped[int] = mapped_column(BigInteger, default=0)
+    step_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
+    train_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    reported_at: Mapped[float] = mapped_column(Float, default=now)
+
+
+class Blob(Base):
+    __tablename__ = "pfl_blobs"
+
+    digest: Mapped[str] = mapped_column(String(64), primary_key=True)
+    size: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[float] = mapped_column(Float, default=now)
+
+
+class BlobRef(Base):
+    """Who may read a blob: its federation; ``uploader`` is the device that sent it ('' for the server)."""
+
+    __tablename__ = "pfl_blob_refs"
+
+    digest: Mapped[str] = mapped_column(ForeignKey("pfl_blobs.digest"), primary_key=True)
+    federation: Mapped[str] = mapped_column(ForeignKey("pfl_federations.id"), primary_key=True)
+    uploader: Mapped[str] = mapped_column(String(64), primary_key=True)
+
+
+def make_engine(url: str) -> Engine:
+    if url.startswith("sqlite"):
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+
+        @event.listens_for(engine, "connect")
+        def _pragmas(dbapi_conn: Any, _record: Any) -> None:
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")  # readers don't block the writer
+            cur.execute("PRAGMA synchronous=FULL")  # an accepted update survives a power cut
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.close()
+
+        return engine
+    return create_engine(url, pool_pre_ping=True)
+
+
+def make_sessionmaker(engine: Engine) -> sessionmaker[Any]:
+    Base.metadata.create_all(engine)
+    return sessionmaker(engine, expire_on_commit=False)
+
+
+def hash_token(token: str) -> str:
+    """Tokens are 256-bit random: a plain sha256 is enough (no dictionary to attack)."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+_PBKDF2_ITERS = 20_000
+
+
+def hash_secret(secret: str) -> str:
+    """Enrol secrets are chosen by people: salted PBKDF2."""
+    salt = os.urandom(16)
+    dk = hashlib.pbkdf2_hmac("sha256", secret.encode(), salt, _PBKDF2_ITERS)
+    return f"pbkdf2-sha256${_PBKDF2_ITERS}${salt.hex()}${dk.hex()}"
+
+
+def verify_secret(secret: str, stored: str) -> bool:
+    try:
+        scheme, iters, salt, want = stored.split("$")
+    except ValueError:
+        return False
+    if scheme != "pbkdf2-sha256":
+        return False
+    dk = hashlib.pbkdf2_hmac("sha256", secret.encode(), bytes.fromhex(salt), int(iters))
+    return hmac.compare_digest(dk.hex(), want)

@@ -1,0 +1,177 @@
+"""ExecuTorchBackend against TorchBackend (the simulator's code path): same data, same generator, same weights."""
+
+from collections.abc import Mapping
+
+import pytest
+import torch
+from torch import Tensor
+
+from device_profiles import get_profile
+from edge_runtime import ExecuTorchBackend, TorchBackend, get_training_backend
+from export import Lowered, Prepared, lower_executorch_training, prepare
+from pfl_edge.checkpoint import ModelSpec, build_model
+from pfl_edge.errors import ConfigError
+from pfl_edge.sparse import erk_densities, init_masks
+from pfl_edge.split import split_keys
+from pfl_edge.train import ClientTensors, TrainConfig, stack_states, train, unstack
+
+SPEC = ModelSpec("cnn", 10, 1, 28)
+B = 8
+N = 21  # 3 batches per epoch, the last one partial (5 samples)
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def prep() -> Prepared:
+    return prepare(get_profile("phone-low"), spec=SPEC, seed=2)
+
+
+@pytest.fixture(scope="module")
+def fedper(prep: Prepared) -> Lowered:
+    return lower_executorch_training(prep, mode="fedper", batch_size=B)
+
+
+@pytest.fixture(scope="module")
+def personal(prep: Prepared) -> Lowered:
+    return lower_executorch_training(prep, mode="personal", batch_size=B, kp=2)
+
+
+@pytest.fixture(scope="module")
+def data() -> tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    # learnable labels (a function of the input), so that training moves the weights far from the start
+    x = torch.randn(N, 1, 28, 28, generator=gen)
+    return x, (x.mean(dim=(1, 2, 3)) * 40).long().clamp(0, 9)
+
+
+def _pair(prep: Prepared, low: Lowered) -> tuple[TorchBackend, ExecuTorchBackend]:
+    tb, eb = TorchBackend(build_model(SPEC)), ExecuTorchBackend.from_lowered(low)
+    tb.load(prep.model.state_dict())
+    eb.load(prep.model.state_dict())
+    return tb, eb
+
+
+def _max_diff(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> float:
+    assert list(a) == list(b)
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+CFG = TrainConfig(epochs=2, batch_size=B, lr=0.05, momentum=0.9, weight_decay=1e-3)
+
+
+def test_torch_backend_is_exactly_the_simulators_training(prep: Prepared, data: tuple[Tensor, Tensor]) -> None:
+    x, y = data
+    tb = TorchBackend(build_model(SPEC))
+    tb.load(prep.model.state_dict())
+    stats = tb.train(x, y, CFG, torch.Generator().manual_seed(3))
+    # the simulator: several clients in one stack; this device is client 1 with the same generator seed
+    other = torch.randn_like(x)
+    ct = ClientTensors.build(torch.cat([other, x]), [torch.arange(N), torch.arange(N, 2 * N)],
+                             [y.flip(0), y])
+    start = {k: v.detach() for k, v in prep.model.state_dict().items()}
+    res = train(build_model(SPEC), stack_states([start, start]), ct, torch.tensor([0, 1]), CFG,
+                [torch.Generator().manual_seed(9), torch.Generator().manual_seed(3)], engine="loop")
+    assert all(torch.equal(v, unstack(res.stack, 1)[k]) for k, v in tb.state().items())
+    assert stats.steps == 6 == int(res.steps[1]) and stats.samples == 2 * N
+
+
+def test_fedper_whole_model_matches_torch(prep: Prepared, fedper: Lowered, data: tuple[Tensor, Tensor]) -> None:
+    x, y = data
+    tb, eb = _pair(prep, fedper)
+    s_t = tb.train(x, y, CFG, torch.Generator().manual_seed(5))
+    s_e = eb.train(x, y, CFG, torch.Generator().manual_seed(5))
+    assert s_e.steps == s_t.steps == 6 and s_e.samples == s_t.samples
+    assert abs(s_e.loss - s_t.loss) < 1e-5
+    assert _max_diff(tb.state(), eb.state()) < ATOL
+    moved = _max_diff(eb.state(), prep.model.state_dict())
+    assert moved > 100 * ATOL  # the comparison is not between two untouched models
+    # a second round on the same loaded program: swap in the trained weights of another run and go on
+    cfg = TrainConfig(epochs=1, batch_size=B, lr=0.05, momentum=0.9, weight_decay=1e-3)
+    tb.load(eb.state())
+    tb.train(x, y, cfg, torch.Generator().manual_seed(6))
+    eb.train(x, y, cfg, torch.Generator().manual_seed(6))
+    assert _max_diff(tb.state(), eb.state()) < ATOL
+
+
+def test_clipping_matches_clip_grad_norm(prep: Prepared, fedper: Lowered, data: tuple[Tensor, Tensor]) -> None:
+    x, y = data
+    cfg = TrainConfig(epochs=1, batch_size=B, lr=0.1, momentum=0.5, clip_norm=0.05)  # small: every step clips
+    tb, eb = _pair(prep, fedper)
+    tb.train(x, y, cfg, torch.Generator().manual_seed(1))
+    eb.train(x, y, cfg, torch.Generator().manual_seed(1))
+    assert _max_diff(tb.state(), eb.state()) < ATOL
+    unclipped = TorchBackend(build_model(SPEC))
+    unclipped.load(prep.model.state_dict())
+    unclipped.train(x, y, TrainConfig(epochs=1, batch_size=B, lr=0.1, momentum=0.5), torch.Generator().manual_seed(1))
+    assert _max_diff(unclipped.state(), eb.state()) > 100 * ATOL  # clipping changed the result
+
+
+def test_masked_dispfl_training_matches_torch_and_keeps_zeros(prep: Prepared, data: tuple[Tensor, Tensor]) -> None:
+    x, y = data
+    shapes = {k: p.shape for k, p in prep.model.named_parameters() if p.dim() > 1}
+    masks = init_masks(shapes, erk_densities(shapes, 0.5), torch.Generator().manual_seed(4))
+    low = lower_executorch_training(prep, mode="dispfl", batch_size=B, mask=masks)
+    tb, eb = _pair(prep, low)  # dense start: training itself must apply the mask first
+    cfg = TrainConfig(epochs=2, batch_size=B, lr=0.05, momentum=0.9, weight_decay=1e-3, clip_norm=5.0)
+    tb.train(x, y, cfg, torch.Generator().manual_seed(8), mask=masks)
+    eb.train(x, y, cfg, torch.Generator().manual_seed(8), mask=masks)
+    state = eb.state()
+    assert _max_diff(tb.state(), state) < ATOL
+    for k, m in masks.items():
+        assert torch.equal(state[k][m == 0], torch.zeros(int((m == 0).sum())))  # exactly zero, not small
+        assert (state[k][m == 1] != 0).float().mean() > 0.99
+    # the regrowth screen on the trained sparse weights: the dense gradient, nonzero off the mask too
+    g_t = tb.dense_gradients(x, y, B, torch.Generator().manual_seed(2))
+    g_e = eb.dense_gradients(x, y, B, torch.Generator().manual_seed(2))
+    assert _max_diff(g_t, g_e) < ATOL
+    assert (g_e["fc1.1.weight"][masks["fc1.1.weight"] == 0] != 0).float().mean() > 0.3
+
+
+def test_dense_gradients_match_torch(prep: Prepared, fedper: Lowered, data: tuple[Tensor, Tensor]) -> None:
+    x, y = data
+    tb, eb = _pair(prep, fedper)
+    for bs in (5, B, 20):  # a short batch, the program's batch, and one larger than it (summed in chunks)
+        g_t = tb.dense_gradients(x, y, bs, torch.Generator().manual_seed(bs))
+        g_e = eb.dense_gradients(x, y, bs, torch.Generator().manual_seed(bs))
+        assert list(g_e) == [k for k, _ in prep.model.named_parameters()]
+        assert _max_diff(g_t, g_e) < 1e-6, bs
+    assert eb.state().keys() == prep.model.state_dict().keys()
+
+
+def test_personal_only_training_matches_torch(prep: Prepared, personal: Lowered, fedper: Lowered,
+                                              data: tuple[Tensor, Tensor]) -> None:
+    x, y = data
+    assert isinstance(prep.model, torch.nn.Sequential)
+    keys = list(split_keys(prep.model, 2).personal)  # type: ignore[arg-type]
+    for low in (personal, fedper):  # the personal program, and the whole-model one asked to train a subset
+        tb, eb = _pair(prep, low)
+        tb.train(x, y, CFG, torch.Generator().manual_seed(3), trainable=keys)
+        eb.train(x, y, CFG, torch.Generator().manual_seed(3), trainable=None if low is personal else keys)
+        got = eb.state()
+        assert _max_diff(tb.state(), got) < ATOL
+        for k, v in prep.model.state_dict().items():
+            assert torch.equal(got[k], v) != (k in keys), k  # the base exactly as loaded, the head trained
+
+
+def test_personal_program_refuses_what_it_cannot_do(prep: Prepared, personal: Lowered,
+                                                    data: tuple[Tensor, Tensor]) -> None:
+    x, y = data
+    eb = ExecuTorchBackend.from_lowered(personal)
+    with pytest.raises(ConfigError, match="load a state"):
+        eb.state()
+    eb.load(prep.model.state_dict())
+    with pytest.raises(ConfigError, match="cannot train"):
+        eb.train(x, y, CFG, torch.Generator(), trainable=["conv1.0.weight"])
+    with pytest.raises(ConfigError, match="dense gradients need every parameter"):
+        eb.dense_gradients(x, y, B, torch.Generator())
+    with pytest.raises(ConfigError, match="batch size 16 > the program's 8"):
+        eb.train(x, y, TrainConfig(batch_size=16), torch.Generator())
+    with pytest.raises(ConfigError, match="state lacks"):
+        eb.load({"head.weight": torch.zeros(10, 64)})
+
+
+def test_backend_registry() -> None:
+    assert get_training_backend("torch") is TorchBackend
+    assert get_training_backend("executorch") is ExecuTorchBackend
+    with pytest.raises(ConfigError, match="valid: executorch, torch"):
+        get_training_backend("tflite")
