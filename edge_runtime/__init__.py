@@ -3,5 +3,26 @@
 
 from .backends import InferenceBackend, TorchTrainer, load_inference
 from .profiler import Measurement, measure, profile_devices
+from .training import (
+    TRAINING_BACKENDS,
+    ExecuTorchBackend,
+    TorchBackend,
+    TrainingBackend,
+    TrainStats,
+    get_training_backend,
+)
 
-__all__ = ["InferenceBackend", "Measurement", "TorchTrainer", "load_inference", "measure", "profile_devices"]
+__all__ = [
+    "TRAINING_BACKENDS",
+    "ExecuTorchBackend",
+    "InferenceBackend",
+    "Measurement",
+    "TorchBackend",
+    "TorchTrainer",
+    "TrainStats",
+    "TrainingBackend",
+    "get_training_backend",
+    "load_inference",
+    "measure",
+    "profile_devices",
+]

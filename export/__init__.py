@@ -1,6 +1,6 @@
 """Export a device's model: ``prepare`` -> ``lower_onnx`` | ``lower_executorch`` -> ``package`` -> ``verify``,
-with a manifest. ONNX (fixed opset, dynamic batch) and ExecuTorch inference (XNNPACK) are here; int8 and
-on-device training programs come next.
+with a manifest. ONNX (fixed opset, dynamic batch) and ExecuTorch inference (XNNPACK) are here, and ExecuTorch
+training programs (``lower_executorch_training`` -> ``package`` -> ``verify_training``); int8 comes next.
 """
 
 from .stages import (
@@ -16,17 +16,23 @@ from .stages import (
     prepare,
     verify,
 )
+from .training import TRAINING_MODES, TrainingVerified, TrainingWrapper, lower_executorch_training, verify_training
 
 __all__ = [
     "ONNX_OPSET",
+    "TRAINING_MODES",
     "ExportError",
     "Lowered",
     "Packaged",
     "Prepared",
+    "TrainingVerified",
+    "TrainingWrapper",
     "Verified",
     "lower_executorch",
+    "lower_executorch_training",
     "lower_onnx",
     "package",
     "prepare",
     "verify",
+    "verify_training",
 ]
