@@ -435,7 +435,7 @@ class Coordinator:
                 raise ApiError(404, f"unknown federation {fed_id!r}")
             rounds = {r.round: r for r in s.scalars(select(Round).where(Round.federation == fed_id))}
             counts = dict(s.execute(select(Update.round, func.count()).where(Update.federation == fed_id)
-                                    .group_by(Update.round)).tuples().all())
+                                    .group_by(Update.round)).all())
             per: dict[int, dict[str, dict[str, Any]]] = {}
             for m in s.scalars(select(Metric).where(Metric.federation == fed_id)):
                 per.setdefault(m.round, {})[m.device] = {
@@ -465,7 +465,7 @@ class Coordinator:
                 select(Update.device, func.max(Update.round), func.coalesce(func.sum(Blob.size), 0),
                        func.coalesce(func.sum(Update.bytes_down), 0))
                 .join(Blob, Blob.digest == Update.digest).where(Update.federation == fed_id)
-                .group_by(Update.device)).tuples()}
+                .group_by(Update.device))}
             out = []
             for d in s.scalars(select(Device).where(Device.federation == fed_id).order_by(Device.slot)):
                 last, up, down = stats.get(d.id, (None, 0, 0))
@@ -614,7 +614,7 @@ class Coordinator:
     def _latest_models(self, s: Session, fed_id: str, t: int) -> dict[str, str]:
         """DisPFL: every device's latest sparse model from before round ``t``."""
         rows = s.execute(select(Update.device, Update.round, Update.digest)
-                         .where(Update.federation == fed_id, Update.round < t)).tuples()
+                         .where(Update.federation == fed_id, Update.round < t))
         best: dict[str, tuple[int, str]] = {}
         for dev, rnd, digest in rows:
             if dev not in best or rnd > best[dev][0]:
@@ -630,7 +630,7 @@ class Coordinator:
             start = r.start_digest
             ups = [(u.digest, u.n_samples, kp) for u, kp in s.execute(
                 select(Update, Device.kp).join(Device, Device.id == Update.device)
-                .where(Update.federation == fed_id, Update.round == t).order_by(Update.id)).tuples()]
+                .where(Update.federation == fed_id, Update.round == t).order_by(Update.id))]
         result: str | None = None
         if not fm.decentral:
             assert start is not None

@@ -1,0 +1,120 @@
+"""Helpers of the server tests: tiny federations, device-like HTTP clients, payloads good and bad, and a
+snapshot of every table to check that a refused request changed nothing."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import torch
+from sqlalchemy import Engine, MetaData, select
+
+from pfl_edge.codec import Decoded, decode, encode
+from server.db import Base
+from server.fedmodel import FedModel, fed_model
+
+SECRET = "enrol-secret-123"
+QUICK: dict[str, Any] = dict(dataset="synthetic", partition="pathological:2", samples_per_client=48,
+                             test_per_client=32, local_epochs=1, batch_size=16, lr=0.05, workers=1, seed=3)
+FEDPER: dict[str, Any] = dict(algorithm="fedper", kp=2, clients=3, rounds=2, **QUICK)
+DISPFL: dict[str, Any] = dict(algorithm="dispfl", densities=[0.3, 0.6, 1.0], topology="random:2", clients=4,
+                              rounds=2, **QUICK)
+
+
+def sha(b: bytes) -> str:
+    return hashlib.sha256(b).hexdigest()
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def create(c: httpx.Client | Any, admin: str, fed: str, config: dict[str, Any], **kw: Any) -> dict[str, Any]:
+    r = c.post("/v1/federations", json={"id": fed, "enrol_secret": SECRET, "config": config, **kw},
+               headers=bearer(admin))
+    assert r.status_code == 201, r.text
+    return dict(r.json())
+
+
+class Dev:
+    """A device as the server sees it: enrolment, blobs, updates, over HTTP."""
+
+    def __init__(self, c: httpx.Client | Any, fed: str, profile: str = "phone-mid", index: int | None = None) -> None:
+        self.c = c
+        body: dict[str, Any] = {"federation": fed, "enrol_secret": SECRET, "profile": profile}
+        if index is not None:
+            body["index"] = index
+        r = c.post("/v1/devices", json=body)
+        assert r.status_code == 201, r.text
+        self.e: dict[str, Any] = r.json()
+        self.id: str = self.e["device_id"]
+        self.index: int = self.e["index"]
+        self.h = bearer(self.e["token"])
+        self.fm: FedModel = fed_model(self.e["config"])
+
+    def get(self, digest: str) -> Decoded:
+        r = self.c.get(f"/v1/blobs/{digest}", headers=self.h)
+        assert r.status_code == 200, r.text
+        return decode(r.content)
+
+    def put(self, payload: bytes) -> str:
+        d = sha(payload)
+        r = self.c.put(f"/v1/blobs/{d}", content=payload, headers=self.h)
+        assert r.status_code in (200, 201), r.text
+        return d
+
+    def update(self, t: int, digest: str, n: int = 48) -> httpx.Response:
+        return self.c.post(f"/v1/rounds/{t}/updates", json={"digest": digest, "n_samples": n}, headers=self.h)
+
+    def send(self, t: int, tensors: dict[str, torch.Tensor], n: int = 48,
+             masks: dict[str, torch.Tensor] | None = None) -> str:
+        d = self.put(encode(tensors, model_id=self.fm.model_id, round=t, masks=masks))
+        r = self.update(t, d, n)
+        assert r.status_code == 200, r.text
+        return d
+
+
+def perturbed(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in state.items()}
+
+
+def with_nan(payload: bytes) -> bytes:
+    """A payload whose first float is NaN, with a valid sha256 trailer (so only the NaN check can refuse it)."""
+    body = bytearray(payload[:-32])
+    head_len = struct.unpack_from("<I", body, 5)[0]
+    struct.pack_into("<f", body, 9 + head_len, float("nan"))
+    return bytes(body) + hashlib.sha256(body).digest()
+
+
+def snapshot(engine: Engine) -> dict[str, list[str]]:
+    """Every row of every server table, as sorted JSON (device liveness excluded: MQTT may touch it)."""
+    out: dict[str, list[str]] = {}
+    md: MetaData = Base.metadata
+    with engine.connect() as conn:
+        for name, table in md.tables.items():
+            rows = []
+            for row in conn.execute(select(table)).mappings():
+                d = {k: v for k, v in row.items() if k not in ("online", "last_seen")}
+                rows.append(json.dumps(d, sort_keys=True, default=str))
+            out[name] = sorted(rows)
+    return out
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def fed_state(c: httpx.Client | Any, admin: str, fed: str) -> tuple[int, str]:
+    j = c.get(f"/v1/federations/{fed}", headers=bearer(admin)).json()
+    return int(j["round"]), str(j["state"])
