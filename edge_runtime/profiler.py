@@ -1,5 +1,6 @@
 """Measure what a device class promises: inference latency (batch 1 and the profile's batch), one training
-step, peak memory of each, artefact sizes.
+step (on the profile's training backend: eager torch, or an ExecuTorch training program), peak memory of each,
+artefact sizes.
 
 Every measurement runs in a fresh (spawned) child process, so its peak RSS is its own: the peak is read from
 /proc/self/status (VmHWM belongs to the process image, while ru_maxrss survives execve and would report the
@@ -15,6 +16,7 @@ import platform
 import resource
 import statistics
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -70,6 +72,24 @@ def _child(kind: str, args: dict[str, Any], conn: Any) -> None:
             xs = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
             times = _timed(lambda: backend.run(xs), args["repeats"])
             name = backend.name
+        elif args.get("training_backend") == "executorch":
+            from pfl_edge.train import TrainConfig
+
+            from .training import ExecuTorchBackend
+
+            torch.manual_seed(0)
+            program = ExecuTorchBackend.from_file(args["program"])
+            program.load(build_model(ModelSpec(**args["spec"])).state_dict())
+            sgd = program.sgd(TrainConfig(lr=0.01, momentum=0.9))
+            x = torch.randn(shape)
+            y = torch.randint(0, args["spec"]["num_classes"], (args["batch"],))
+
+            def step() -> None:  # what a device's step costs: the program's forward and backward, then SGD
+                _, grads = program.gradients(x, y)
+                sgd.step(grads)
+
+            times = _timed(step, args["repeats"])
+            name = program.name
         else:
             from .backends import TorchTrainer
 
@@ -103,26 +123,57 @@ def measure(kind: str, what: str, args: dict[str, Any], timeout_s: float = 600) 
     return Measurement(what, name, args["batch"], statistics.median(times), q, rss)
 
 
+def _training_programs(profiles: list[Profile], spec: ModelSpec, out: Path,
+                       given: Mapping[int, Path]) -> tuple[dict[int, Path], dict[int, str]]:
+    """An ExecuTorch training program (whole model trainable) per batch size the ``executorch`` profiles use,
+    exported into OUT/artefacts unless ``given``; and, per batch size, why there is none (export failed)."""
+    from export import ExportError, lower_executorch_training, package, prepare
+
+    programs, failed = dict(given), {}
+    for prof in profiles:
+        b = prof.batch_size
+        if prof.training_backend != "executorch" or b in programs or b in failed:
+            continue
+        try:
+            lowered = lower_executorch_training(prepare(prof, spec=spec), mode="fedper", batch_size=b)
+        except ExportError as e:  # e.g. a BatchNorm model: measured with torch instead, and the report says why
+            failed[b] = str(e)
+            continue
+        programs[b] = package(lowered, out / "artefacts").path
+    return programs, failed
+
+
 def profile_devices(profiles: list[Profile], spec: ModelSpec, artefacts: dict[str, Path], out: Path,
-                    *, repeats: int = 30) -> dict[str, Any]:
-    """Measure every profile; ``artefacts`` maps a runtime to its exported file. Writes OUT/profile.json and
-    OUT/profile.png and returns the report."""
+                    *, repeats: int = 30, training_artefacts: Mapping[int, Path] | None = None) -> dict[str, Any]:
+    """Measure every profile; ``artefacts`` maps an inference runtime to its exported file. A profile whose
+    training backend is ``executorch`` has its step measured on an ExecuTorch training program of its batch size
+    (``training_artefacts``: batch size -> ``.pte`` with its manifest beside it; exported here when missing).
+    Writes OUT/profile.json and OUT/profile.png and returns the report."""
     shape = (spec.in_channels, spec.image_size, spec.image_size)
+    programs, failed = _training_programs(profiles, spec, out, training_artefacts or {})
     rows = []
     for prof in profiles:
         path = artefacts[prof.inference_runtime]
         base = {"threads": prof.threads, "input_shape": shape, "repeats": repeats}
+        train_args: dict[str, Any] = {**base, "batch": prof.batch_size, "spec": asdict(spec)}
+        program = programs.get(prof.batch_size) if prof.training_backend == "executorch" else None
+        if program is not None:
+            train_args.update(training_backend="executorch", program=str(program))
         ms = [measure("inference", "inference b1", {**base, "batch": 1, "path": str(path),
                                                      "runtime": prof.inference_runtime}),
               measure("inference", f"inference b{prof.batch_size}",
                       {**base, "batch": prof.batch_size, "path": str(path), "runtime": prof.inference_runtime}),
-              # the torch backend stands in where the profile asks for ExecuTorch training: its training
-              # programs are not in this release
-              measure("train", "train step", {**base, "batch": prof.batch_size, "spec": asdict(spec)})]
-        rows.append({"profile": prof.name, "threads": prof.threads, "inference_runtime": prof.inference_runtime,
-                     "training_backend_requested": prof.training_backend, "training_backend_used": "torch",
-                     "artefact": path.name, "artefact_bytes": path.stat().st_size,
-                     "measurements": [asdict(m) for m in ms]})
+              measure("train", "train step", train_args)]
+        row: dict[str, Any] = {
+            "profile": prof.name, "threads": prof.threads, "inference_runtime": prof.inference_runtime,
+            # what ran the step, as the measuring process reports it, not what was asked for
+            "training_backend_requested": prof.training_backend, "training_backend_used": ms[2].backend,
+            "artefact": path.name, "artefact_bytes": path.stat().st_size,
+            "training_artefact": None if program is None else program.name,
+            "measurements": [asdict(m) for m in ms]}
+        if prof.training_backend == "executorch" and program is None:
+            row["training_backend_note"] = f"no ExecuTorch training program: {failed.get(prof.batch_size)}"
+        rows.append(row)
     report = {
         "model": asdict(spec),
         "host": f"{platform.node()} {platform.machine()} {platform.processor() or ''}".strip(),

@@ -1,6 +1,8 @@
 """ExecuTorchBackend against TorchBackend (the simulator's code path): same data, same generator, same weights."""
 
+import json
 from collections.abc import Mapping
+from pathlib import Path
 
 import pytest
 import torch
@@ -175,3 +177,20 @@ def test_backend_registry() -> None:
     assert get_training_backend("executorch") is ExecuTorchBackend
     with pytest.raises(ConfigError, match="valid: executorch, torch"):
         get_training_backend("tflite")
+
+
+def test_profiler_measures_a_step_of_the_training_program(tmp_path: Path, fedper: Lowered) -> None:
+    # the profiler's measuring process, as profile_devices runs it for an executorch profile (the whole command
+    # is exercised by test_runtime.py's profile test on phone-low)
+    from dataclasses import asdict
+
+    from edge_runtime import measure
+    from export import package
+
+    program = package(fedper, tmp_path).path
+    args = {"threads": 1, "input_shape": (1, 28, 28), "repeats": 2, "batch": B, "spec": asdict(SPEC),
+            "training_backend": "executorch", "program": str(program)}
+    m = measure("train", "train step", args)
+    assert m.backend == "executorch" and m.batch == B and 0 < m.median_ms <= m.p95_ms
+    assert program.name == "cnn-phone-low-fresh-train-fedper.pte"
+    assert json.loads((tmp_path / "manifest.json").read_text())[0]["kind"] == "training"

@@ -16,6 +16,7 @@ from pfl_edge.errors import ConfigError
 from pfl_edge.models import get_model
 from pfl_edge.sparse import erk_densities, init_masks
 from pfl_edge.split import split_keys
+from pfl_edge.train import TrainConfig
 
 SPEC = ModelSpec("cnn", 10, 1, 28)
 B = 8
@@ -113,7 +114,7 @@ def test_weights_swap_into_a_loaded_program_without_reexport(prep: Prepared, fed
         eager = build_model(SPEC).train()
         start = {k: v.clone() for k, v in eager.state_dict().items()}
         backend.load(start)
-        opt_et = backend.sgd(_cfg(lr=0.1, momentum=0.9, weight_decay=0.01))
+        opt_et = backend.sgd(TrainConfig(lr=0.1, momentum=0.9, weight_decay=0.01))
         loss_et, grads = backend.gradients(x, y)
         opt_et.step(grads)
         opt = torch.optim.SGD(eager.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
@@ -127,16 +128,12 @@ def test_weights_swap_into_a_loaded_program_without_reexport(prep: Prepared, fed
             assert not torch.equal(got[k], start[k])  # the step moved every tensor
 
 
-def _cfg(**kw: float) -> object:
-    from pfl_edge.train import TrainConfig
-
-    return TrainConfig(**kw)  # type: ignore[arg-type]
-
-
 def test_verify_training_rejects_a_program_that_computes_something_else(prep: Prepared, fedper: Lowered) -> None:
     # same parameters and shapes, another function (tanh for a ReLU): the program no longer matches the model
     other = copy.deepcopy(prep.model)
-    other.fc2[1] = nn.Tanh()  # type: ignore[index]
+    fc2 = other.get_submodule("fc2")
+    assert isinstance(fc2, nn.Sequential) and isinstance(fc2[1], nn.ReLU)
+    fc2[1] = nn.Tanh()
     wrong = Lowered(dataclasses.replace(fedper.prepared, model=other), fedper.format, fedper.program, fedper.details)
     with pytest.raises(ExportError, match="gradients differ from eager PyTorch"):
         verify_training(wrong)
