@@ -8,7 +8,7 @@ import json
 import struct
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import torch
@@ -118,3 +118,74 @@ def wait_for(cond: Callable[[], bool], timeout: float = 20.0, what: str = "condi
 def fed_state(c: httpx.Client | Any, admin: str, fed: str) -> tuple[int, str]:
     j = c.get(f"/v1/federations/{fed}", headers=bearer(admin)).json()
     return int(j["round"]), str(j["state"])
+
+
+class Mqtt:
+    """A device-like paho client: keeps the latest message per topic."""
+
+    def __init__(self, url: str, topics: list[str], *, client_id: str = "", clean: bool = True,
+                 will: tuple[str, bytes] | None = None) -> None:
+        import threading
+
+        import paho.mqtt.client as mqtt
+        from paho.mqtt.enums import CallbackAPIVersion
+
+        from server.mqtt import parse_broker_url
+
+        host, port = parse_broker_url(url)
+        self.latest: dict[str, bytes] = {}
+        self.all: list[tuple[str, bytes, bool]] = []
+        self._cv = threading.Condition()
+        self.c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=clean)
+        if will is not None:
+            self.c.will_set(will[0], will[1], qos=1, retain=True)
+        connected = threading.Event()
+
+        def on_connect(c: Any, _u: Any, _f: Any, _rc: Any, _p: Any) -> None:
+            for t in topics:
+                c.subscribe(t, qos=1)
+            connected.set()
+
+        def on_message(_c: Any, _u: Any, m: Any) -> None:
+            with self._cv:
+                self.latest[m.topic] = bytes(m.payload)
+                self.all.append((m.topic, bytes(m.payload), bool(m.retain)))
+                self._cv.notify_all()
+
+        self.c.on_connect = on_connect
+        self.c.on_message = on_message
+        self.c.connect(host, port, keepalive=10)
+        self.c.loop_start()
+        assert connected.wait(10), "MQTT connect timed out"
+
+    def publish(self, topic: str, payload: bytes, retain: bool = True) -> None:
+        self.c.publish(topic, payload, qos=1, retain=retain).wait_for_publish(10)
+
+    def wait(self, topic: str, pred: Callable[[dict[str, Any]], bool] = lambda _: True,
+             timeout: float = 20.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while True:
+                raw = self.latest.get(topic)
+                if raw:
+                    msg = json.loads(raw)
+                    if pred(msg):
+                        return dict(msg)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"no matching message on {topic} within {timeout} s; latest: {raw!r:.300}")
+                self._cv.wait(left)
+
+    def close(self) -> None:
+        self.c.disconnect()
+        self.c.loop_stop()
+
+    def die(self) -> None:
+        """The device loses power: the socket closes without a DISCONNECT, so the broker sends the last will."""
+        import socket
+
+        self.c.loop_stop()
+        sock = cast(socket.socket | None, self.c.socket())
+        if sock is not None:
+            sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
