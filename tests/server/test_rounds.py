@@ -236,3 +236,23 @@ def test_restart_resumes_the_round(tmp_path: Path, broker_url: str) -> None:
         agent.close()
     finally:
         s.stop()
+
+
+def test_default_embedded_broker_end_to_end(tmp_path: Path) -> None:
+    """The default settings: the app starts its own amqtt broker; a device-like client gets its retained task."""
+    srv = start_background(Settings(data_dir=tmp_path / "data", admin_token=ADMIN, tick_s=0.05))  # type: ignore[arg-type]
+    try:
+        assert srv.broker_url.startswith("mqtt://127.0.0.1:")
+        c = httpx.Client(base_url=srv.url, timeout=30)
+        create(c, ADMIN, "e", FEDPER)
+        devs = [Dev(c, "e") for _ in range(3)]
+        assert devs[0].e["broker_url"] == srv.broker_url
+        wait_for(lambda: fed_state(c, ADMIN, "e") == (1, "collecting"), what="round 1")
+        agent = Mqtt(devs[1].e["broker_url"], [task_topic("e", devs[1].id), round_topic("e")], client_id=devs[1].id,
+                     clean=False)
+        task = agent.wait(task_topic("e", devs[1].id))
+        assert (task["round"], task["base"], task["final"]) == (1, devs[1].e["init_digest"], False)
+        assert agent.wait(round_topic("e"))["state"] == "collecting"
+        agent.close()
+    finally:
+        srv.stop()
