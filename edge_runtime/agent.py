@@ -235,7 +235,9 @@ class Agent:
             self._init_model(enr)
 
     def _init_model(self, enr: Enrolment) -> None:
-        init = self._fetch_model(enr.init_digest)
+        # FedPer: the server sends the initial base; the personal blocks start from the federation's seeded
+        # initial model, built here (they never travel). DisPFL: the whole dense initial model.
+        init = {**local.init_state(self.sim, self.data.spec), **self._fetch_model(enr.init_digest)}
         if set(init) != set(self.data.model.state_dict()):
             raise ConfigError("the federation's initial model does not match this device's model")
         prog = self.store.progress

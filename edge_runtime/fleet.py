@@ -106,7 +106,11 @@ class Federation:
                "--enrol-secret", self.secret, "--profile", profile, "--state-dir", str(state),
                "--partition-id", str(i), "--threads", str(threads), "--name", f"device-{i:02d}", "-v",
                *(extra or [])]
-        self.devices.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_child_env()))
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_child_env())
+        if i < len(self.devices):
+            self.devices[i] = proc  # a restart of device i (its state dir carries on)
+        else:
+            self.devices.append(proc)
 
     def get(self, path: str) -> Any:
         r = self.http.get(path, headers={"Authorization": f"Bearer {self.admin_token}"})

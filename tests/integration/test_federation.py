@@ -1,0 +1,166 @@
+"""The running system end to end: a real server process (uvicorn), a real broker (a private Mosquitto where
+this machine has one, the embedded amqtt otherwise) and real device processes talking HTTP and MQTT.
+
+A federation of device processes ends with the in-process simulator's models (same config and seed), the
+server never receives a personal block, and a device killed mid-run and restarted changes nothing."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from edge_runtime.fleet import Federation, free_port, start_server
+from pfl_edge.checkpoint import load_checkpoint
+from pfl_edge.codec import decode
+from pfl_edge.local import device_split, load_local_data
+from pfl_edge.protocol import API_PREFIX
+from pfl_edge.sim import SimConfig, simulate
+
+BASE: dict[str, Any] = dict(dataset="synthetic", partition="pathological:2", rounds=2, samples_per_client=48,
+                            test_per_client=32, local_epochs=1, batch_size=16, lr=0.05, workers=1, seed=5)
+MOSQUITTO = shutil.which("mosquitto") or ("/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None)
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A private Mosquitto on a free port, or 'embedded' where the machine has none."""
+    if MOSQUITTO is None:
+        yield "embedded"
+        return
+    port = free_port()
+    conf = tmp_path_factory.mktemp("mosquitto") / "m.conf"
+    conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n")
+    proc = subprocess.Popen([MOSQUITTO, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    yield f"mqtt://127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def _postgres_url() -> str | None:
+    try:
+        socket.create_connection(("127.0.0.1", 5432), timeout=0.5).close()
+    except OSError:
+        return None
+    return "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+
+
+def _run(root: Path, config: dict[str, Any], profiles: list[str], *, broker: str, database_url: str | None = None,
+         kill_and_restart: int | None = None, timeout_s: float = 240) -> Federation:
+    fed = start_server(root, broker_url=broker, database_url=database_url)
+    try:
+        fed.create(f"t{int(time.time() * 1000) % 10**9}", config, deadline_s=120.0)
+        for i, p in enumerate(profiles):
+            fed.start_device(i, p)
+        restarted = False
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            info = fed.info()
+            if kill_and_restart is not None and not restarted and info["round"] >= 2:
+                # a device killed without warning (no clean disconnect: its last will fires), then restarted
+                fed.devices[kill_and_restart].kill()
+                fed.devices[kill_and_restart].wait()
+                fed.start_device(kill_and_restart, profiles[kill_and_restart])
+                restarted = True
+            if info["state"] == "finished" and all(p.poll() is not None for p in fed.devices):
+                break
+            for i, p in enumerate(fed.devices):
+                code = p.poll()
+                assert code in (None, 0), f"device {i} exited with {code}: " + _log(root, i)
+            time.sleep(0.3)
+        else:
+            raise AssertionError("federation did not finish: " + _log(root, 0) + (root / "server.log").read_text())
+        assert all(p.returncode == 0 for p in fed.devices)
+        return fed
+    except BaseException:
+        fed.close()
+        raise
+
+
+def _log(root: Path, i: int) -> str:
+    p = root / "devices" / f"device-{i:02d}.log"
+    return p.read_text()[-3000:] if p.exists() else ""
+
+
+def _final(root: Path, i: int) -> dict[str, torch.Tensor]:
+    """What device i deploys at the end, from its own state dir."""
+    from safetensors.torch import load_file
+
+    return dict(load_file(str(root / "devices" / f"device-{i:02d}" / "final.safetensors")))
+
+
+def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=5e-5, rtol=1e-4, msg=k)
+
+
+@pytest.mark.parametrize("db", ["sqlite", "postgresql"])
+def test_fedper_devices_end_with_the_simulators_models(tmp_path: Path, broker: str, db: str) -> None:
+    database_url = None
+    if db == "postgresql":
+        database_url = _postgres_url()
+        if database_url is None:
+            pytest.skip("no PostgreSQL on 127.0.0.1:5432")
+    cfg = SimConfig(algorithm="fedper", clients=3, kp=2, **BASE)
+    fed = _run(tmp_path / "run", cfg.to_dict(), ["phone-mid", "raspberry-pi-4", "jetson-nano"], broker=broker,
+               database_url=database_url)
+    try:
+        metrics = fed.get(f"{API_PREFIX}/federations/{fed.fed}/metrics")
+        blobs = sorted((tmp_path / "run" / "server").rglob("*"))
+    finally:
+        fed.close()
+    simulate(cfg, save_dir=tmp_path / "sim", progress=False)
+    for i in range(cfg.clients):
+        _close(_final(tmp_path / "run", i), load_checkpoint(tmp_path / "sim" / f"client_{i:03d}.safetensors")[0])
+    assert len(metrics["rounds"]) >= cfg.rounds
+    # every payload a device sent the server (the blob refs record the uploader): its base part, nothing more
+    data = load_local_data(cfg, 0)
+    split = device_split(data.model, cfg, cfg.kp)
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(database_url or f"sqlite:///{tmp_path / 'run' / 'server' / 'state.db'}")
+    with engine.connect() as c:
+        rows = c.execute(text("SELECT r.digest, r.uploader FROM pfl_blob_refs r JOIN pfl_devices d "
+                              "ON d.id = r.uploader WHERE r.federation = :f"), {"f": fed.fed}).all()
+    engine.dispose()
+    assert len(rows) == cfg.clients * cfg.rounds
+    for digest, _ in rows:
+        sent = decode(next(p for p in blobs if p.name == digest).read_bytes())
+        assert set(sent.tensors) == set(split.base) and not set(sent.tensors) & set(split.personal)
+
+
+def test_dispfl_devices_end_with_the_simulators_models(tmp_path: Path, broker: str) -> None:
+    profiles = ["phone-low", "phone-mid", "phone-high", "jetson-orin-nano"]
+    from device_profiles import get_profile
+
+    dens = tuple(get_profile(p).density for p in profiles)
+    cfg = SimConfig(algorithm="dispfl", clients=4, densities=dens, topology="random:2", **BASE)
+    fed = _run(tmp_path / "run", cfg.to_dict(), profiles, broker=broker)
+    fed.close()
+    simulate(cfg, save_dir=tmp_path / "sim", progress=False)
+    for i in range(cfg.clients):
+        _close(_final(tmp_path / "run", i), load_checkpoint(tmp_path / "sim" / f"client_{i:03d}.safetensors")[0])
+
+
+def test_a_device_killed_mid_run_picks_up_where_it_was(tmp_path: Path, broker: str) -> None:
+    cfg = SimConfig(algorithm="fedper", clients=3, kp=2, **{**BASE, "rounds": 3})
+    fed = _run(tmp_path / "run", cfg.to_dict(), ["phone-mid"] * 3, broker=broker, kill_and_restart=1)
+    fed.close()
+    simulate(cfg, save_dir=tmp_path / "sim", progress=False)
+    for i in range(cfg.clients):
+        _close(_final(tmp_path / "run", i), load_checkpoint(tmp_path / "sim" / f"client_{i:03d}.safetensors")[0])
