@@ -28,7 +28,7 @@ from torch import Tensor
 from device_profiles import get_profile
 from pfl_edge import local
 from pfl_edge.codec import decode
-from pfl_edge.errors import ConfigError, PflEdgeError
+from pfl_edge.errors import CodecError, ConfigError, PflEdgeError
 from pfl_edge.protocol import (
     API_PREFIX,
     Enrolment,
@@ -281,6 +281,8 @@ class Agent:
                 if ann.state == "finished" and (self.dispfl or self.store.progress.get("final")):
                     self.done = self.cfg.exit_when_done
                 return
+            if topic != task_topic(self.enr.federation, self.enr.device_id):
+                return  # some brokers echo other topics of ours (our own status); only tasks are ours to act on
             task = Task.model_validate(msg)
         except ValueError as e:  # a malformed control message: log it, never act on it
             log.error("ignored a malformed message on %s: %s", topic, e)
@@ -305,6 +307,10 @@ class Agent:
                 self._dispfl_round(task, prog)
             else:
                 self._fedper_round(task, prog)
+        except CodecError as e:
+            # training diverged (NaN/Inf weights): never send them; sit this round out, try again next round
+            log.error("round %d: not sending an update: %s", task.round, e)
+            self.on_event("diverged", {"round": task.round, "error": str(e)})
         except ServerError as e:
             if " 409 " in str(e):  # the round moved on while this device trained: wait for the next task
                 log.warning("round %d closed without this device: %s", task.round, e)

@@ -44,7 +44,8 @@ class DemoConfig:
     samples_per_client: int | None = 600
     local_epochs: int = 1
     batch_size: int = 32
-    lr: float = 0.05
+    lr: float = 0.01
+    clip_norm: float | None = 10.0
     kp: int = 2
     density: float = 0.5
     topology: str | None = None
@@ -69,7 +70,8 @@ class DemoConfig:
         cfg: dict[str, Any] = {
             "algorithm": self.algorithm, "model": "cnn", "dataset": self.dataset, "partition": self.partition,
             "clients": self.devices, "rounds": self.rounds, "local_epochs": self.local_epochs,
-            "batch_size": self.batch_size, "lr": self.lr, "kp": self.kp, "density": self.density,
+            "batch_size": self.batch_size, "lr": self.lr, "clip_norm": self.clip_norm, "momentum": 0.9,
+            "kp": self.kp, "density": self.density,
             "samples_per_client": self.samples_per_client, "seed": self.seed, "workers": 1,
         }
         if self.topology is not None:

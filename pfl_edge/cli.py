@@ -307,8 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_simulate)
 
     p = sub.add_parser("demo", help="a federation on this machine: server, embedded broker, N device processes")
-    p.add_argument("--devices", type=int, default=4, help="device processes (default 4)")
-    p.add_argument("--rounds", type=int, default=5, help="rounds (default 5)")
+    p.add_argument("--devices", type=int, default=6, help="device processes (default 6)")
+    p.add_argument("--rounds", type=int, default=10, help="rounds (default 10)")
     p.add_argument("--algorithm", default="fedper", help="fedper | fedper-ft | fedavg | dispfl")
     p.add_argument("--fleet", default="mixed", help="device fleet the devices are drawn from (pfl-edge list)")
     p.add_argument("--dataset", default="fashion-mnist")
