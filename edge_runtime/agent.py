@@ -162,6 +162,8 @@ class _Control:
         if getattr(reason, "is_failure", False):
             log.warning("broker refused the connection: %s", reason)
             return
+        log.info("connected to the broker")
+        # subscribe on every connect: a restarted broker may have lost the persistent session
         client.subscribe([(task_topic(self.fed, self.dev), 1), (round_topic(self.fed), 1)])
         client.publish(status_topic(self.fed, self.dev), json.dumps({"device_id": self.dev, "state": "online"}),
                        qos=1, retain=True)

@@ -85,8 +85,10 @@ class DemoConfig:
 class Federation:
     """A running server process plus its device processes; ``close()`` stops them all."""
 
-    def __init__(self, url: str, admin_token: str, server: subprocess.Popen[bytes], root: Path) -> None:
+    def __init__(self, url: str, admin_token: str, server: subprocess.Popen[bytes], root: Path,
+                 launch: tuple[list[str], dict[str, str]]) -> None:
         self.url, self.admin_token, self.server, self.root = url, admin_token, server, root
+        self._launch = launch
         self.http = httpx.Client(base_url=url, timeout=30.0)
         self.devices: list[subprocess.Popen[bytes]] = []
         self.fed = ""
@@ -113,6 +115,15 @@ class Federation:
             self.devices[i] = proc  # a restart of device i (its state dir carries on)
         else:
             self.devices.append(proc)
+
+    def restart_server(self, *, timeout_s: float = 120.0) -> None:
+        """Kill the server without warning (SIGKILL: no shutdown, its embedded broker dies with it) and start
+        it again on the same port and data: what a crashed and restarted server looks like to devices."""
+        self.server.kill()
+        self.server.wait()
+        cmd, env = self._launch
+        self.server = _spawn_server(cmd, env, self.root)
+        _wait_healthy(self.url, self.server, self.root, timeout_s)
 
     def get(self, path: str) -> Any:
         r = self.http.get(path, headers={"Authorization": f"Bearer {self.admin_token}"})
@@ -153,16 +164,25 @@ def start_server(root: Path, *, broker_url: str = "embedded", database_url: str 
            "--broker-url", broker_url]
     if database_url:
         cmd += ["--database-url", database_url]
-    log = open(root / "server.log", "ab")  # noqa: SIM115 (the child owns it)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc = _spawn_server(cmd, env, root)
     url = f"http://127.0.0.1:{port}"
+    _wait_healthy(url, proc, root, timeout_s)
+    return Federation(url, token, proc, root, (cmd, env))
+
+
+def _spawn_server(cmd: list[str], env: dict[str, str], root: Path) -> subprocess.Popen[bytes]:
+    log = open(root / "server.log", "ab")  # noqa: SIM115 (the child owns it)
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen[bytes], root: Path, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise PflEdgeError(f"the server exited with {proc.returncode}; see {root / 'server.log'}")
         try:
             if httpx.get(f"{url}/healthz", timeout=1.0).status_code == 200:
-                return Federation(url, token, proc, root)
+                return
         except httpx.TransportError:
             pass
         time.sleep(0.2)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import pathlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -209,6 +210,25 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     return app
 
 
+def _embedded_port(data_dir: pathlib.Path) -> int | None:
+    """The embedded broker's port of this data dir's last run, when it is free again: enrolled devices know
+    the broker by that URL and reconnect to it after a server restart. None: any free port."""
+    import socket
+
+    try:
+        port = int((data_dir / "broker-port").read_text())
+    except (OSError, ValueError):
+        return None
+    with socket.socket() as sock:
+        # as the broker binds it: connections of the killed run linger in TIME_WAIT on this port
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return None
+    return port
+
+
 def _start(settings: Settings) -> AppState:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     engine = make_engine(settings.resolved_database_url)
@@ -216,8 +236,9 @@ def _start(settings: Settings) -> AppState:
     blobs = DirBlobStore(settings.resolved_blob_dir, settings.max_blob_bytes)
     broker: EmbeddedBroker | None = None
     if settings.broker_url == "embedded":
-        broker = EmbeddedBroker()
+        broker = EmbeddedBroker(port=_embedded_port(settings.data_dir))
         broker_url = broker.start()
+        (settings.data_dir / "broker-port").write_text(str(broker.port))
     else:
         broker_url = settings.broker_url
     holder: list[Coordinator] = []

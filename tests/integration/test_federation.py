@@ -60,13 +60,14 @@ def _postgres_url() -> str | None:
 
 
 def _run(root: Path, config: dict[str, Any], profiles: list[str], *, broker: str, database_url: str | None = None,
-         kill_and_restart: int | None = None, timeout_s: float = 240) -> Federation:
+         kill_and_restart: int | None = None, restart_server_at: int | None = None,
+         timeout_s: float = 240) -> Federation:
     fed = start_server(root, broker_url=broker, database_url=database_url)
     try:
         fed.create(f"t{int(time.time() * 1000) % 10**9}", config, deadline_s=120.0)
         for i, p in enumerate(profiles):
             fed.start_device(i, p)
-        restarted = False
+        restarted = server_restarted = False
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             info = fed.info()
@@ -76,6 +77,10 @@ def _run(root: Path, config: dict[str, Any], profiles: list[str], *, broker: str
                 fed.devices[kill_and_restart].wait()
                 fed.start_device(kill_and_restart, profiles[kill_and_restart])
                 restarted = True
+            if restart_server_at is not None and not server_restarted and info["round"] >= restart_server_at:
+                fed.restart_server()
+                server_restarted = True
+                continue
             if info["state"] == "finished" and all(p.poll() is not None for p in fed.devices):
                 break
             for i, p in enumerate(fed.devices):
@@ -160,6 +165,19 @@ def test_dispfl_devices_end_with_the_simulators_models(tmp_path: Path, broker: s
 def test_a_device_killed_mid_run_picks_up_where_it_was(tmp_path: Path, broker: str) -> None:
     cfg = SimConfig(algorithm="fedper", clients=3, kp=2, **{**BASE, "rounds": 3})
     fed = _run(tmp_path / "run", cfg.to_dict(), ["phone-mid"] * 3, broker=broker, kill_and_restart=1)
+    fed.close()
+    simulate(cfg, save_dir=tmp_path / "sim", progress=False)
+    for i in range(cfg.clients):
+        _close(_final(tmp_path / "run", i), load_checkpoint(tmp_path / "sim" / f"client_{i:03d}.safetensors")[0])
+
+
+@pytest.mark.parametrize("algorithm", ["fedper", "dispfl"])
+def test_devices_ride_out_a_server_crash(tmp_path: Path, algorithm: str) -> None:
+    """The server (and its embedded broker) SIGKILLed mid-run and restarted on the same data: devices retry
+    HTTP with back-off, reconnect to the broker, and the federation ends as if nothing had happened."""
+    extra = {"densities": (0.3, 0.7, 1.0), "topology": "random:2"} if algorithm == "dispfl" else {"kp": 2}
+    cfg = SimConfig(algorithm=algorithm, clients=3, **extra, **{**BASE, "rounds": 3})
+    fed = _run(tmp_path / "run", cfg.to_dict(), ["phone-mid"] * 3, broker="embedded", restart_server_at=2)
     fed.close()
     simulate(cfg, save_dir=tmp_path / "sim", progress=False)
     for i in range(cfg.clients):
