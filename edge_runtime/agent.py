@@ -248,8 +248,9 @@ class Agent:
             weights, masks = local.dispfl_init(self.data, self.sim, enr.index, enr.density, init)
             self.store.save_tensors("masks.safetensors", masks)
             self.store.save_tensors("model.safetensors", weights)
-            if enr.round == 0:  # its initial sparse model is what its neighbours of round 1 receive
-                self._stage_upload(prog, 0, local.dispfl_payload(weights, masks, self.data.spec, 0))
+            # its initial sparse model is what its first neighbours receive (a late joiner's too: the server
+            # gives it tasks once it has one)
+            self._stage_upload(prog, 0, local.dispfl_payload(weights, masks, self.data.spec, 0))
         else:
             self.store.save_tensors("model.safetensors", init)
         self.store.save_progress(prog)

@@ -150,7 +150,6 @@ def _sim_demo(args: argparse.Namespace) -> int:
 
 def _cmd_server(args: argparse.Namespace) -> int:
     from server.main import serve
-
     from server.settings import load_settings
 
     overrides: dict[str, Any] = {}

@@ -92,6 +92,9 @@ class FederationCreate(_Msg):
     quorum: float = Field(default=1.0, gt=0, le=1)  # fraction of enrolled devices that closes a round early
     deadline_s: float = Field(default=600.0, gt=0)  # after this, a round closes with whatever quorum it has
     min_updates: int = Field(default=1, ge=1)  # a round past its deadline with fewer updates stays open
+    # round 1 opens once this many devices have enrolled (None: all ``clients`` slots); the others may join
+    # later, into free slots, and take part from the round after they join
+    min_devices: int | None = Field(default=None, ge=1)
     profile_capacity: bool = False  # density and K_P from each device's profile instead of the config
 
 

@@ -65,6 +65,7 @@ class Federation(Base):
     quorum: Mapped[float] = mapped_column(Float)
     deadline_s: Mapped[float] = mapped_column(Float)
     min_updates: Mapped[int] = mapped_column(Integer)
+    min_devices: Mapped[int | None] = mapped_column(Integer, nullable=True)  # None: every slot before round 1
     profile_capacity: Mapped[bool] = mapped_column(Boolean)
     round: Mapped[int] = mapped_column(Integer, default=0)
     state: Mapped[str] = mapped_column(String(16), default="open")

@@ -194,6 +194,7 @@ class Coordinator:
                     raise ApiError(409, f"federation {req.id!r} already exists")
                 s.add(Federation(id=req.id, config=fm.cfg.to_dict(), enrol_secret_hash=hash_secret(req.enrol_secret),
                                  quorum=req.quorum, deadline_s=req.deadline_s, min_updates=req.min_updates,
+                                 min_devices=req.min_devices,
                                  profile_capacity=req.profile_capacity, round=0, state="open", init_digest=digest,
                                  base_digest=digest))
                 s.flush()
@@ -523,7 +524,7 @@ class Coordinator:
             fm = self._model(fed)
             t, state = fed.round, fed.state
             if t == 0:
-                ready = len(self._active(s, fed, fm, 1)) >= fm.cfg.clients
+                ready = len(self._active(s, fed, fm, 1)) >= min(fed.min_devices or fm.cfg.clients, fm.cfg.clients)
             elif state == "collecting":
                 r = s.get(Round, (fed_id, t))
                 assert r is not None

@@ -51,26 +51,48 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     proc.wait(timeout=10)
 
 
-def _postgres_url() -> str | None:
+@pytest.fixture
+def postgres_url() -> Iterator[str | None]:
+    """A PostgreSQL URL whose search_path is a fresh schema of database ``test`` (dropped afterwards), or None
+    where no PostgreSQL answers on 127.0.0.1:5432."""
     try:
         socket.create_connection(("127.0.0.1", 5432), timeout=0.5).close()
     except OSError:
-        return None
-    return "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+        yield None
+        return
+    import uuid
+
+    import psycopg
+
+    schema = f"pfl_it_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect("postgresql://postgres@127.0.0.1:5432/test", autocommit=True) as c:
+        c.execute(f'CREATE SCHEMA "{schema}"')
+    yield f"postgresql+psycopg://postgres@127.0.0.1:5432/test?options=-csearch_path%3D{schema}"
+    with psycopg.connect("postgresql://postgres@127.0.0.1:5432/test", autocommit=True) as c:
+        c.execute(f'DROP SCHEMA "{schema}" CASCADE')
 
 
 def _run(root: Path, config: dict[str, Any], profiles: list[str], *, broker: str, database_url: str | None = None,
          kill_and_restart: int | None = None, restart_server_at: int | None = None,
-         timeout_s: float = 240) -> Federation:
+         late: int | None = None, timeout_s: float = 240) -> Federation:
+    """Run a federation to its end. ``late``: device ``late`` (the last) enrols only once round 1 has
+    closed; round 1 opens without it."""
     fed = start_server(root, broker_url=broker, database_url=database_url)
     try:
-        fed.create(f"t{int(time.time() * 1000) % 10**9}", config, deadline_s=120.0)
+        fed.create(f"t{int(time.time() * 1000) % 10**9}", config, deadline_s=120.0,
+                   **({"min_devices": len(profiles) - 1} if late is not None else {}))
         for i, p in enumerate(profiles):
-            fed.start_device(i, p)
+            if i != late:
+                fed.start_device(i, p)
+        joined = late is None
         restarted = server_restarted = False
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             info = fed.info()
+            if not joined and info["round"] >= 1:
+                assert late is not None
+                fed.start_device(late, profiles[late])
+                joined = True
             if kill_and_restart is not None and not restarted and info["round"] >= 2:
                 # a device killed without warning (no clean disconnect: its last will fires), then restarted
                 fed.devices[kill_and_restart].kill()
@@ -115,10 +137,11 @@ def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 
 
 @pytest.mark.parametrize("db", ["sqlite", "postgresql"])
-def test_fedper_devices_end_with_the_simulators_models(tmp_path: Path, broker: str, db: str) -> None:
+def test_fedper_devices_end_with_the_simulators_models(tmp_path: Path, broker: str, db: str,
+                                                       postgres_url: str | None) -> None:
     database_url = None
     if db == "postgresql":
-        database_url = _postgres_url()
+        database_url = postgres_url
         if database_url is None:
             pytest.skip("no PostgreSQL on 127.0.0.1:5432")
     cfg = SimConfig(algorithm="fedper", clients=3, kp=2, **BASE)
@@ -182,3 +205,23 @@ def test_devices_ride_out_a_server_crash(tmp_path: Path, algorithm: str) -> None
     simulate(cfg, save_dir=tmp_path / "sim", progress=False)
     for i in range(cfg.clients):
         _close(_final(tmp_path / "run", i), load_checkpoint(tmp_path / "sim" / f"client_{i:03d}.safetensors")[0])
+
+
+@pytest.mark.parametrize("algorithm", ["fedper", "dispfl"])
+def test_a_late_device_joins_from_the_next_round(tmp_path: Path, algorithm: str) -> None:
+    extra = {"density": 0.5, "topology": "random:2"} if algorithm == "dispfl" else {"kp": 2}
+    # rounds long enough (a few seconds in all) that the late process has started before the end
+    cfg = SimConfig(algorithm=algorithm, clients=3, **extra,
+                    **{**BASE, "rounds": 8, "samples_per_client": 400, "local_epochs": 2, "lr": 0.02, "clip_norm": 5.0})
+    fed = _run(tmp_path / "run", cfg.to_dict(), ["phone-mid"] * 3, broker="embedded", late=2)
+    try:
+        metrics = fed.get(f"{API_PREFIX}/federations/{fed.fed}/metrics")
+        devices = fed.get(f"{API_PREFIX}/federations/{fed.fed}/devices")
+    finally:
+        fed.close()
+    late = next(d for d in devices if d["index"] == 2)
+    assert late["joined_round"] >= 1  # enrolled after round 1 had opened
+    reported = [r["round"] for r in metrics["rounds"] if late["device_id"] in r["devices"]]
+    # it reports from the round after it joined up to the last, and never for rounds before it joined
+    assert reported and min(reported) > late["joined_round"] and max(reported) == cfg.rounds
+    assert (tmp_path / "run" / "devices" / "device-02" / "final.safetensors").exists()
