@@ -77,6 +77,8 @@ class AgentConfig:
     patience_s: float = 300.0  # how long to keep retrying an unreachable server or broker
     max_blob_bytes: int = 256 * 1024 * 1024
     exit_when_done: bool = True
+    training_backend: str | None = None  # torch | executorch; None: the profile's
+    training_program: str | None = None  # an exported ExecuTorch training program (else exported here, once)
     # how its registered data set is dealt (dataset, partition, clients, seed), where it differs from the config
     data_overrides: dict[str, Any] = field(default_factory=dict)
 
@@ -233,8 +235,40 @@ class Agent:
             self.data = local.load_local_data(data_cfg, part, data_dir=self.cfg.data_dir)
         self.split = local.device_split(self.data.model, self.sim, enr.kp)
         self.dispfl = self.sim.algorithm == "dispfl"
+        self.backend = self._training_backend()
         if self.store.load_tensors("model.safetensors") is None:
             self._init_model(enr)
+
+    def _training_backend(self) -> local.Backend | None:
+        """The profile's training backend (or the one asked for). ``torch``: None, eager PyTorch as the simulator
+        trains. ``executorch``: a training program, from ``--training-program`` or exported here once and kept
+        in the state dir; each round's weights are swapped into it, never re-exported."""
+        name = self.cfg.training_backend or self.profile.training_backend
+        if name == "torch":
+            return None
+        if name != "executorch":
+            raise ConfigError(f"unknown training backend {name!r}; valid: executorch, torch")
+        from .training import ExecuTorchBackend
+
+        path = self.cfg.training_program
+        if path is None:
+            from export import lower_executorch_training, package, prepare
+
+            out = self.store.root / "programs"
+            mode = "dispfl" if self.dispfl else "fedper"  # fedper's program also trains the head alone (-FT)
+            found = sorted(out.glob(f"*-train-{mode}.pte")) if out.exists() else []
+            if found:
+                path = str(found[0])
+            else:
+                log.info("exporting an ExecuTorch training program (%s, batch %d)", mode, self.sim.batch_size)
+                prep = prepare(self.profile, spec=self.data.spec, seed=self.sim.seed)
+                lowered = lower_executorch_training(prep, mode=mode, batch_size=self.sim.batch_size)
+                path = str(package(lowered, out).path)
+        backend = ExecuTorchBackend.from_file(path)
+        if backend.batch_size < self.sim.batch_size:
+            raise ConfigError(f"the training program takes batches of {backend.batch_size}, the federation trains "
+                              f"with {self.sim.batch_size}: export one at the federation's batch size")
+        return backend
 
     def _init_model(self, enr: Enrolment) -> None:
         # FedPer: the server sends the initial base; the personal blocks start from the federation's seeded
@@ -372,7 +406,8 @@ class Agent:
         down = self._down
         prev = prog["round"]
         if self.sim.algorithm == "fedper-ft" or (prog.get("late") and prev == 0 and self.split.personal):
-            state = local.personal_finetune(self.data, state, self.split, self.sim, prev, self.enr.index)
+            state = local.personal_finetune(self.data, state, self.split, self.sim, prev, self.enr.index,
+                                            backend=self.backend)
         if prev >= 1:
             acc, loss = local.evaluate_local(self.data, state)
             self._post_metrics(prev, {"accuracy": acc, "loss": loss, "n_test": self.data.n_test,
@@ -384,7 +419,7 @@ class Agent:
         t = task.round
         state, down = self._fedper_sync(task, prog)
         start = time.perf_counter()
-        state, loss, steps = local.train_local(self.data, state, self.sim, t, self.enr.index)
+        state, loss, steps = local.train_local(self.data, state, self.sim, t, self.enr.index, backend=self.backend)
         train_s = time.perf_counter() - start
         payload = local.base_payload(state, self.split, self.data.spec, t)
         self.store.save_tensors("model.safetensors", state)
@@ -411,12 +446,14 @@ class Agent:
         down = self._down
         start_state = local.dispfl_average(weights, masks, others)
         start = time.perf_counter()
-        trained, loss, steps = local.train_local(self.data, start_state, self.sim, t, self.enr.index, masks=masks)
+        trained, loss, steps = local.train_local(self.data, start_state, self.sim, t, self.enr.index, masks=masks,
+                                                 backend=self.backend)
         train_s = time.perf_counter() - start
         acc, test_loss = local.evaluate_local(self.data, trained)
         # what it deploys this round is the trained model (as the simulator evaluates it)
         self.store.save_tensors("final.safetensors", trained, {"round": str(t)})
-        weights, masks = local.dispfl_update_mask(self.data, trained, masks, self.sim, t, self.enr.index)
+        weights, masks = local.dispfl_update_mask(self.data, trained, masks, self.sim, t, self.enr.index,
+                                                  backend=self.backend)
         payload = local.dispfl_payload(weights, masks, self.data.spec, t)
         self.store.save_tensors("masks.safetensors", masks)
         self.store.save_tensors("model.safetensors", weights)

@@ -53,6 +53,7 @@ class DemoConfig:
     broker_url: str = "embedded"
     database_url: str | None = None
     live: bool = True
+    training_backend: str | None = "torch"  # None: each device's profile's backend
     deadline_s: float = 600.0
     timeout_s: float = 3600.0
     extra: dict[str, Any] = field(default_factory=dict)  # more federation config keys
@@ -203,8 +204,12 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                    deadline_s=cfg.deadline_s)
         print(f"server {fed.url}  federation 'demo': {cfg.algorithm}, {cfg.devices} devices of fleet "
               f"{cfg.fleet!r}, {cfg.rounds} rounds, {cfg.dataset} {cfg.partition}", flush=True)
+        if cfg.training_backend is not None:
+            print(f"every device trains with {cfg.training_backend} (pfl-edge demo --training-backend profile: "
+                  "each with its profile's backend)", flush=True)
         for i, prof in enumerate(profiles):
-            fed.start_device(i, prof.name)
+            fed.start_device(i, prof.name, extra=[] if cfg.training_backend is None
+                             else ["--training-backend", cfg.training_backend])
         finished = _follow(fed, cfg, t0)
         metrics = fed.get(f"{API_PREFIX}/federations/{fed.fed}/metrics")
         devices = fed.get(f"{API_PREFIX}/federations/{fed.fed}/devices")

@@ -121,7 +121,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     cfg = DemoConfig(devices=args.devices, rounds=args.rounds, algorithm=args.algorithm, fleet=args.fleet,
                      out=str(args.out), dataset=args.dataset, partition=args.partition, seed=args.seed,
                      samples_per_client=args.samples_per_client, broker_url=args.broker_url,
-                     database_url=args.database_url, live=not args.no_progress)
+                     database_url=args.database_url, live=not args.no_progress,
+                     training_backend=None if args.training_backend == "profile" else args.training_backend)
     _check_writable(Path(args.out) / "metrics.json", None)
     summary = run_demo(cfg)
     return 0 if summary["finished"] else 1
@@ -175,7 +176,8 @@ def _cmd_client(args: argparse.Namespace) -> int:
     cfg = AgentConfig(server=args.server, federation=args.federation, enrol_secret=args.enrol_secret,
                       profile=args.profile, state_dir=str(args.state_dir), name=args.name,
                       partition_id=args.partition_id, threads=args.threads, data_dir=args.dataset_dir,
-                      image_dir=args.data_dir, patience_s=args.patience, data_overrides=overrides)
+                      image_dir=args.data_dir, patience_s=args.patience, data_overrides=overrides,
+                      training_backend=args.training_backend, training_program=args.training_program)
     agent = Agent(cfg)
     install_signal_handlers(agent)
     return agent.run()
@@ -318,6 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--database-url", default=None, help="default: SQLite in the run folder")
     p.add_argument("--out", type=Path, default=Path("runs/demo"), help="run folder (default runs/demo)")
     p.add_argument("--no-progress", action="store_true", help="no live table; one line per round")
+    p.add_argument("--training-backend", choices=["torch", "profile"], default="torch",
+                   help="torch (default): every device trains in eager PyTorch; profile: each device uses its "
+                        "profile's backend (ExecuTorch on the phones: about 85x slower per step on this CPU)")
     p.add_argument("--simulate", action="store_true",
                    help="instead: the in-process simulator, FedPer vs FedAvg (10 clients, 10 rounds)")
     p.set_defaults(func=_cmd_demo, config=None, local_norm_stats=None)
@@ -346,6 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset-dir", help="where the registered data set's files are")
     p.add_argument("--data-dir", help="the user's own labelled images instead: one folder per class")
     p.add_argument("--threads", type=int, help="torch threads (default: the profile's)")
+    p.add_argument("--training-backend", choices=["torch", "executorch"],
+                   help="default: the profile's (an executorch program is exported once into the state dir)")
+    p.add_argument("--training-program", help="an exported ExecuTorch training program (.pte beside its manifest)")
     p.add_argument("--patience", type=float, default=300.0, help="seconds to keep retrying a missing server")
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=_cmd_client)

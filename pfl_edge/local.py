@@ -8,8 +8,9 @@ its batches from ``generator(seed, "train", t, index)`` and its mask from ``gene
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -28,6 +29,7 @@ from .train import ClientTensors, TrainConfig, dense_gradients, evaluate, train,
 
 __all__ = [
     "DEVICE_ALGORITHMS",
+    "Backend",
     "LocalData",
     "dispfl_average",
     "dispfl_init",
@@ -131,25 +133,52 @@ def _one(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return {k: v.unsqueeze(0) for k, v in state.items()}
 
 
+class Backend(Protocol):
+    """A training backend the device brings (``edge_runtime.training``: ExecuTorch); without one, training
+    runs here in eager PyTorch, exactly as the simulator trains."""
+
+    def load(self, state: Mapping[str, Tensor]) -> None: ...
+
+    def state(self) -> dict[str, Tensor]: ...
+
+    def train(self, x: Tensor, y: Tensor, cfg: TrainConfig, gen: torch.Generator, *,
+              trainable: Collection[str] | None = None, mask: Mapping[str, Tensor] | None = None) -> Any: ...
+
+    def dense_gradients(self, x: Tensor, y: Tensor, batch_size: int, gen: torch.Generator) -> dict[str, Tensor]: ...
+
+
+def _own(data: LocalData) -> tuple[Tensor, Tensor]:
+    n = data.n_train
+    return data.train.x[0, :n], data.train.y[0, :n]
+
+
 def train_local(data: LocalData, state: Mapping[str, Tensor], cfg: SimConfig, t: int, index: int, *,
                 epochs: int | None = None, label: str = "train", trainable: Sequence[str] | None = None,
-                masks: Mapping[str, Tensor] | None = None) -> tuple[dict[str, Tensor], float, int]:
+                masks: Mapping[str, Tensor] | None = None,
+                backend: Backend | None = None) -> tuple[dict[str, Tensor], float, int]:
     """Local SGD of round ``t`` from ``state``: returns the new state, the mean training loss and the steps."""
     tc = TrainConfig(epochs=cfg.local_epochs if epochs is None else epochs, batch_size=cfg.batch_size,
                      lr=cfg.lr_at(max(t, 1)), momentum=cfg.momentum, weight_decay=cfg.weight_decay,
                      clip_norm=cfg.clip_norm)
-    res = train(data.model, _one(state), data.train, _ROW, tc, [generator(cfg.seed, label, t, index)],
+    gen = generator(cfg.seed, label, t, index)
+    if backend is not None:
+        backend.load(state)
+        x, y = _own(data)
+        stats = backend.train(x, y, tc, gen, trainable=trainable, mask=masks)
+        return {**state, **backend.state()}, float(stats.loss), int(stats.steps)
+    res = train(data.model, _one(state), data.train, _ROW, tc, [gen],
                 trainable=trainable, masks=None if masks is None else _one(masks), engine="loop")
     return unstack(res.stack, 0), float(res.loss[0]), int(res.steps[0])
 
 
 def personal_finetune(data: LocalData, state: Mapping[str, Tensor], split: Split, cfg: SimConfig, t: int,
-                      index: int) -> dict[str, Tensor]:
+                      index: int, *, backend: Backend | None = None) -> dict[str, Tensor]:
     """FedPer-FT: the personal blocks alone for ``ft_epochs`` on a new base (ALGORITHMS.md)."""
     personal = [k for k, _ in data.model.named_parameters() if k in set(split.personal)]
     if not personal or cfg.ft_epochs == 0:
         return dict(state)
-    return train_local(data, state, cfg, t, index, epochs=cfg.ft_epochs, label="finetune", trainable=personal)[0]
+    return train_local(data, state, cfg, t, index, epochs=cfg.ft_epochs, label="finetune", trainable=personal,
+                       backend=backend)[0]
 
 
 def evaluate_local(data: LocalData, state: Mapping[str, Tensor]) -> tuple[float, float]:
@@ -196,13 +225,19 @@ def dispfl_average(own: Mapping[str, Tensor], own_masks: Mapping[str, Tensor],
 
 
 def dispfl_update_mask(data: LocalData, trained: Mapping[str, Tensor], masks: Mapping[str, Tensor],
-                       cfg: SimConfig, t: int, index: int) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+                       cfg: SimConfig, t: int, index: int, *,
+                       backend: Backend | None = None) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """Prune ``ceil(alpha_t * nnz)`` weights per sparse tensor and regrow as many (by dense gradient or at
     random), as the simulator does after round ``t``."""
     alpha = prune_rate(cfg.alpha0, t - 1, cfg.rounds)
     sparse = {k: masks[k] for k in _sparse_keys(masks)}
     grads = None
-    if cfg.regrow == "gradient":
+    if cfg.regrow == "gradient" and backend is not None:
+        backend.load(trained)
+        x, y = _own(data)
+        g1 = backend.dense_gradients(x, y, cfg.batch_size, generator(cfg.seed, "regrow", t, index))
+        grads = {k: g1[k] for k in sparse}
+    elif cfg.regrow == "gradient":
         g = dense_gradients(data.model, _one(trained), data.train, _ROW, cfg.batch_size,
                             [generator(cfg.seed, "regrow", t, index)])
         grads = {k: g[k][0] for k in sparse}

@@ -74,7 +74,8 @@ def postgres_url() -> Iterator[str | None]:
 
 def _run(root: Path, config: dict[str, Any], profiles: list[str], *, broker: str, database_url: str | None = None,
          kill_and_restart: int | None = None, restart_server_at: int | None = None,
-         late: int | None = None, timeout_s: float = 240) -> Federation:
+         late: int | None = None, extra: dict[int, list[str]] | None = None,
+         timeout_s: float = 240) -> Federation:
     """Run a federation to its end. ``late``: device ``late`` (the last) enrols only once round 1 has
     closed; round 1 opens without it."""
     fed = start_server(root, broker_url=broker, database_url=database_url)
@@ -83,7 +84,7 @@ def _run(root: Path, config: dict[str, Any], profiles: list[str], *, broker: str
                    **({"min_devices": len(profiles) - 1} if late is not None else {}))
         for i, p in enumerate(profiles):
             if i != late:
-                fed.start_device(i, p)
+                fed.start_device(i, p, extra=(extra or {}).get(i, ["--training-backend", "torch"]))
         joined = late is None
         restarted = server_restarted = False
         deadline = time.monotonic() + timeout_s
@@ -225,3 +226,18 @@ def test_a_late_device_joins_from_the_next_round(tmp_path: Path, algorithm: str)
     # it reports from the round after it joined up to the last, and never for rounds before it joined
     assert reported and min(reported) > late["joined_round"] and max(reported) == cfg.rounds
     assert (tmp_path / "run" / "devices" / "device-02" / "final.safetensors").exists()
+
+
+@pytest.mark.parametrize("algorithm", ["fedper", "dispfl"])
+def test_a_device_training_with_executorch_ends_where_the_simulator_does(tmp_path: Path, algorithm: str) -> None:
+    """Device 0 trains with an ExecuTorch training program (exported on the device, weights swapped in every
+    round); the others in eager PyTorch. All end with the simulator's models, within float tolerance."""
+    extra = {"densities": (0.5, 1.0, 0.3), "topology": "random:2"} if algorithm == "dispfl" else {"kp": 2}
+    cfg = SimConfig(algorithm=algorithm, clients=3, **extra, **BASE)
+    fed = _run(tmp_path / "run", cfg.to_dict(), ["phone-mid"] * 3, broker="embedded",
+               extra={0: ["--training-backend", "executorch"]})
+    fed.close()
+    assert list((tmp_path / "run" / "devices" / "device-00" / "programs").glob("*.pte"))
+    simulate(cfg, save_dir=tmp_path / "sim", progress=False)
+    for i in range(cfg.clients):
+        _close(_final(tmp_path / "run", i), load_checkpoint(tmp_path / "sim" / f"client_{i:03d}.safetensors")[0])
