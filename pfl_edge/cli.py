@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -208,7 +208,17 @@ def _cmd_check(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     """Export a device's model for a profile, verify it against eager PyTorch, record it in the manifest."""
     from device_profiles import get_profile
-    from export import Lowered, Prepared, lower_executorch, lower_onnx, package, prepare, verify
+    from export import (
+        lower_executorch,
+        lower_executorch_int8,
+        lower_executorch_training,
+        lower_onnx,
+        package,
+        prepare,
+        verify,
+        verify_int8,
+        verify_training,
+    )
 
     from .checkpoint import ModelSpec
     from .data import get_dataset
@@ -219,19 +229,47 @@ def _cmd_export(args: argparse.Namespace) -> int:
     prep = prepare(profile, checkpoint=args.checkpoint, spec=spec, seed=args.seed)
     if args.checkpoint is None:
         print(f"no --checkpoint: exporting a fresh, untrained {args.model} (for sizes and latency, not accuracy)")
-    real = None
+    real_x = real_y = None
     try:
         ds = get_dataset(args.dataset, data_dir=args.data_dir)
         if tuple(ds.test_x.shape[1:]) == prep.input_shape:
-            real = ds.test_x[:32]
+            real_x, real_y = ds.test_x[:1000], ds.test_y[:1000]
     except DataError as e:
         print(f"verifying on random inputs only: {e}")
-    lowerers: dict[str, Callable[[Prepared], Lowered]] = {"onnx": lower_onnx, "executorch": lower_executorch}
-    for fmt in (lowerers if args.format == "all" else [args.format]):
-        packaged = package(lowerers[fmt](prep), args.out)
-        ver = verify(packaged, real=real)
-        print(f"{packaged.path}  {packaged.entry['bytes']:,} bytes  density {prep.density:.2f}  verified on "
-              f"{', '.join(ver.inputs)}: max abs error {ver.max_abs_err:.2e}, max rel error {ver.max_rel_err:.2e}")
+    formats = ["onnx", "executorch", "executorch-int8", "executorch-training"] if args.format == "all" \
+        else [args.format]
+    for fmt in formats:
+        if fmt in ("onnx", "executorch"):
+            packaged = package((lower_onnx if fmt == "onnx" else lower_executorch)(prep), args.out)
+            ver = verify(packaged, real=None if real_x is None else real_x[:32])
+            print(f"{packaged.path}  {packaged.entry['bytes']:,} bytes  density {prep.density:.2f}  verified on "
+                  f"{', '.join(ver.inputs)}: max abs error {ver.max_abs_err:.2e}, max rel error "
+                  f"{ver.max_rel_err:.2e}")
+        elif fmt == "executorch-int8":
+            if args.format == "all" and args.checkpoint is None:
+                print("executorch-int8 skipped: an untrained model's near-uniform logits make its int8 accuracy "
+                      "check meaningless; give --checkpoint (or --format executorch-int8 to force it)")
+                continue
+            if real_x is None or real_y is None:
+                print("executorch-int8 skipped: it calibrates and is checked on real labelled images, and "
+                      f"{args.dataset} does not match the model's input")
+                continue
+            packaged = package(lower_executorch_int8(prep, real_x[:256]), args.out)
+            rep = verify_int8(packaged, real_x, real_y)
+            print(f"{packaged.path}  {packaged.entry['bytes']:,} bytes  int8: accuracy {rep['int8_accuracy']:.3f} "
+                  f"vs fp32 {rep['fp32_accuracy']:.3f} on {len(real_y)} real test images, top-1 agreement "
+                  f"{rep['top1_agreement']:.3f}")
+        else:
+            mask = None
+            if args.mode == "dispfl":  # the checkpoint's zeros are its mask (a fresh model: dense)
+                mask = {k: (p != 0).float() for k, p in prep.model.named_parameters()}
+            lowered = lower_executorch_training(prep, mode=args.mode, batch_size=profile.batch_size,
+                                                kp=profile.kp if args.mode == "personal" else None, mask=mask)
+            packaged = package(lowered, args.out)
+            tv = verify_training(packaged, mask=mask)
+            print(f"{packaged.path}  {packaged.entry['bytes']:,} bytes  training program ({args.mode}, batch "
+                  f"{profile.batch_size}): one step's gradients max abs error {tv.grad_max_abs_err:.2e}, weights "
+                  f"{tv.weight_max_abs_err:.2e} against eager PyTorch")
     print(f"manifest: {Path(args.out) / 'manifest.json'}")
     return 0
 
@@ -372,8 +410,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-classes", type=int, default=10, help="for a fresh model")
     p.add_argument("--in-channels", type=int, default=1, help="for a fresh model")
     p.add_argument("--image-size", type=int, default=28, help="for a fresh model")
-    p.add_argument("--format", choices=["onnx", "executorch", "all"], default="all",
-                   help="onnx (opset 17), executorch (.pte, XNNPACK) or all; int8 and training programs: not yet")
+    p.add_argument("--format", choices=["onnx", "executorch", "executorch-int8", "executorch-training", "all"],
+                   default="all", help="onnx (opset 17), executorch (.pte, XNNPACK), executorch-int8 (static int8, "
+                   "XNNPACK; calibrated on real images), executorch-training (an on-device training program), all")
+    p.add_argument("--mode", choices=["fedper", "personal", "dispfl"], default="fedper",
+                   help="training program: fedper (whole model), personal (the profile's K_P blocks alone: "
+                        "FedPer-FT's first epoch), dispfl (masked weights; exposes the dense gradient)")
     p.add_argument("--dataset", default="fashion-mnist", help="real inputs for the parity check, if shapes match")
     p.add_argument("--data-dir", default=None)
     p.add_argument("--seed", type=int, default=0)

@@ -155,3 +155,15 @@ def test_batchnorm_models_are_refused_before_export(prep: Prepared) -> None:
     bn_prep = dataclasses.replace(prep, model=bn)
     with pytest.raises(ExportError, match="BatchNorm"):
         lower_executorch_training(bn_prep, mode="fedper", batch_size=B)
+
+
+def test_cli_exports_and_verifies_a_training_program(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from pfl_edge.cli import main
+
+    assert main(["export", "--profile", "phone-low", "--dataset", "synthetic", "--format", "executorch-training",
+                 "--mode", "personal", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "training program (personal, batch" in out and "against eager PyTorch" in out
+    entry = json.loads((tmp_path / "manifest.json").read_text())[0]
+    assert entry["kind"] == "training" and entry["mode"] == "personal" and entry["verify"]["passed"]
+    assert entry["batch_size"] == get_profile("phone-low").batch_size
