@@ -229,11 +229,12 @@ def _cmd_export(args: argparse.Namespace) -> int:
     prep = prepare(profile, checkpoint=args.checkpoint, spec=spec, seed=args.seed)
     if args.checkpoint is None:
         print(f"no --checkpoint: exporting a fresh, untrained {args.model} (for sizes and latency, not accuracy)")
-    real_x = real_y = None
+    real_x = real_y = calib = None
     try:
         ds = get_dataset(args.dataset, data_dir=args.data_dir)
         if tuple(ds.test_x.shape[1:]) == prep.input_shape:
-            real_x, real_y = ds.test_x[:1000], ds.test_y[:1000]
+            # int8 calibrates on training images and is checked on test images it never saw
+            real_x, real_y, calib = ds.test_x[:1000], ds.test_y[:1000], ds.train_x[:256]
     except DataError as e:
         print(f"verifying on random inputs only: {e}")
     formats = ["onnx", "executorch", "executorch-int8", "executorch-training"] if args.format == "all" \
@@ -250,11 +251,11 @@ def _cmd_export(args: argparse.Namespace) -> int:
                 print("executorch-int8 skipped: an untrained model's near-uniform logits make its int8 accuracy "
                       "check meaningless; give --checkpoint (or --format executorch-int8 to force it)")
                 continue
-            if real_x is None or real_y is None:
+            if real_x is None or real_y is None or calib is None:
                 print("executorch-int8 skipped: it calibrates and is checked on real labelled images, and "
                       f"{args.dataset} does not match the model's input")
                 continue
-            packaged = package(lower_executorch_int8(prep, real_x[:256]), args.out)
+            packaged = package(lower_executorch_int8(prep, calib), args.out)
             rep = verify_int8(packaged, real_x, real_y)
             print(f"{packaged.path}  {packaged.entry['bytes']:,} bytes  int8: accuracy {rep['int8_accuracy']:.3f} "
                   f"vs fp32 {rep['fp32_accuracy']:.3f} on {len(real_y)} real test images, top-1 agreement "
