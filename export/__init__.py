@@ -3,6 +3,7 @@ with a manifest. ONNX (fixed opset, dynamic batch) and ExecuTorch inference (XNN
 training programs (``lower_executorch_training`` -> ``package`` -> ``verify_training``); int8 comes next.
 """
 
+from .quantize import INT8_MAX_ACC_DROP, INT8_MIN_AGREEMENT, INT8_TAG_SUFFIX, lower_executorch_int8, verify_int8
 from .stages import (
     ONNX_OPSET,
     ExportError,
@@ -19,6 +20,9 @@ from .stages import (
 from .training import TRAINING_MODES, TrainingVerified, TrainingWrapper, lower_executorch_training, verify_training
 
 __all__ = [
+    "INT8_MAX_ACC_DROP",
+    "INT8_MIN_AGREEMENT",
+    "INT8_TAG_SUFFIX",
     "ONNX_OPSET",
     "TRAINING_MODES",
     "ExportError",
@@ -29,10 +33,12 @@ __all__ = [
     "TrainingWrapper",
     "Verified",
     "lower_executorch",
+    "lower_executorch_int8",
     "lower_executorch_training",
     "lower_onnx",
     "package",
     "prepare",
     "verify",
+    "verify_int8",
     "verify_training",
 ]
