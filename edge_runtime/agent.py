@@ -27,7 +27,6 @@ from torch import Tensor
 
 from device_profiles import get_profile
 from pfl_edge import local
-from pfl_edge.codec import decode
 from pfl_edge.errors import CodecError, ConfigError, PflEdgeError
 from pfl_edge.protocol import (
     API_PREFIX,
@@ -46,6 +45,8 @@ from pfl_edge.sim.config import SimConfig
 from .state import StateDir
 
 __all__ = ["Agent", "AgentConfig", "ServerError", "ServerUnavailable"]
+
+_MASK = "mask:"  # prefix of the mask tensors beside the weights in the device's model file
 
 log = logging.getLogger("pfl_edge.client")
 
@@ -230,14 +231,27 @@ class Agent:
         if self.cfg.image_dir is not None:
             self.data = local.load_image_folder(self.cfg.image_dir, self.sim, seed=self.sim.seed + enr.index)
         else:
-            # the slot seeds its training; the data is the partition it asked for (its slot by default)
-            part = enr.index if self.cfg.partition_id is None else self.cfg.partition_id
-            self.data = local.load_local_data(data_cfg, part, data_dir=self.cfg.data_dir)
+            if self.cfg.partition_id is not None and self.cfg.partition_id != enr.index:
+                raise ConfigError(f"asked for partition {self.cfg.partition_id} but the server gave slot {enr.index} "
+                                  f"(that partition's slot is taken); pick a free --partition-id or leave it out")
+            self.data = local.load_local_data(data_cfg, enr.index, data_dir=self.cfg.data_dir)
         self.split = local.device_split(self.data.model, self.sim, enr.kp)
         self.dispfl = self.sim.algorithm == "dispfl"
         self.backend = self._training_backend()
         if self.store.load_tensors("model.safetensors") is None:
             self._init_model(enr)
+        prog = self.store.progress
+        if self.dispfl and not prog.get("initial_sent"):
+            # its initial sparse model is what its first neighbours receive (a late joiner's too: the server
+            # gives it tasks once it has one); rebuilt from the saved model if a restart came in between
+            weights, masks, _, _ = self._load_model()
+            self._stage_upload(prog, 0, local.dispfl_payload(weights, masks, self.data.spec, 0))
+            self._flush_upload()
+            prog = self.store.progress
+            prog["initial_sent"] = True
+            self.store.save_progress(prog)
+        else:
+            self._flush_upload()  # a trained round whose upload a restart interrupted
 
     def _training_backend(self) -> local.Backend | None:
         """The profile's training backend (or the one asked for). ``torch``: None, eager PyTorch as the simulator
@@ -278,17 +292,31 @@ class Agent:
             raise ConfigError("the federation's initial model does not match this device's model")
         prog = self.store.progress
         prog["late"] = enr.round > 0
+        self.store.save_progress(prog)
         if self.dispfl:
             weights, masks = local.dispfl_init(self.data, self.sim, enr.index, enr.density, init)
-            self.store.save_tensors("masks.safetensors", masks)
-            self.store.save_tensors("model.safetensors", weights)
-            # its initial sparse model is what its first neighbours receive (a late joiner's too: the server
-            # gives it tasks once it has one)
-            self._stage_upload(prog, 0, local.dispfl_payload(weights, masks, self.data.spec, 0))
+            self._save_model(weights, masks, 0)
         else:
-            self.store.save_tensors("model.safetensors", init)
-        self.store.save_progress(prog)
-        self._flush_upload()
+            self._save_model(init, None, 0)
+
+    # the model, its mask and the round it was trained in live in one file, written atomically: a restart
+    # never sees a mask of one round beside weights of another
+    def _save_model(self, weights: dict[str, Tensor], masks: dict[str, Tensor] | None, t: int,
+                    metrics: dict[str, Any] | None = None) -> None:
+        tensors = dict(weights)
+        if masks is not None:
+            tensors.update({f"{_MASK}{k}": v for k, v in masks.items()})
+        self.store.save_tensors("model.safetensors", tensors, {"round": str(t), "metrics": json.dumps(metrics)})
+
+    def _load_model(self) -> tuple[dict[str, Tensor], dict[str, Tensor], int, dict[str, Any] | None]:
+        got = self.store.load_tensors_meta("model.safetensors")
+        if got is None:
+            raise ConfigError(f"{self.cfg.state_dir}/model.safetensors is missing; remove the state dir to enrol "
+                              "afresh")
+        tensors, meta = got
+        weights = {k: v for k, v in tensors.items() if not k.startswith(_MASK)}
+        masks = {k.removeprefix(_MASK): v for k, v in tensors.items() if k.startswith(_MASK)}
+        return weights, masks, int(meta.get("round", "0")), json.loads(meta.get("metrics", "null"))
 
     # ------------------------------------------------------------------------------------------------ main loop
     def run(self) -> int:
@@ -298,10 +326,17 @@ class Agent:
         try:
             while not self._stop.is_set() and not self.done:
                 try:
-                    topic, payload = self.inbox.get(timeout=0.5)
+                    batch = [self.inbox.get(timeout=0.5)]
                 except queue.Empty:
                     continue
-                self._handle(topic, payload)
+                while True:  # a device back from an absence acts on its current task, not every one it missed
+                    try:
+                        batch.append(self.inbox.get_nowait())
+                    except queue.Empty:
+                        break
+                task_msgs = [m for m in batch if m[0] == task_topic(self.enr.federation, self.enr.device_id)]
+                for topic, payload in [m for m in batch if m not in task_msgs] + task_msgs[-1:]:
+                    self._handle(topic, payload)
         finally:
             ctl.close()
             self.http.client.close()
@@ -330,17 +365,18 @@ class Agent:
     def _run_task(self, task: Task) -> None:
         prog = self.store.progress
         if task.final:
-            if not prog.get("final"):
+            if not prog.get("final") and self._current(task):
                 self._fedper_final(task, prog)
             return
         if task.round < prog["round"] or (task.round == prog["round"] and prog["posted"]):
             return  # done already (a retained task seen again after a restart)
-        if task.round == prog["round"] and not prog["posted"]:
-            self._flush_upload()  # trained before a restart: send what was kept
+        if not self._current(task):
             return
         self.on_event("task", {"round": task.round})
         try:
-            if self.dispfl:
+            if task.round == prog["round"] and not prog["posted"]:
+                self._flush_upload()  # trained before a restart: send what was kept
+            elif self.dispfl:
                 self._dispfl_round(task, prog)
             else:
                 self._fedper_round(task, prog)
@@ -348,15 +384,27 @@ class Agent:
             # training diverged (NaN/Inf weights): never send them; sit this round out, try again next round
             log.error("round %d: not sending an update: %s", task.round, e)
             self.on_event("diverged", {"round": task.round, "error": str(e)})
-        except ServerError as e:
-            if " 409 " in str(e):  # the round moved on while this device trained: wait for the next task
-                log.warning("round %d closed without this device: %s", task.round, e)
-                return
-            raise
+
+    def _current(self, task: Task) -> bool:
+        """Is ``task`` the federation's round now? Asked of the server over HTTP (authenticated), so a stale
+        retained message, or one forged on the broker, never makes the device train or move its progress."""
+        info = self.http.call("GET", f"{API_PREFIX}/federations/{self.enr.federation}").json()
+        if task.final:
+            ok = info["state"] in ("published", "finished") and info["round"] == task.round
+        else:
+            ok = info["round"] == task.round and info["state"] in ("open", "collecting")
+        if not ok:
+            log.info("ignoring a task of round %d: the federation is in round %s (%s)", task.round, info["round"],
+                     info["state"])
+        return bool(ok)
 
     # ------------------------------------------------------------------------------------------------ rounds
     def _fetch(self, digest: str) -> bytes:
+        import hashlib
+
         data = self.http.call("GET", f"{API_PREFIX}/blobs/{digest}").content
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise ServerError(f"blob {digest} arrived with other content (sha256 mismatch); not using it")
         self._down += len(data)
         return data
 
@@ -381,7 +429,17 @@ class Agent:
         self.http.call("PUT", f"{API_PREFIX}/blobs/{prog['digest']}", content=payload)
         upd = UpdateRequest(digest=prog["digest"], n_samples=self.data.n_train, train_loss=prog.get("train_loss"),
                             train_s=prog.get("train_s"), bytes_down=prog.get("down", 0))
-        self.http.call("POST", f"{API_PREFIX}/rounds/{prog['round']}/updates", json_body=upd.model_dump())
+        try:
+            self.http.call("POST", f"{API_PREFIX}/rounds/{prog['round']}/updates", json_body=upd.model_dump())
+        except ServerError as e:
+            if " 409 " not in str(e):
+                raise
+            # the round closed without this update (deadline, quorum): nothing to resend; wait for the next task
+            log.warning("round %d closed without this device's update: %s", prog["round"], e)
+            prog.update(posted=True, abandoned=prog["round"])
+            prog.pop("pending_metrics", None)
+            self.store.save_progress(prog)
+            return
         prog["posted"] = True
         prog["bytes_up"] = prog.get("bytes_up", 0) + len(payload)
         self.store.save_progress(prog)
@@ -397,11 +455,10 @@ class Agent:
     def _fedper_sync(self, task: Task, prog: dict[str, Any]) -> tuple[dict[str, Tensor], int]:
         """The device's model on the task's new base (FedPer-FT: its personal blocks adapted to it), with the
         metrics of the previous round reported."""
-        state = self.store.load_tensors("model.safetensors")
-        assert state is not None
+        state, _, _, _ = self._load_model()
         self._down = 0
         if task.base is not None:
-            base = decode(self._fetch(task.base), max_bytes=self.cfg.max_blob_bytes).tensors
+            base = local.decode_model(self._fetch(task.base), self.data, max_bytes=self.cfg.max_blob_bytes).tensors
             state.update({k: v for k, v in base.items() if k in set(self.split.base)})
         down = self._down
         prev = prog["round"]
@@ -417,12 +474,17 @@ class Agent:
 
     def _fedper_round(self, task: Task, prog: dict[str, Any]) -> None:
         t = task.round
+        saved, _, saved_t, _ = self._load_model()
+        if saved_t == t:  # trained in round t before a restart, not staged: send that, never train twice
+            self._stage_upload(prog, t, local.base_payload(saved, self.split, self.data.spec, t))
+            self._flush_upload()
+            return
         state, down = self._fedper_sync(task, prog)
         start = time.perf_counter()
         state, loss, steps = local.train_local(self.data, state, self.sim, t, self.enr.index, backend=self.backend)
         train_s = time.perf_counter() - start
         payload = local.base_payload(state, self.split, self.data.spec, t)
-        self.store.save_tensors("model.safetensors", state)
+        self._save_model(state, None, t)
         self._stage_upload(prog, t, payload, train_loss=loss, train_s=train_s, down=down, last_down=down,
                            last_up=len(payload), step_ms=1e3 * train_s / max(steps, 1))
         self._flush_upload()
@@ -437,9 +499,12 @@ class Agent:
 
     def _dispfl_round(self, task: Task, prog: dict[str, Any]) -> None:
         t = task.round
-        weights = self.store.load_tensors("model.safetensors")
-        masks = self.store.load_tensors("masks.safetensors")
-        assert weights is not None and masks is not None
+        weights, masks, saved_t, saved_metrics = self._load_model()
+        if saved_t == t:  # trained in round t before a restart, not staged: send that, never train twice
+            self._stage_upload(prog, t, local.dispfl_payload(weights, masks, self.data.spec, t),
+                               pending_metrics=saved_metrics)
+            self._flush_upload()
+            return
         self._down = 0
         others = [local.decode_model(self._fetch(n.digest), self.data, max_bytes=self.cfg.max_blob_bytes)
                   for n in task.neighbours if n.device_id != self.enr.device_id]
@@ -455,10 +520,9 @@ class Agent:
         weights, masks = local.dispfl_update_mask(self.data, trained, masks, self.sim, t, self.enr.index,
                                                   backend=self.backend)
         payload = local.dispfl_payload(weights, masks, self.data.spec, t)
-        self.store.save_tensors("masks.safetensors", masks)
-        self.store.save_tensors("model.safetensors", weights)
         metrics = {"accuracy": acc, "loss": test_loss, "n_test": self.data.n_test, "bytes_up": len(payload),
                    "bytes_down": down, "step_ms": 1e3 * train_s / max(steps, 1), "train_s": train_s}
+        self._save_model(weights, masks, t, metrics)
         self._stage_upload(prog, t, payload, train_loss=loss, train_s=train_s, down=down, pending_metrics=metrics)
         self._flush_upload()
 

@@ -83,6 +83,17 @@ class StateDir:
         except Exception as e:  # safetensors raises its own error types for a damaged file
             raise ConfigError(f"{p} is damaged ({e}); remove the state dir to enrol afresh") from e
 
+    def load_tensors_meta(self, name: str) -> tuple[dict[str, Tensor], dict[str, str]] | None:
+        """The tensors and the file's metadata."""
+        from safetensors import safe_open
+
+        tensors = self.load_tensors(name)
+        if tensors is None:
+            return None
+        with safe_open(str(self.root / name), framework="pt") as f:
+            meta = f.metadata() or {}
+        return tensors, dict(meta)
+
     def save_tensors(self, name: str, tensors: dict[str, Tensor], meta: dict[str, str] | None = None) -> None:
         p = self.root / name
         tmp = p.with_name(f".{p.name}.tmp")

@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 __all__ = [
     "API_PREFIX",
     "DIGEST_RE",
+    "MAX_ROUND",
     "PROTOCOL_VERSION",
     "DeviceStatus",
     "EnrolRequest",
@@ -71,8 +72,13 @@ def status_topic(fed: str, device: str) -> str:
     return f"pfl/{fed}/device/{device}/status"
 
 
+MAX_ROUND = 1_000_000
+MAX_COUNT = 2**53  # byte and sample counts: what JSON numbers carry exactly
+
+
 class _Msg(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # NaN/Inf are refused in every message: a metric or loss must be a number a database can keep
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 def _digest(v: str) -> str:
@@ -146,7 +152,7 @@ class Task(_Msg):
     upload its sparse model. ``final``: no training; evaluate on ``base`` and report (FedPer's last step)."""
 
     federation: str
-    round: int = Field(ge=0)
+    round: int = Field(ge=0, le=MAX_ROUND)
     algorithm: str
     base: str | None = None
     neighbours: list[Neighbour] = Field(default_factory=list)
@@ -177,10 +183,10 @@ class UpdateRequest(_Msg):
     model), its sample count (FedPer's weight) and what it measured."""
 
     digest: str
-    n_samples: int = Field(ge=1)
+    n_samples: int = Field(ge=1, le=2**31 - 1)
     train_loss: float | None = None
     train_s: float | None = Field(default=None, ge=0)
-    bytes_down: int = Field(default=0, ge=0)
+    bytes_down: int = Field(default=0, ge=0, le=MAX_COUNT)
 
     _check = field_validator("digest")(_digest)
 
@@ -196,8 +202,8 @@ class MetricsReport(_Msg):
 
     accuracy: float = Field(ge=0, le=1)
     loss: float
-    n_test: int = Field(ge=0)
-    bytes_up: int = Field(default=0, ge=0)
-    bytes_down: int = Field(default=0, ge=0)
+    n_test: int = Field(ge=0, le=2**31 - 1)
+    bytes_up: int = Field(default=0, ge=0, le=MAX_COUNT)
+    bytes_down: int = Field(default=0, ge=0, le=MAX_COUNT)
     step_ms: float | None = Field(default=None, ge=0)
     train_s: float | None = Field(default=None, ge=0)

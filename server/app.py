@@ -25,6 +25,7 @@ from sqlalchemy import Engine, text
 from pfl_edge.protocol import (
     API_PREFIX,
     DIGEST_RE,
+    MAX_ROUND,
     PROTOCOL_VERSION,
     Enrolment,
     EnrolRequest,
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 
 _bearer = HTTPBearer(auto_error=False, description="a device token (from enrolment) or the admin token")
 Token = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+RoundNo = Annotated[int, Path(ge=0, le=MAX_ROUND, description="the round")]
 Digest = Annotated[str, Path(description="sha256 of the blob's bytes, 64 lowercase hex characters")]
 
 
@@ -195,14 +197,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return Response(data, media_type="application/octet-stream", headers={"ETag": f'"{sha256}"'})
 
     @app.post(f"{API_PREFIX}/rounds/{{t}}/updates", response_model=UpdateAccepted, tags=["rounds"])
-    def post_update(request: Request, t: int, body: UpdateRequest, tok: Token) -> UpdateAccepted:
+    def post_update(request: Request, t: RoundNo, body: UpdateRequest, tok: Token) -> UpdateAccepted:
         dev = device(request, tok)
         if t < 0:
             raise ApiError(422, f"round must be >= 0, got {t}")
         return coord(request).submit_update(dev, t, body)
 
     @app.post(f"{API_PREFIX}/rounds/{{t}}/metrics", response_model=MetricsStored, tags=["rounds"])
-    def post_metrics(request: Request, t: int, body: MetricsReport, tok: Token) -> MetricsStored:
+    def post_metrics(request: Request, t: RoundNo, body: MetricsReport, tok: Token) -> MetricsStored:
         dev = device(request, tok)
         coord(request).report_metrics(dev, t, body)
         return MetricsStored(round=t, device_id=dev.id)

@@ -79,6 +79,7 @@ class DirBlobStore:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)  # atomic: readers see the whole blob or none
+            _fsync_dir(path.parent)  # the rename itself survives a power cut before the update is accepted
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
@@ -98,3 +99,14 @@ class DirBlobStore:
             return self._path(digest).stat().st_size
         except FileNotFoundError:
             raise KeyError(digest) from None
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return  # a platform without directory fds
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -99,7 +99,7 @@ class Coordinator:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._base_cache: dict[tuple[str, int], str] = {}  # (whole-model digest, kp) -> digest of its base part
+        self._base_cache: dict[tuple[str, str, int], str] = {}  # (whole-model digest, kp) -> digest of its base part
 
     # ------------------------------------------------------------------------------------------------ plumbing
 
@@ -337,7 +337,9 @@ class Coordinator:
     def _base_for(self, fed_id: str, fm: FedModel, whole: str, kp: int) -> str:
         """Digest of the base part (for a device with ``kp``) of the whole model ``whole``; what a device receives
         holds no tensor that is personal to it."""
-        key = (whole, kp)
+        # per federation: two federations with the same config share blobs, but each must hold a reference to
+        # what its devices are sent (blob reads are checked per federation)
+        key = (fed_id, whole, kp)
         hit = self._base_cache.get(key)
         if hit is not None:
             return hit
@@ -592,7 +594,9 @@ class Coordinator:
             r = s.get(Round, (fed_id, t))
             assert fed is not None and r is not None
             fm = self._model(fed)
-            devs = self._active(s, fed, fm, t)
+            # the final task goes to every device, a late joiner of the last round too: each evaluates and stops
+            devs = (list(s.scalars(select(Device).where(Device.federation == fed_id).order_by(Device.slot)))
+                    if final else self._active(s, fed, fm, t))
             algo = fm.cfg.algorithm
             if fm.decentral:
                 latest = self._latest_models(s, fed_id, t)
