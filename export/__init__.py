@@ -1,6 +1,7 @@
 """Export a device's model: ``prepare`` -> ``lower_onnx`` | ``lower_executorch`` -> ``package`` -> ``verify``,
-with a manifest. ONNX (fixed opset, dynamic batch) and ExecuTorch inference (XNNPACK) are here, and ExecuTorch
-training programs (``lower_executorch_training`` -> ``package`` -> ``verify_training``); int8 comes next.
+with a manifest. ONNX (fixed opset, dynamic batch), ExecuTorch inference (XNNPACK; float32, and static int8 with
+``lower_executorch_int8`` -> ``verify_int8`` on real images), and ExecuTorch training programs
+(``lower_executorch_training`` -> ``package`` -> ``verify_training``).
 """
 
 from .quantize import INT8_MAX_ACC_DROP, INT8_MIN_AGREEMENT, INT8_TAG_SUFFIX, lower_executorch_int8, verify_int8
