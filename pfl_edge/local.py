@@ -18,10 +18,10 @@ from torch import Tensor
 from .aggregate import masked_average
 from .checkpoint import ModelSpec, build_model
 from .codec import Decoded, decode, encode
-from .data import get_dataset, partition
+from .data import get_dataset
 from .errors import ConfigError
 from .models import BlockModel
-from .seeding import derive_seed, generator, numpy_rng
+from .seeding import derive_seed, generator
 from .sim.config import SimConfig
 from .sparse import erk_densities, init_masks, prune_rate, prune_regrow
 from .split import Split, split_keys, take
@@ -81,13 +81,10 @@ def load_local_data(cfg: SimConfig, index: int, *, data_dir: str | None = None) 
     """Partition ``index`` of ``cfg``'s data set, dealt exactly as the simulator deals it."""
     if not 0 <= index < cfg.clients:
         raise ConfigError(f"partition index {index} out of range for {cfg.clients} partitions")
-    ds = get_dataset(cfg.dataset, data_dir=data_dir or cfg.data_dir)
-    part = partition(cfg.partition, ds.train_y, ds.test_y, cfg.clients, ds.num_classes,
-                     numpy_rng(cfg.seed, "partition"), samples_per_client=cfg.samples_per_client,
-                     test_per_client=cfg.test_per_client)
+    from .sim.simulator import deal
+
+    ds, part, spec = deal(cfg, data_dir=data_dir)
     c = part.clients[index]
-    spec = ModelSpec(cfg.model, part.num_classes, ds.in_channels, ds.image_size, cfg.base,
-                     cfg.kp if cfg.base == "linear" else 0)
     return LocalData(ClientTensors.build(ds.train_x, [c.train_idx], [c.train_y]),
                      ClientTensors.build(ds.test_x, [c.test_idx], [c.test_y]), spec, build_model(spec))
 
@@ -95,7 +92,7 @@ def load_local_data(cfg: SimConfig, index: int, *, data_dir: str | None = None) 
 def load_image_folder(root: str, cfg: SimConfig, *, seed: int, test_fraction: float = 0.2) -> LocalData:
     """The user's own labelled images: one sub-folder per class, named by the class index (``0``, ``1``, ...)
     or by the class's position in the sorted folder names. Images are converted to the federation's model
-    input (channels, size) and normalised to [-1, 1]; ``test_fraction`` of each class is held out."""
+    input (channels, size) and standardised over the folder; ``test_fraction`` of each class is held out."""
     from .data.folder import read_image_folder
 
     ds = get_dataset(cfg.dataset, data_dir=cfg.data_dir)  # the federation's model shape and classes

@@ -13,12 +13,11 @@ from typing import Any
 from torch import Tensor
 
 from pfl_edge.checkpoint import ModelSpec, build_model
-from pfl_edge.data import get_dataset, partition
 from pfl_edge.errors import ConfigError
 from pfl_edge.local import check_device_config, device_split, init_state, model_id
 from pfl_edge.models import BlockModel
-from pfl_edge.seeding import numpy_rng
 from pfl_edge.sim.config import DECENTRAL, SimConfig
+from pfl_edge.sim.simulator import deal
 
 __all__ = ["FedModel", "fed_model"]
 
@@ -72,12 +71,7 @@ def fed_model(config: dict[str, Any]) -> FedModel:
         except TypeError as e:  # e.g. a list where a table was expected
             raise ConfigError(f"invalid config: {e}") from e
         check_device_config(cfg)
-        ds = get_dataset(cfg.dataset, data_dir=cfg.data_dir)
-        part = partition(cfg.partition, ds.train_y, ds.test_y, cfg.clients, ds.num_classes,
-                         numpy_rng(cfg.seed, "partition"), samples_per_client=cfg.samples_per_client,
-                         test_per_client=cfg.test_per_client)
-        spec = ModelSpec(cfg.model, part.num_classes, ds.in_channels, ds.image_size, cfg.base,
-                         cfg.kp if cfg.base == "linear" else 0)
+        _, _, spec = deal(cfg)
         model = build_model(spec)
         shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         fm = FedModel(cfg, spec, model, model_id(spec), shapes)

@@ -11,7 +11,7 @@ import torch
 from tqdm import tqdm
 
 from ..checkpoint import ModelSpec, build_model, save_checkpoint
-from ..data import get_dataset, partition
+from ..data import Dataset, Partition, get_dataset, partition
 from ..flops import forward_flops
 from ..parallel import Trainer
 from ..seeding import derive_seed, generator, numpy_rng, seed_everything
@@ -20,7 +20,7 @@ from ..train import ClientTensors, unstack
 from .algorithms import Context, make_algorithm
 from .config import SimConfig
 
-__all__ = ["build_context", "sample_participants", "simulate"]
+__all__ = ["build_context", "deal", "sample_participants", "simulate"]
 
 
 def sample_participants(seed: int, t: int, num_clients: int, fraction: float) -> torch.Tensor:
@@ -31,15 +31,22 @@ def sample_participants(seed: int, t: int, num_clients: int, fraction: float) ->
     return torch.randperm(num_clients, generator=generator(seed, "participants", t))[:m].sort().values
 
 
-def build_context(cfg: SimConfig) -> tuple[Context, ModelSpec]:
-    seed_everything(cfg.seed)
-    ds = get_dataset(cfg.dataset, data_dir=cfg.data_dir)
+def deal(cfg: SimConfig, *, data_dir: str | None = None) -> tuple[Dataset, Partition, ModelSpec]:
+    """``cfg``'s data set, dealt to its clients, and the model spec it implies: the one place the simulator,
+    the server and every device deal a federation's data (so they deal it identically)."""
+    ds = get_dataset(cfg.dataset, data_dir=data_dir or cfg.data_dir)
     part = partition(cfg.partition, ds.train_y, ds.test_y, cfg.clients, ds.num_classes,
                      numpy_rng(cfg.seed, "partition"), samples_per_client=cfg.samples_per_client,
                      test_per_client=cfg.test_per_client)
     # a linear base keeps cfg.kp personal blocks behind one "base" block
     spec = ModelSpec(cfg.model, part.num_classes, ds.in_channels, ds.image_size, cfg.base,
                      cfg.kp if cfg.base == "linear" else 0)
+    return ds, part, spec
+
+
+def build_context(cfg: SimConfig) -> tuple[Context, ModelSpec]:
+    seed_everything(cfg.seed)
+    ds, part, spec = deal(cfg)
     torch.manual_seed(derive_seed(cfg.seed, "init"))
     model = build_model(spec)
     kp = cfg.effective_kp if cfg.effective_kp is not None else len(model.block_names)  # local: all personal
