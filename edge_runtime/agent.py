@@ -506,10 +506,10 @@ class Agent:
             self._flush_upload()
             return
         self._down = 0
-        others = [local.decode_model(self._fetch(n.digest), self.data, max_bytes=self.cfg.max_blob_bytes)
+        others = [(n.index, local.decode_model(self._fetch(n.digest), self.data, max_bytes=self.cfg.max_blob_bytes))
                   for n in task.neighbours if n.device_id != self.enr.device_id]
         down = self._down
-        start_state = local.dispfl_average(weights, masks, others)
+        start_state = local.dispfl_average(weights, masks, self.enr.index, others)
         start = time.perf_counter()
         trained, loss, steps = local.train_local(self.data, start_state, self.sim, t, self.enr.index, masks=masks,
                                                  backend=self.backend)

@@ -33,8 +33,8 @@ def free_port() -> int:
 
 @dataclass(frozen=True)
 class DemoConfig:
-    devices: int = 4
-    rounds: int = 5
+    devices: int = 6
+    rounds: int = 10
     algorithm: str = "fedper"
     fleet: str = "mixed"
     out: str = "runs/demo"

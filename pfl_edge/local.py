@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from .aggregate import masked_average
+from .aggregate import neighbourhood_average
 from .checkpoint import ModelSpec, build_model
 from .codec import Decoded, decode, encode
 from .data import get_dataset
@@ -25,7 +25,7 @@ from .seeding import derive_seed, generator
 from .sim.config import SimConfig
 from .sparse import erk_densities, init_masks, prune_rate, prune_regrow
 from .split import Split, split_keys, take
-from .train import ClientTensors, TrainConfig, dense_gradients, evaluate, train, unstack
+from .train import ClientTensors, TrainConfig, dense_gradients, evaluate, stack_states, train, unstack
 
 __all__ = [
     "DEVICE_ALGORITHMS",
@@ -211,14 +211,21 @@ def decode_model(payload: bytes, data: LocalData, *, max_bytes: int) -> Decoded:
     return decode(payload, expected=expected, model_id=model_id(data.spec), max_bytes=max_bytes, allow_missing=True)
 
 
-def dispfl_average(own: Mapping[str, Tensor], own_masks: Mapping[str, Tensor],
-                   others: Sequence[Decoded]) -> dict[str, Tensor]:
-    """Average own and neighbours' models over the intersection of masks, then keep the own support."""
-    weights = [own, *(d.tensors for d in others)]
-    masks = [own_masks, *({k: d.masks.get(k, torch.ones(v.shape, dtype=torch.bool)).float()
-                           for k, v in d.tensors.items()} for d in others)]
-    avg = masked_average(weights, masks)
-    return {k: v * own_masks[k] if k in own_masks else v for k, v in avg.items()}
+def dispfl_average(own: Mapping[str, Tensor], own_masks: Mapping[str, Tensor], index: int,
+                   others: Sequence[tuple[int, Decoded]]) -> dict[str, Tensor]:
+    """Average own and neighbours' models over the intersection of masks, then keep the own support. The sums
+    run in slot order through the simulator's own ``neighbourhood_average``, so a device computes the very
+    numbers the simulator does (prune-and-regrow compares magnitudes: a last-bit difference could flip a mask
+    bit and the two would part ways)."""
+    rows = sorted([(index, dict(own), {k: m.float() for k, m in own_masks.items()})]
+                  + [(j, d.tensors, {k: d.masks[k].float() if k in d.masks else torch.ones(v.shape)
+                                     for k, v in d.tensors.items() if k in own_masks}) for j, d in others],
+                  key=lambda r: r[0])
+    stack = stack_states([r[1] for r in rows])
+    masks = stack_states([r[2] for r in rows])
+    me = [r[0] for r in rows].index(index)
+    avg = neighbourhood_average(stack, torch.ones(len(rows), len(rows)), masks)  # every row is this average
+    return {k: v[me] * own_masks[k] if k in own_masks else v[me] for k, v in avg.items()}
 
 
 def dispfl_update_mask(data: LocalData, trained: Mapping[str, Tensor], masks: Mapping[str, Tensor],

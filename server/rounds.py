@@ -99,7 +99,8 @@ class Coordinator:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._base_cache: dict[tuple[str, str, int], str] = {}  # (whole-model digest, kp) -> digest of its base part
+        # (federation, whole-model digest, kp) -> digest of its base part
+        self._base_cache: dict[tuple[str, str, int], str] = {}
 
     # ------------------------------------------------------------------------------------------------ plumbing
 
@@ -635,7 +636,7 @@ class Coordinator:
             start = r.start_digest
             ups = [(u.digest, u.n_samples, kp) for u, kp in s.execute(
                 select(Update, Device.kp).join(Device, Device.id == Update.device)
-                .where(Update.federation == fed_id, Update.round == t).order_by(Update.id))]
+                .where(Update.federation == fed_id, Update.round == t).order_by(Device.slot))]
         result: str | None = None
         if not fm.decentral:
             assert start is not None
@@ -654,9 +655,10 @@ class Coordinator:
         log.info("federation %s: round %d closed with %d updates", fed_id, t, len(ups))
 
     def _average(self, fm: FedModel, start: str, ups: list[tuple[str, int, int]]) -> dict[str, Tensor]:
-        """FedPer: per tensor, sum(n_j x_j) / sum(n_j) in float64 over the devices that sent it, in the order of
-        acceptance (exactly ``pfl_edge.aggregate.weighted_average`` when every device sends the same tensors); a
-        tensor no device sent keeps its value. One update decoded at a time."""
+        """FedPer: per tensor, sum(n_j x_j) / sum(n_j) in float64 over the devices that sent it, in slot order (so
+        the result does not depend on which device finished first, and equals ``pfl_edge.aggregate.weighted_average``
+        over the simulator's clients bit for bit when every device sends the same tensors); a tensor no device
+        sent keeps its value. One update decoded at a time."""
         prev = self._load(start, fm).tensors
         acc: dict[str, Tensor] = {}
         total: dict[str, float] = {}
