@@ -245,6 +245,7 @@ def _start(settings: Settings) -> AppState:
         broker_url = settings.broker_url
     holder: list[Coordinator] = []
     link = MqttLink(broker_url, lambda topic, payload: holder[0].on_status(topic, payload) if holder else None,
+                    on_reconnect=lambda: holder[0].request_republish() if holder else None,
                     username=settings.mqtt_username,
                     password=settings.mqtt_password.get_secret_value() if settings.mqtt_password else None)
     coordinator = Coordinator(

@@ -32,9 +32,11 @@ class MqttLink:
     from that thread for every status message."""
 
     def __init__(self, url: str, on_status: Callable[[str, bytes], None], *, username: str | None = None,
-                 password: str | None = None) -> None:
+                 password: str | None = None, on_reconnect: Callable[[], None] | None = None) -> None:
         self.host, self.port = parse_broker_url(url)
         self._on_status = on_status
+        self._on_reconnect = on_reconnect
+        self._ever_connected = False
         self._connected = threading.Event()
         # clean session: the server re-publishes every current task when it (re)starts, so it needs no backlog
         self.client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"pfl-server-{uuid.uuid4().hex[:12]}",
@@ -76,6 +78,10 @@ class MqttLink:
             return
         client.subscribe(STATUS_FILTER, qos=1)
         self._connected.set()
+        if self._ever_connected and self._on_reconnect is not None:
+            # a broker that restarted without persistence lost every retained task: publish them again
+            self._on_reconnect()
+        self._ever_connected = True
 
     def _disconnected_cb(self, _c: mqtt.Client, _u: object, _f: object, _rc: object, _p: object) -> None:
         self._connected.clear()

@@ -98,6 +98,7 @@ class Coordinator:
         self._step_lock = threading.Lock()  # state transitions: one at a time
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._republish = False
         self._thread: threading.Thread | None = None
         # (federation, whole-model digest, kp) -> digest of its base part
         self._base_cache: dict[tuple[str, str, int], str] = {}
@@ -143,6 +144,11 @@ class Coordinator:
     def kick(self) -> None:
         self._wake.set()
 
+    def request_republish(self) -> None:
+        """From the MQTT thread: the broker came back; the worker re-publishes what devices must see now."""
+        self._republish = True
+        self._wake.set()
+
     def _run(self) -> None:
         while not self._stop.is_set():
             self._wake.wait(self.tick_s)
@@ -150,6 +156,9 @@ class Coordinator:
             if self._stop.is_set():
                 break
             try:
+                if self._republish:
+                    self._republish = False
+                    self.recover()
                 self.tick()
             except Exception:  # keep the worker alive; the next tick retries
                 log.exception("round worker")

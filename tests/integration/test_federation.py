@@ -29,14 +29,9 @@ BASE: dict[str, Any] = dict(dataset="synthetic", partition="pathological:2", rou
 MOSQUITTO = shutil.which("mosquitto") or ("/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None)
 
 
-@pytest.fixture(scope="module")
-def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A private Mosquitto on a free port, or 'embedded' where the machine has none."""
-    if MOSQUITTO is None:
-        yield "embedded"
-        return
-    port = free_port()
-    conf = tmp_path_factory.mktemp("mosquitto") / "m.conf"
+def _mosquitto(conf: Path, port: int) -> subprocess.Popen[bytes]:
+    """A private Mosquitto (no persistence: a restart forgets every retained message and session)."""
+    assert MOSQUITTO is not None
     conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n")
     proc = subprocess.Popen([MOSQUITTO, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 10
@@ -46,6 +41,17 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             break
         except OSError:
             time.sleep(0.1)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A private Mosquitto on a free port, or 'embedded' where the machine has none."""
+    if MOSQUITTO is None:
+        yield "embedded"
+        return
+    port = free_port()
+    proc = _mosquitto(tmp_path_factory.mktemp("mosquitto") / "m.conf", port)
     yield f"mqtt://127.0.0.1:{port}"
     proc.terminate()
     proc.wait(timeout=10)
@@ -75,7 +81,7 @@ def postgres_url() -> Iterator[str | None]:
 def _run(root: Path, config: dict[str, Any], profiles: list[str], *, broker: str, database_url: str | None = None,
          kill_and_restart: int | None = None, restart_server_at: int | None = None,
          late: int | None = None, extra: dict[int, list[str]] | None = None,
-         timeout_s: float = 240) -> Federation:
+         at_round: tuple[int, Any] | None = None, timeout_s: float = 240) -> Federation:
     """Run a federation to its end. ``late``: device ``late`` (the last) enrols only once round 1 has
     closed; round 1 opens without it."""
     fed = start_server(root, broker_url=broker, database_url=database_url)
@@ -101,6 +107,9 @@ def _run(root: Path, config: dict[str, Any], profiles: list[str], *, broker: str
                 fed.devices[kill_and_restart].wait()
                 fed.start_device(kill_and_restart, profiles[kill_and_restart])
                 restarted = True
+            if at_round is not None and info["round"] >= at_round[0]:
+                at_round[1]()
+                at_round = None
             if restart_server_at is not None and not server_restarted and info["round"] >= restart_server_at:
                 fed.restart_server()
                 server_restarted = True
@@ -269,3 +278,82 @@ def test_a_device_training_with_executorch_ends_where_the_simulator_does(tmp_pat
     simulate(cfg, save_dir=tmp_path / "sim", progress=False)
     for i in range(cfg.clients):
         _close(_final(tmp_path / "run", i), load_checkpoint(tmp_path / "sim" / f"client_{i:03d}.safetensors")[0])
+
+
+@pytest.mark.skipif(MOSQUITTO is None, reason="needs the mosquitto binary")
+def test_an_external_broker_restart_loses_nothing(tmp_path: Path) -> None:
+    """Mosquitto without persistence restarted mid-run: retained tasks and sessions are gone; the server
+    re-publishes the current tasks when its link reconnects, devices resubscribe, and the run ends as the
+    simulator's."""
+    port = free_port()
+    conf = tmp_path / "m.conf"
+    procs = [_mosquitto(conf, port)]
+
+    def restart() -> None:
+        procs[0].kill()
+        procs[0].wait()
+        time.sleep(1.0)
+        procs.append(_mosquitto(conf, port))
+
+    cfg = SimConfig(algorithm="fedper", clients=3, kp=2, **{**BASE, "rounds": 3})
+    try:
+        fed = _run(tmp_path / "run", cfg.to_dict(), ["phone-mid"] * 3, broker=f"mqtt://127.0.0.1:{port}",
+                   at_round=(2, restart))
+        fed.close()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert len(procs) == 2  # the broker was restarted
+    simulate(cfg, save_dir=tmp_path / "sim", progress=False)
+    for i in range(cfg.clients):
+        _close(_final(tmp_path / "run", i), load_checkpoint(tmp_path / "sim" / f"client_{i:03d}.safetensors")[0])
+
+
+@pytest.mark.skipif(MOSQUITTO is None, reason="needs the mosquitto binary")
+def test_the_server_republishes_tasks_a_restarted_broker_forgot(tmp_path: Path) -> None:
+    """A device that was away while the broker restarted (retained messages gone) still finds its task: the
+    server publishes every current task again when its MQTT link reconnects."""
+    import json
+
+    import paho.mqtt.client as mqtt
+
+    from pfl_edge.protocol import task_topic
+
+    port = free_port()
+    conf = tmp_path / "m.conf"
+    procs = [_mosquitto(conf, port)]
+    cfg = SimConfig(algorithm="fedper", clients=2, kp=2, **BASE)
+    fed = start_server(tmp_path / "run", broker_url=f"mqtt://127.0.0.1:{port}")
+    try:
+        fed.create("republish", cfg.to_dict())
+        ids = []
+        for i in range(2):
+            r = fed.http.post(f"{API_PREFIX}/devices", json={"federation": fed.fed, "enrol_secret": fed.secret,
+                                                            "profile": "phone-mid", "index": i})
+            assert r.status_code == 201, r.text
+            ids.append(r.json()["device_id"])
+        deadline = time.monotonic() + 30
+        while fed.info()["state"] != "collecting" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        procs[0].kill()
+        procs[0].wait()
+        procs.append(_mosquitto(conf, port))  # empty: no retained task survives
+
+        got: list[dict[str, Any]] = []
+        sub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="late-reader", protocol=mqtt.MQTTv311)
+        sub.on_message = lambda c, u, m: got.append(json.loads(m.payload))
+        sub.connect("127.0.0.1", port)
+        sub.subscribe(task_topic(fed.fed, ids[1]), qos=1)
+        sub.loop_start()
+        deadline = time.monotonic() + 30  # the server's link reconnects within its back-off (<= 10 s)
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.2)
+        sub.loop_stop()
+        sub.disconnect()
+        assert got and got[0]["round"] == 1 and got[0]["federation"] == fed.fed
+    finally:
+        fed.close()
+        for p in procs:
+            p.kill()
+            p.wait()
