@@ -13,11 +13,10 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.fx.experimental._config as fx_config
 
 from pfl_edge.errors import ConfigError
 
-from .stages import ExportError, Lowered, Packaged, Prepared, _runner, _update_manifest
+from .stages import ExportError, Lowered, Packaged, Prepared, _runner, _update_manifest, keep_batch_range
 
 __all__ = [
     "INT8_MAX_ACC_DROP",
@@ -69,11 +68,7 @@ def lower_executorch_int8(prepared: Prepared, calibration: torch.Tensor, *, max_
                     observed(batch)
             quantized = convert_pt2e(observed)
             ep = torch.export.export(quantized, (example,), dynamic_shapes=dynamic)
-            # XNNPACK's layout pass re-runs convolutions on fake tensors, whose backend choice asks "batch >= 16?"
-            # of the example's hint (2) and narrows the batch range to [2, 15] in the shape environment; memory
-            # planning then sizes the input for 15 and the program refuses batch 16 and up. Size-oblivious
-            # evaluation answers such questions without narrowing the range.
-            with fx_config.patch(backed_size_oblivious=True):  # type: ignore[attr-defined]  # added at import
+            with keep_batch_range():  # see stages.keep_batch_range: the batch range must stay 1..max_batch
                 edge = to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()])
                 program = edge.to_executorch().buffer
     except Exception as e:  # quantisation, export and lowering raise many kinds; say which model and why

@@ -3,11 +3,13 @@ type, so they cannot be called out of order."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import tempfile
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -116,6 +118,22 @@ def prepare(profile: Profile, *, checkpoint: str | Path | None = None, spec: Mod
     return Prepared(model, spec, profile, nonzero / total, round_, source, tag)
 
 
+@contextlib.contextmanager
+def keep_batch_range() -> Iterator[None]:
+    """Lower without narrowing the dynamic batch range. XNNPACK's layout pass re-traces some convolutions on
+    fake tensors, and torch's choice of convolution kernel asks "batch >= 16?" of the traced batch when torch
+    runs on one thread: answered from the example batch (2), it narrows the range to [2, 15], memory planning
+    sizes the input for 15, and larger batches fail at run time. Size-oblivious reasoning avoids part of it;
+    the rest goes away with two or more threads while lowering (the program itself is unaffected)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))
+    try:
+        with torch.fx.experimental._config.patch(backed_size_oblivious=True):  # type: ignore[attr-defined]
+            yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def lower_onnx(prepared: Prepared, *, opset: int = ONNX_OPSET) -> Lowered:
     """ONNX at a fixed opset with a dynamic batch dimension (TorchScript exporter: it needs no onnxscript)."""
     import onnx
@@ -150,10 +168,7 @@ def lower_executorch(prepared: Prepared, *, max_batch: int = 256) -> Lowered:
             warnings.simplefilter("ignore")
             ep = torch.export.export(prepared.model, (example,),
                                      dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=max_batch)},))
-            # size-oblivious: XNNPACK's layout pass re-traces some convolutions on fake tensors, and a batch
-            # question answered from the example batch (2) would narrow the batch range to [2, 15]; memory
-            # planning then sizes the input for 15 and larger batches fail at run time
-            with torch.fx.experimental._config.patch(backed_size_oblivious=True):  # type: ignore[attr-defined]
+            with keep_batch_range():
                 edge = to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()])
                 program = edge.to_executorch().buffer
     except Exception as e:  # export and lowering raise many kinds; say which model and why
