@@ -422,6 +422,9 @@ class Agent:
     def _flush_upload(self) -> None:
         prog = self.store.progress
         if prog["posted"]:
+            if prog.get("pending_metrics"):  # accepted, but its metrics were cut off by a restart
+                self._post_metrics(prog["round"], prog.pop("pending_metrics"))
+                self.store.save_progress(prog)
             return
         payload = self.store.load_upload()
         if payload is None:

@@ -370,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--settings", type=Path, help="settings file (.env or TOML); PFL_* environment variables win")
-    p.add_argument("--data-dir", type=Path, help="where SQLite and the blobs live (default ./pfl-server)")
+    p.add_argument("--data-dir", type=Path, help="where SQLite and the blobs live (default ./pfl-server-data)")
     p.add_argument("--broker-url", help="embedded (default) or mqtt://host:port")
     p.add_argument("--database-url", help="default: SQLite in the data dir; postgresql+psycopg://... for PostgreSQL")
     p.set_defaults(func=_cmd_server)
