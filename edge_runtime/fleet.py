@@ -96,7 +96,7 @@ class Federation:
         self.secret = ""
 
     def create(self, fed: str, config: dict[str, Any], **options: Any) -> None:
-        self.fed, self.secret = fed, secrets.token_urlsafe(16)
+        self.fed, self.secret = fed, secrets.token_hex(16)  # hex: never a leading "-" that argparse takes for a flag
         body = {"id": fed, "enrol_secret": self.secret, "config": config, **options}
         r = self.http.post(f"{API_PREFIX}/federations", json=body,
                            headers={"Authorization": f"Bearer {self.admin_token}"})
@@ -108,7 +108,7 @@ class Federation:
         log = open(self.root / "devices" / f"device-{i:02d}.log", "ab")  # noqa: SIM115 (the child owns it)
         state.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "pfl_edge", "client", "--server", self.url, "--federation", self.fed,
-               "--enrol-secret", self.secret, "--profile", profile, "--state-dir", str(state),
+               f"--enrol-secret={self.secret}", "--profile", profile, "--state-dir", str(state),
                "--partition-id", str(i), "--threads", str(threads), "--name", f"device-{i:02d}", "-v",
                *(extra or [])]
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_child_env())
