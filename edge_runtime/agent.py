@@ -210,8 +210,17 @@ class Agent:
                 raise ConfigError(f"state dir {self.cfg.state_dir} belongs to federation {enr.federation!r}, "
                                   f"not {self.cfg.federation!r}; use another --state-dir")
             return enr
+        # the nonce is kept before asking: a retry (here, or after a restart) whose first answer was lost gets
+        # this device back instead of enrolling a second one
+        pending = self.store.read_json("enrol-nonce.json") or {}
+        nonce = pending.get("nonce")
+        if not isinstance(nonce, str):
+            import secrets
+
+            nonce = secrets.token_hex(16)
+            self.store.write_json("enrol-nonce.json", {"nonce": nonce}, private=True)
         req = EnrolRequest(federation=self.cfg.federation, enrol_secret=self.cfg.enrol_secret,
-                           profile=self.cfg.profile, name=self.cfg.name, index=self.cfg.partition_id)
+                           profile=self.cfg.profile, name=self.cfg.name, index=self.cfg.partition_id, nonce=nonce)
         r = self.http.call("POST", f"{API_PREFIX}/devices", json_body=req.model_dump())
         enr = Enrolment.model_validate(r.json())
         self.store.save_enrolment(enr.model_dump())

@@ -121,6 +121,9 @@ class EnrolRequest(_Msg):
     profile: str = Field(max_length=64)
     name: str = Field(default="", max_length=64)  # a label for tables; not an identity
     index: int | None = Field(default=None, ge=0)  # the data partition it holds, if it wants that slot
+    # chosen by the device and kept before it asks: the same nonce again (a retry whose answer was lost) gets
+    # the same device back, with a fresh token, instead of a second device in another slot
+    nonce: str | None = Field(default=None, pattern=r"^[0-9a-f]{32}$")
 
 
 class Enrolment(_Msg):

@@ -90,6 +90,7 @@ class Device(Base):
     online: Mapped[bool] = mapped_column(Boolean, default=False)
     last_seen: Mapped[float | None] = mapped_column(Float, nullable=True)
     joined_round: Mapped[int] = mapped_column(Integer)  # takes part from joined_round + 1
+    enrol_nonce: Mapped[str | None] = mapped_column(String(32), nullable=True, index=True)
     enrolled_at: Mapped[float] = mapped_column(Float, default=now)
 
 

@@ -246,6 +246,23 @@ class Coordinator:
             fed = self._fed_locked(s, req.federation)
             fm = self._model(fed)
             cfg = fm.cfg
+            again = None if req.nonce is None else s.scalar(
+                select(Device).where(Device.federation == fed.id, Device.enrol_nonce == req.nonce))
+            if again is not None:
+                # the same device asking again (its first answer was lost): same slot, a fresh token
+                again.token_hash = hash_token(token)
+                dev_id, slot, density, kp = again.id, again.slot, again.density, again.kp
+                fed_round, init_digest, config = again.joined_round, fed.init_digest, fed.config
+            elif fed.state == "finished":
+                raise ApiError(409, f"federation {fed.id!r} has finished its {cfg.rounds} rounds")
+        if again is not None:
+            init = init_digest if fm.decentral else self._base_for(req.federation, fm, init_digest, kp)
+            log.info("federation %s: device %s enrolled again (same nonce)", req.federation, dev_id)
+            return Enrolment(device_id=dev_id, token=token, index=slot, federation=req.federation, config=config,
+                             density=density, kp=kp, broker_url=self.device_broker_url, mqtt_username=dev_id,
+                             mqtt_password=self.device_mqtt_password, round=fed_round, init_digest=init)
+        with self._write() as s:
+            fed = self._fed_locked(s, req.federation)
             if fed.state == "finished":
                 raise ApiError(409, f"federation {fed.id!r} has finished its {cfg.rounds} rounds")
             taken = set(s.scalars(select(Device.slot).where(Device.federation == fed.id)))
@@ -267,7 +284,8 @@ class Coordinator:
                 raise ApiError(422, f"profile {profile.name!r} keeps {kp} personal blocks but model "
                                     f"{cfg.model!r} has only {fm.num_blocks}: {fm.model.block_names}")
             s.add(Device(id=dev_id, federation=fed.id, token_hash=hash_token(token), profile=profile.name,
-                         name=req.name, slot=slot, density=density, kp=kp, online=False, joined_round=fed.round))
+                         name=req.name, slot=slot, density=density, kp=kp, online=False, joined_round=fed.round,
+                         enrol_nonce=req.nonce))
             fed_round, init_digest, config = fed.round, fed.init_digest, fed.config
         init = init_digest if fm.decentral else self._base_for(req.federation, fm, init_digest, kp)
         self.kick()

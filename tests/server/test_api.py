@@ -219,3 +219,21 @@ def test_settings_from_toml_and_env(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert ensure_admin_token(s, announce=False).admin_token is not None
     with pytest.raises(ValueError, match="broker_url"):
         Settings(broker_url="amqp://x")
+
+
+def test_enrolment_retried_with_its_nonce_gets_the_same_device(client: TestClient) -> None:
+    create(client, ADMIN, "n", FEDPER)
+    body = {"federation": "n", "enrol_secret": SECRET, "profile": "phone-mid", "nonce": "ab" * 16}
+    first = client.post("/v1/devices", json=body)
+    again = client.post("/v1/devices", json=body)  # the first answer was "lost": the device asks again
+    assert first.status_code == again.status_code == 201
+    a, b = first.json(), again.json()
+    assert a["device_id"] == b["device_id"] and a["index"] == b["index"] and a["token"] != b["token"]
+    # one device, holding only the newest token
+    devs = client.get("/v1/federations/n/devices", headers={"Authorization": f"Bearer {b['token']}"})
+    assert devs.status_code == 200 and len(devs.json()) == 1
+    old = client.get("/v1/federations/n/devices", headers={"Authorization": f"Bearer {a['token']}"})
+    assert old.status_code == 401
+    # a different nonce is a different device; a malformed nonce is refused
+    assert client.post("/v1/devices", json={**body, "nonce": "cd" * 16}).json()["device_id"] != a["device_id"]
+    assert client.post("/v1/devices", json={**body, "nonce": "not-hex"}).status_code == 422
