@@ -190,10 +190,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.get(f"{API_PREFIX}/blobs/{{sha256}}", tags=["blobs"], response_class=Response,
              responses={200: {"content": {"application/octet-stream": {}}}})
     def get_blob(request: Request, sha256: Digest, tok: Token) -> Response:
-        fed = None if is_admin(tok) else device(request, tok).federation
+        reader = None if is_admin(tok) else device(request, tok)
         if not DIGEST_RE.match(sha256):
             raise ApiError(422, f"{sha256!r:.80} is not a sha256 digest (64 lowercase hex characters)")
-        data = coord(request).get_blob(fed, sha256)
+        data = coord(request).get_blob(None if reader is None else reader.federation, sha256, reader)
         return Response(data, media_type="application/octet-stream", headers={"ETag": f'"{sha256}"'})
 
     @app.post(f"{API_PREFIX}/rounds/{{t}}/updates", response_model=UpdateAccepted, tags=["rounds"])

@@ -333,21 +333,41 @@ class Coordinator:
         with self._write() as s:
             return self._add_ref(s, digest, len(data), dev.federation, dev.id)
 
-    def get_blob(self, fed_id: str | None, digest: str) -> bytes:
-        """The blob, if ``fed_id`` may read it (None: the admin, who may read any)."""
+    def get_blob(self, fed_id: str | None, digest: str, reader: Device | None = None) -> bytes:
+        """The blob, if ``reader`` (a device of ``fed_id``; None with ``fed_id`` None: the admin) may read it: what
+        the server made (the initial model, averages), what the device itself uploaded, and in DisPFL the
+        models of its in-neighbours of this round or the last. Another device's individual upload is never
+        served in FedPer: an update can leak its owner's data."""
         with self.sessions() as s:
             if fed_id is not None:
-                ref = s.scalar(select(BlobRef).where(BlobRef.digest == digest, BlobRef.federation == fed_id))
-                if ref is None:
+                uploaders = set(s.scalars(select(BlobRef.uploader).where(BlobRef.digest == digest,
+                                                                          BlobRef.federation == fed_id)))
+                if not uploaders:
                     if s.get(Blob, digest) is not None:
                         raise ApiError(403, f"blob {digest} belongs to another federation")
                     raise ApiError(404, f"no blob {digest}")
+                if reader is not None and not (SERVER in uploaders or reader.id in uploaders
+                                               or self._neighbour_blob(s, fed_id, reader, uploaders)):
+                    raise ApiError(403, f"blob {digest} is another device's upload; a device reads the server's "
+                                        "models, its own uploads and (DisPFL) its current neighbours' models")
             elif s.get(Blob, digest) is None:
                 raise ApiError(404, f"no blob {digest}")
         try:
             return self.blobs.get(digest)
         except KeyError:
             raise ApiError(404, f"no blob {digest} in the store") from None
+
+    def _neighbour_blob(self, s: Session, fed_id: str, reader: Device, uploaders: set[str]) -> bool:
+        fed = s.get(Federation, fed_id)
+        assert fed is not None
+        fm = self._model(fed)
+        if not fm.decentral:
+            return False
+        slots = set(s.scalars(select(Device.slot).where(Device.id.in_(uploaders), Device.federation == fed_id)))
+        for t in {fed.round, fed.round - 1} - {0, -1}:  # a device may still be on the last round's task
+            if slots & set(neighbours(fm.cfg.topology_spec, fm.cfg.clients, t, fm.cfg.seed)[reader.slot]):
+                return True
+        return False
 
     def _store_server_blob(self, fed_id: str, payload: bytes) -> str:
         digest = sha256_hex(payload)

@@ -237,3 +237,15 @@ def test_enrolment_retried_with_its_nonce_gets_the_same_device(client: TestClien
     # a different nonce is a different device; a malformed nonce is refused
     assert client.post("/v1/devices", json={**body, "nonce": "cd" * 16}).json()["device_id"] != a["device_id"]
     assert client.post("/v1/devices", json={**body, "nonce": "not-hex"}).status_code == 422
+
+
+def test_a_device_never_reads_another_devices_fedper_upload(client: TestClient) -> None:
+    create(client, ADMIN, "priv", FEDPER)
+    a, b = Dev(client, "priv", index=0), Dev(client, "priv", index=1)
+    base = {k: v for k, v in a.fm.init_state().items() if k in set(a.fm.base_keys(2))}
+    digest = a.put(encode(base | {k: v + 1 for k, v in list(base.items())[:1]}, model_id=a.fm.model_id, round=1))
+    assert a.get(digest) is not None  # its own upload
+    r = client.get(f"/v1/blobs/{digest}", headers=b.h)
+    assert r.status_code == 403 and "another device's upload" in r.json()["detail"]
+    assert b.get(b.e["init_digest"]) is not None  # what the server made is for everyone
+    assert client.get(f"/v1/blobs/{digest}", headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 200

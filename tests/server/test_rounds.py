@@ -148,6 +148,12 @@ def test_dispfl_tasks_name_the_neighbours_latest_models(srv: BackgroundServer) -
                 (j, by_slot[j].id, latest[j]) for j in nbrs[i]]
             for n in task["neighbours"]:  # a neighbour's sparse model: its mask travels with it
                 assert bool(d.get(n["digest"]).masks) == (by_slot[n["index"]].e["density"] < 1)
+            if t == 1:  # a model of a device that is not its neighbour is not served to it
+                # (a dense device's initial model is the server's initial model, byte for byte: public)
+                for j in set(range(4)) - set(nbrs[i]) - {i}:
+                    if by_slot[j].e["density"] < 1:
+                        r = c.get(f"/v1/blobs/{latest[j]}", headers=d.h)
+                        assert r.status_code == 403 and "neighbours" in r.json()["detail"]
             w, m = dispfl_init(data[i], cfg, i, d.e["density"], init)
             new[i] = d.send(t, {k: v * 1.01 for k, v in w.items()}, masks={k: v.bool() for k, v in m.items()
                                                                            if not bool(v.all())})
