@@ -10,9 +10,11 @@ server treats a repeated update as the same one.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import queue
+import secrets
 import signal
 import threading
 import time
@@ -215,8 +217,6 @@ class Agent:
         pending = self.store.read_json("enrol-nonce.json") or {}
         nonce = pending.get("nonce")
         if not isinstance(nonce, str):
-            import secrets
-
             nonce = secrets.token_hex(16)
             self.store.write_json("enrol-nonce.json", {"nonce": nonce}, private=True)
         req = EnrolRequest(federation=self.cfg.federation, enrol_secret=self.cfg.enrol_secret,
@@ -409,8 +409,6 @@ class Agent:
 
     # ------------------------------------------------------------------------------------------------ rounds
     def _fetch(self, digest: str) -> bytes:
-        import hashlib
-
         data = self.http.call("GET", f"{API_PREFIX}/blobs/{digest}").content
         if hashlib.sha256(data).hexdigest() != digest:
             raise ServerError(f"blob {digest} arrived with other content (sha256 mismatch); not using it")
@@ -422,8 +420,6 @@ class Agent:
         return local.decode_model(self._fetch(digest), self.data, max_bytes=self.cfg.max_blob_bytes).tensors
 
     def _stage_upload(self, prog: dict[str, Any], t: int, payload: bytes, **extra: Any) -> None:
-        import hashlib
-
         self.store.save_upload(payload)
         prog.update(round=t, posted=False, digest=hashlib.sha256(payload).hexdigest(), **extra)
         self.store.save_progress(prog)

@@ -170,6 +170,13 @@ def _final(root: Path, i: int) -> dict[str, torch.Tensor]:
     return dict(load_file(str(root / "devices" / f"device-{i:02d}" / "final.safetensors")))
 
 
+def _assert_simulator_models(cfg: SimConfig, tmp_path: Path) -> None:
+    """Every device of the run in ``tmp_path/run`` ends with the model the simulator deploys for its client."""
+    simulate(cfg, save_dir=tmp_path / "sim", progress=False)
+    for i in range(cfg.clients):
+        _close(_final(tmp_path / "run", i), load_checkpoint(tmp_path / "sim" / f"client_{i:03d}.safetensors")[0])
+
+
 def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys()
     for k in a:
@@ -192,9 +199,7 @@ def test_fedper_devices_end_with_the_simulators_models(tmp_path: Path, broker: s
         blobs = sorted((tmp_path / "run" / "server").rglob("*"))
     finally:
         fed.close()
-    simulate(cfg, save_dir=tmp_path / "sim", progress=False)
-    for i in range(cfg.clients):
-        _close(_final(tmp_path / "run", i), load_checkpoint(tmp_path / "sim" / f"client_{i:03d}.safetensors")[0])
+    _assert_simulator_models(cfg, tmp_path)
     assert len(metrics["rounds"]) >= cfg.rounds
     # every payload a device sent the server (the blob refs record the uploader): its base part, nothing more
     data = load_local_data(cfg, 0)
@@ -220,18 +225,14 @@ def test_dispfl_devices_end_with_the_simulators_models(tmp_path: Path, broker: s
     cfg = SimConfig(algorithm="dispfl", clients=4, densities=dens, topology="random:2", **BASE)
     fed = _run(tmp_path / "run", cfg.to_dict(), profiles, broker=broker)
     fed.close()
-    simulate(cfg, save_dir=tmp_path / "sim", progress=False)
-    for i in range(cfg.clients):
-        _close(_final(tmp_path / "run", i), load_checkpoint(tmp_path / "sim" / f"client_{i:03d}.safetensors")[0])
+    _assert_simulator_models(cfg, tmp_path)
 
 
 def test_a_device_killed_mid_run_picks_up_where_it_was(tmp_path: Path, broker: str) -> None:
     cfg = SimConfig(algorithm="fedper", clients=3, kp=2, **{**BASE, "rounds": 3})
     fed = _run(tmp_path / "run", cfg.to_dict(), ["phone-mid"] * 3, broker=broker, kill_and_restart=1)
     fed.close()
-    simulate(cfg, save_dir=tmp_path / "sim", progress=False)
-    for i in range(cfg.clients):
-        _close(_final(tmp_path / "run", i), load_checkpoint(tmp_path / "sim" / f"client_{i:03d}.safetensors")[0])
+    _assert_simulator_models(cfg, tmp_path)
 
 
 @pytest.mark.parametrize("algorithm", ["fedper", "dispfl"])
@@ -242,9 +243,7 @@ def test_devices_ride_out_a_server_crash(tmp_path: Path, algorithm: str) -> None
     cfg = SimConfig(algorithm=algorithm, clients=3, **extra, **{**BASE, "rounds": 3})
     fed = _run(tmp_path / "run", cfg.to_dict(), ["phone-mid"] * 3, broker="embedded", restart_server_at=2)
     fed.close()
-    simulate(cfg, save_dir=tmp_path / "sim", progress=False)
-    for i in range(cfg.clients):
-        _close(_final(tmp_path / "run", i), load_checkpoint(tmp_path / "sim" / f"client_{i:03d}.safetensors")[0])
+    _assert_simulator_models(cfg, tmp_path)
 
 
 @pytest.mark.parametrize("algorithm", ["fedper", "dispfl"])
@@ -275,9 +274,7 @@ def test_a_device_training_with_executorch_ends_where_the_simulator_does(tmp_pat
                extra={0: ["--training-backend", "executorch"]})
     fed.close()
     assert list((tmp_path / "run" / "devices" / "device-00" / "programs").glob("*.pte"))
-    simulate(cfg, save_dir=tmp_path / "sim", progress=False)
-    for i in range(cfg.clients):
-        _close(_final(tmp_path / "run", i), load_checkpoint(tmp_path / "sim" / f"client_{i:03d}.safetensors")[0])
+    _assert_simulator_models(cfg, tmp_path)
 
 
 @pytest.mark.skipif(MOSQUITTO is None, reason="needs the mosquitto binary")
@@ -305,9 +302,7 @@ def test_an_external_broker_restart_loses_nothing(tmp_path: Path) -> None:
             p.kill()
             p.wait()
     assert len(procs) == 2  # the broker was restarted
-    simulate(cfg, save_dir=tmp_path / "sim", progress=False)
-    for i in range(cfg.clients):
-        _close(_final(tmp_path / "run", i), load_checkpoint(tmp_path / "sim" / f"client_{i:03d}.safetensors")[0])
+    _assert_simulator_models(cfg, tmp_path)
 
 
 @pytest.mark.skipif(MOSQUITTO is None, reason="needs the mosquitto binary")
