@@ -40,10 +40,17 @@ def command(budget: Mapping[str, Any], row: Row, seed: int) -> str:
     return f"pfl-edge simulate {flags} --out {row.name}-s{seed}.json"
 
 
-def run_all(tables: list[Table], budget: Mapping[str, Any], seeds: list[int], out: Path) -> None:
+def run_all(tables: list[Table], budget: Mapping[str, Any], seeds: list[int], out: Path, *,
+            interleave: bool = False) -> None:
+    """Every row of ``tables`` for every seed (cached). ``interleave``: the first row of every table, then the
+    second of every table, ... (so a run cut short has the head of each table)."""
     runs = out / "runs"
     runs.mkdir(parents=True, exist_ok=True)
-    todo = {(row.name, seed): row for t in tables for row in t.rows for seed in seeds}
+    if interleave:
+        order = [t.rows[i] for i in range(max(len(t.rows) for t in tables)) for t in tables if i < len(t.rows)]
+    else:
+        order = [row for t in tables for row in t.rows]
+    todo = {(row.name, seed): row for row in order for seed in seeds}
     for i, ((name, seed), row) in enumerate(todo.items(), 1):
         path = runs / f"{name}-s{seed}.json"
         if path.exists():
@@ -70,7 +77,12 @@ def row_summary(res: list[dict[str, Any]]) -> dict[str, Any]:
             next(x["round"] for x in rs if x["mean_acc"] >= 0.9 * r["final"]["mean_acc"])
             for r, rs in zip(res, rounds, strict=True)),
         "busiest_node_mb_per_round": statistics.fmean(x["busiest_node_bytes"] for rs in rounds for x in rs) / 1e6,
-        "client_mb_up_per_round": statistics.fmean(x["bytes_up"] / len(x["client_acc"])
+        # one direction, as the DisPFL paper counts: the most any node receives (older runs: not recorded)
+        "busiest_node_received_mb_per_round": (
+            statistics.fmean(x["busiest_node_received"] for rs in rounds for x in rs) / 1e6
+            if all("busiest_node_received" in x for rs in rounds for x in rs) else None),
+        # per participating client: a centralised round samples a fraction of the clients
+        "client_mb_up_per_round": statistics.fmean(x["bytes_up"] / len(x.get("participants", x["client_acc"]))
                                                    for rs in rounds for x in rs) / 1e6,
         # runs made before FLOP accounting existed have none: None, not 0
         "gflops_per_client_round": (statistics.fmean(x["flops"] for rs in rounds for x in rs) / 1e9
@@ -108,14 +120,16 @@ def summarise(tables: list[Table], budget: Mapping[str, Any], out: Path, rel: st
         plot_rounds(curves, out / f"table{table.key}.png", title=table.title)
         md += [f"**Table {table.key}**: {table.title}", "",
                "| method | final mean acc | last-5-rounds mean | std across clients | round to 90 % of final "
-               "| busiest node MB/round | MB up/client/round | GFLOPs/client/round | density | seeds |",
-               "|---|---|---|---|---|---|---|---|---|---|"]
+               "| busiest node MB/round (sent + received) | busiest node MB/round (received) "
+               "| MB up/participant/round | GFLOPs/participant/round | density | seeds |",
+               "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             sd = r["final_mean_acc_sd_over_seeds"]
             acc = f"{r['final_mean_acc']:.3f}" + (f" ± {sd:.3f}" if sd is not None else "")
             md.append(f"| {r['label']} | {acc} | {r['last5_mean_acc']:.3f} | {r['client_std_acc']:.3f} | "
                       f"{r['round_to_90pct']:.1f} | "
-                      f"{r['busiest_node_mb_per_round']:.2f} | {r['client_mb_up_per_round']:.2f} | "
+                      f"{r['busiest_node_mb_per_round']:.2f} | {_num(r['busiest_node_received_mb_per_round'])} | "
+                      f"{r['client_mb_up_per_round']:.2f} | "
                       f"{_num(r['gflops_per_client_round'])} | {r['mean_density']:.2f} | {len(r['seeds'])} |")
         md += ["", f"![table {table.key}]({rel}/table{table.key}.png)", ""]
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -128,7 +142,7 @@ def _num(x: float | None) -> str:
 
 
 def main(doc: str | None, tables: list[Table], budget: Mapping[str, Any], name: str,
-         after: Callable[[Path], None] | None = None) -> None:
+         after: Callable[[Path], None] | None = None, *, interleave: bool = False) -> None:
     """The command line of a reproduction script: run the chosen tables and seeds (cached), then summarise
     into bench/results/NAME; ``after`` adds what else the script draws from the runs."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -139,7 +153,7 @@ def main(doc: str | None, tables: list[Table], budget: Mapping[str, Any], name: 
     args = ap.parse_args()
     if not args.summary_only:
         chosen = [t for t in tables if t.key in args.tables.split(",")]
-        run_all(chosen, budget, [int(s) for s in args.seeds.split(",")], args.out)
+        run_all(chosen, budget, [int(s) for s in args.seeds.split(",")], args.out, interleave=interleave)
     summarise(sorted(tables, key=lambda t: t.key), budget, args.out, f"bench/results/{name}")
     if after is not None:
         after(args.out)

@@ -10,17 +10,18 @@ from torch import Tensor
 
 from .errors import ConfigError
 
-__all__ = ["RunningAverage", "masked_average", "neighbourhood_average", "weighted_average"]
+__all__ = ["PartialAverage", "RunningAverage", "masked_average", "neighbourhood_average", "weighted_average"]
 
 
-class RunningAverage:
-    """Streaming weighted average: memory is one float64 accumulator per tensor, whatever the number of updates.
-
-    Integer tensors (e.g. BatchNorm's ``num_batches_tracked``) are averaged then rounded.
-    """
+class PartialAverage:
+    """Streaming weighted average, per tensor over the updates that hold it: memory is one float64 accumulator
+    per tensor, whatever the number of updates. Updates may hold different tensors (FedPer devices of different
+    K_P send different bases); ``result(prev)`` keeps ``prev``'s value for a tensor nobody sent. Integer tensors
+    (e.g. BatchNorm's ``num_batches_tracked``) are averaged then rounded."""
 
     def __init__(self) -> None:
         self._acc: dict[str, Tensor] = {}
+        self._weight: dict[str, float] = {}
         self._meta: dict[str, tuple[torch.Size, torch.dtype]] = {}
         self.total_weight = 0.0
         self.count = 0
@@ -28,30 +29,45 @@ class RunningAverage:
     def add(self, state: Mapping[str, Tensor], weight: float) -> None:
         if not (math.isfinite(weight) and weight > 0):
             raise ConfigError(f"aggregation weight must be finite and > 0, got {weight}")
-        if self.count and set(state) != set(self._acc):
-            missing, extra = set(self._acc) - set(state), set(state) - set(self._acc)
-            raise ConfigError(f"update does not match: missing {sorted(missing)}, unexpected {sorted(extra)}")
         for k, v in state.items():
-            if self.count and v.shape != self._meta[k][0]:
+            if k in self._meta and v.shape != self._meta[k][0]:
                 raise ConfigError(f"tensor {k!r} has shape {tuple(v.shape)}, expected {tuple(self._meta[k][0])}")
+        for k, v in state.items():
             contrib = v.detach().to(torch.float64) * weight
-            if self.count:
+            if k in self._acc:
                 self._acc[k] += contrib
+                self._weight[k] += weight
             else:
                 self._acc[k] = contrib
+                self._weight[k] = 0.0 + weight
                 self._meta[k] = (v.shape, v.dtype)
         self.total_weight += weight
         self.count += 1
 
-    def result(self) -> dict[str, Tensor]:
-        if not self.count:
+    def result(self, prev: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:
+        """The averages (in ``prev``'s key order, its value where nobody sent a tensor; else in first-seen order)."""
+        if not self.count and prev is None:
             raise ConfigError("cannot average zero updates")
+        keys = list(prev) if prev is not None else list(self._acc)
         out: dict[str, Tensor] = {}
-        for k, acc in self._acc.items():
-            mean = acc / self.total_weight
+        for k in keys:
+            if k not in self._acc:
+                out[k] = prev[k]  # type: ignore[index]  # keys come from prev here
+                continue
+            mean = self._acc[k] / self._weight[k]
             dtype = self._meta[k][1]
             out[k] = (mean.round() if not dtype.is_floating_point else mean).to(dtype)
         return out
+
+
+class RunningAverage(PartialAverage):
+    """``PartialAverage`` whose updates must all hold the same tensors (FedAvg over whole models)."""
+
+    def add(self, state: Mapping[str, Tensor], weight: float) -> None:
+        if self.count and set(state) != set(self._acc):
+            missing, extra = set(self._acc) - set(state), set(state) - set(self._acc)
+            raise ConfigError(f"update does not match: missing {sorted(missing)}, unexpected {sorted(extra)}")
+        super().add(state, weight)
 
 
 def weighted_average(states: Sequence[Mapping[str, Tensor]], weights: Sequence[float]) -> dict[str, Tensor]:

@@ -54,7 +54,10 @@ def forward_flops(model: nn.Module, input_shape: tuple[int, ...], masks: Mapping
     total = 0
     for name, (kind, positions) in sizes.items():
         weight = params[f"{name}.weight"]
-        extra = weight.shape[0] if kind == "conv" else _nnz(params, masks, f"{name}.bias")
+        # the bias adds C_out per output position to a convolution (only if it has one: the DisPFL reference's
+        # count), nnz(b) to a linear layer
+        has_bias = f"{name}.bias" in params
+        extra = (weight.shape[0] if has_bias else 0) if kind == "conv" else _nnz(params, masks, f"{name}.bias")
         total += positions * (2 * _nnz(params, masks, f"{name}.weight") + extra)
     return total
 

@@ -74,46 +74,39 @@ def prune_rate(alpha0: float, t: int, total_rounds: int) -> float:
 
 def prune_regrow(weights: Mapping[str, Tensor], masks: Mapping[str, Tensor], alpha: float, *,
                  grads: Mapping[str, Tensor] | None = None,
-                 gen: torch.Generator | None = None) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+                 gen: torch.Generator | None = None) -> dict[str, Tensor]:
     """One mask update: per tensor that is not dense, prune ``ceil(alpha * nnz)`` active weights of smallest
     magnitude, then regrow as many among the zeros of the pruned mask, by largest ``|grads|`` (the dense
-    gradient; ``regrow gradient``) or uniformly at random from ``gen`` (``regrow random``). Returns new
-    (weights, masks): pruned and regrown weights are 0; per-tensor nnz is preserved; dense tensors untouched.
+    gradient; ``regrow gradient``) or uniformly at random from ``gen`` (``regrow random``). Returns the new
+    masks (per-tensor nnz preserved; dense tensors' masks unchanged).
+
+    The weights are not touched: a client keeps its trained weights with the mask they were trained under (that
+    pair is what its neighbours average), and its new mask selects the coordinates of its next start, where a
+    regrown coordinate takes its neighbours' average (ALGORITHMS.md).
     """
     if (grads is None) == (gen is None):
         raise ConfigError("prune_regrow needs exactly one of grads (regrow by gradient) or gen (random)")
     if not 0 <= alpha <= 1:
         raise ConfigError(f"prune rate must be in [0, 1], got {alpha}")
-    new_w: dict[str, Tensor] = {}
     new_m: dict[str, Tensor] = {}
     for k, m in masks.items():
-        w = weights[k]
         flat_m = m.reshape(-1)
         nnz = int(flat_m.sum())
         n = flat_m.numel()
-        k_swap = math.ceil(alpha * nnz)
+        k_swap = min(math.ceil(alpha * nnz), nnz)
         if nnz == n or nnz == 0 or k_swap == 0:
-            new_w[k], new_m[k] = w * m, m.clone()
+            new_m[k] = m.clone()
             continue
-        k_swap = min(k_swap, nnz)
-        mag = torch.where(flat_m > 0, w.reshape(-1).abs(), torch.inf)
-        drop = torch.topk(mag, k_swap, largest=False).indices
+        mag = torch.where(flat_m > 0, weights[k].reshape(-1).abs(), torch.inf)
         pruned = flat_m.clone()
-        pruned[drop] = 0.0
+        pruned[torch.topk(mag, k_swap, largest=False).indices] = 0.0
         if grads is not None:
             score = torch.where(pruned > 0, -torch.inf, grads[k].reshape(-1).abs())
         else:
             score = torch.where(pruned > 0, -torch.inf, torch.rand(n, generator=gen))
-        grow = torch.topk(score, k_swap).indices
-        out_m = pruned.clone()
-        out_m[grow] = 1.0
-        new_m[k] = out_m.view_as(m)
-        # regrown weights start at zero; pruned ones are zeroed by the mask
-        new_w[k] = w * pruned.view_as(m)
-    for k, w in weights.items():
-        if k not in masks:
-            new_w[k] = w
-    return new_w, new_m
+        pruned[torch.topk(score, k_swap).indices] = 1.0
+        new_m[k] = pruned.view_as(m)
+    return new_m
 
 
 def density_of(masks: Mapping[str, Tensor], shapes: Mapping[str, tuple[int, ...] | torch.Size]) -> float:

@@ -57,6 +57,7 @@ class TrainConfig:
     momentum: float = 0.9
     weight_decay: float = 0.0
     clip_norm: float | None = None
+    clip_unmasked: bool = False  # clip the whole gradient before masking it (the DisPFL reference's order)
 
     def __post_init__(self) -> None:
         if self.epochs < 0:
@@ -219,16 +220,13 @@ def _train_vmap(model: nn.Module, stack: Mapping[str, Tensor], data: ClientTenso
 def _sgd_step(params: dict[str, Tensor], grads: dict[str, Tensor], bufs: dict[str, Tensor],
               masks: Mapping[str, Tensor], active: Tensor, cfg: TrainConfig) -> None:
     """One ``torch.optim.SGD`` step (dampening 0, no Nesterov) for every active client, in place."""
+    if cfg.clip_unmasked:
+        _clip(grads, cfg.clip_norm)
     for k, m in masks.items():
         if k in grads:
             grads[k].mul_(m)
-    if cfg.clip_norm is not None:
-        # clip_grad_norm_: total norm over the client's tensors, coefficient max/(norm + 1e-6) capped at 1
-        sq = sum(g.flatten(1).pow(2).sum(1) for g in grads.values())
-        assert isinstance(sq, Tensor)
-        coef = (cfg.clip_norm / (sq.sqrt() + 1e-6)).clamp(max=1.0)
-        for g in grads.values():
-            g.mul_(coef.view(-1, *([1] * (g.dim() - 1))))
+    if not cfg.clip_unmasked:
+        _clip(grads, cfg.clip_norm)
     for k, p in params.items():
         g = grads[k]
         if cfg.weight_decay:
@@ -241,6 +239,18 @@ def _sgd_step(params: dict[str, Tensor], grads: dict[str, Tensor], bufs: dict[st
         p.copy_(torch.where(act, p - cfg.lr * g, p))
         if k in masks:
             p.mul_(masks[k])
+
+
+def _clip(grads: dict[str, Tensor], clip_norm: float | None) -> None:
+    """clip_grad_norm_ per client: total norm over its tensors, coefficient max/(norm + 1e-6) capped at 1."""
+    if clip_norm is None:
+        return
+    sq = sum(g.flatten(1).pow(2).sum(1) for g in grads.values())
+    if not isinstance(sq, Tensor):
+        return  # nothing trainable
+    coef = (clip_norm / (sq.sqrt() + 1e-6)).clamp(max=1.0)
+    for g in grads.values():
+        g.mul_(coef.view(-1, *([1] * (g.dim() - 1))))
 
 
 def _train_loop(model: nn.Module, stack: Mapping[str, Tensor], data: ClientTensors, rows: Tensor,
@@ -276,10 +286,12 @@ def _train_loop(model: nn.Module, stack: Mapping[str, Tensor], data: ClientTenso
                 opt.zero_grad(set_to_none=True)
                 loss = F.cross_entropy(model(data.x[r, b]), data.y[r, b])
                 loss.backward()
+                if cfg.clip_norm is not None and cfg.clip_unmasked:
+                    torch.nn.utils.clip_grad_norm_(train_params, cfg.clip_norm)
                 for k, m in cmask.items():
                     if named[k].grad is not None:
                         named[k].grad.mul_(m)  # type: ignore[union-attr]
-                if cfg.clip_norm is not None:
+                if cfg.clip_norm is not None and not cfg.clip_unmasked:
                     torch.nn.utils.clip_grad_norm_(train_params, cfg.clip_norm)
                 opt.step()
                 with torch.no_grad():

@@ -1,6 +1,7 @@
 """Partitioners: how a data set's train split is dealt out to clients, and how each client's test set is drawn.
 
-Specs are ``name`` or ``name:ARG``: ``iid``, ``pathological:K``, ``dirichlet:ALPHA``, ``groups:G``, ``preference`` (or
+Specs are ``name`` or ``name:ARG``: ``iid``, ``pathological:K``, ``dirichlet:ALPHA`` (class-wise, FedML's),
+``dirichlet-client:ALPHA`` (client-wise with equal sizes, the DisPFL reference's), ``groups:G``, ``preference`` (or
 ``preference:P``, the probability that a user re-draws a class's rating; 0.1 by default). Register a new one with
 ``@register_partitioner``.
 
@@ -189,8 +190,9 @@ def _pathological(y: np.ndarray, n: int, arg: str | None, num_classes: int,
 @register_partitioner("dirichlet")
 def _dirichlet(y: np.ndarray, n: int, arg: str | None, num_classes: int,
                rng: np.random.Generator) -> tuple[list[np.ndarray], None]:
-    """Per class, proportions over clients ~ Dir(alpha); clients already above the average size get no more
-    (as in the FedML/DisPFL reference); redrawn until every client has at least 10 samples."""
+    """Class-wise Dir(alpha), FedML's split: per class, proportions over clients ~ Dir(alpha); clients already
+    above the average size get no more; redrawn until every client has at least 10 samples. Client sizes vary.
+    (The DisPFL reference splits client-wise instead: ``dirichlet-client``.)"""
     alpha = _float_arg(arg, "dirichlet:ALPHA")
     if not alpha > 0:
         raise ConfigError(f"dirichlet:ALPHA needs ALPHA > 0, got {arg!r}")
@@ -215,6 +217,36 @@ def _dirichlet_once(y: np.ndarray, n: int, alpha: float, num_classes: int,
         for i, chunk in enumerate(np.split(idx, cuts)):
             parts[i].extend(chunk.tolist())
     return [np.asarray(q, dtype=np.int64) for q in parts]
+
+
+@register_partitioner("dirichlet-client")
+def _dirichlet_client(y: np.ndarray, n: int, arg: str | None, num_classes: int,
+                      rng: np.random.Generator) -> tuple[list[np.ndarray], None]:
+    """Client-wise Dir(alpha), the DisPFL reference's split: every client gets the same number of samples
+    (len(train) // clients) and its own class prior p_i ~ Dir(alpha); its class counts are drawn from p_i and
+    its samples without replacement from each class's pool. Where a pool runs out, the shortfall is drawn again
+    from p_i restricted to the classes that still have samples (uniform if p_i puts nothing there)."""
+    alpha = _float_arg(arg, "dirichlet-client:ALPHA")
+    if not alpha > 0:
+        raise ConfigError(f"dirichlet-client:ALPHA needs ALPHA > 0, got {arg!r}")
+    size = len(y) // n
+    if size < 1:
+        raise DataError(f"dirichlet-client: {len(y)} samples cannot give each of {n} clients one")
+    pools = [rng.permutation(np.flatnonzero(y == c)) for c in range(num_classes)]
+    used = np.zeros(num_classes, dtype=np.int64)
+    avail = np.array([len(q) for q in pools], dtype=np.int64)
+    parts = []
+    for _ in range(n):
+        prior = rng.dirichlet(np.full(num_classes, alpha))
+        take = np.minimum(rng.multinomial(size, prior), avail - used)
+        while (short := size - int(take.sum())) > 0:
+            room = avail - used - take
+            q = np.where(room > 0, prior, 0.0)
+            q = q / q.sum() if q.sum() > 0 else (room > 0) / (room > 0).sum()
+            take += np.minimum(rng.multinomial(short, q), room)
+        parts.append(np.concatenate([pools[c][used[c]: used[c] + take[c]] for c in range(num_classes)]))
+        used += take
+    return parts, None
 
 
 @register_partitioner("groups")

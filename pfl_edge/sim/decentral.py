@@ -1,4 +1,5 @@
-"""Decentralized algorithms: DisPFL (personal sparse masks) and D-PSGD (dense neighbourhood averaging).
+"""The simulator's decentralized runners: DisPFL (personal sparse masks) and D-PSGD (dense neighbourhood
+averaging), rounds as ``pfl_edge.algorithms`` defines them.
 
 Every client trains every round; client i receives the models of its in-neighbours of that round
 (``pfl_edge.topology``). Bytes are the codec's payload sizes, one transfer per recipient; the busiest node is
@@ -11,146 +12,102 @@ import torch
 from torch import Tensor
 
 from ..accounting import payload_bytes
-from ..aggregate import neighbourhood_average
+from ..algorithms import dispfl, dpsgd
 from ..flops import forward_flops, layer_sizes
-from ..seeding import generator
-from ..sparse import erk_densities, init_masks, prune_rate, prune_regrow
-from ..topology import mixing_matrix, neighbours
+from ..topology import mixing_matrix
 from ..train import Stack, stack_states, unstack
-from .algorithms import Algorithm, Context, RoundStats
+from .algorithms import Context, RoundStats, Runner, weighted_loss
 
-__all__ = ["DPSGD", "DisPFL", "hamming_matrix", "mask_summary"]
+__all__ = ["DPSGDRunner", "DisPFLRunner", "hamming_matrix", "mask_summary"]
 
 
-def _traffic(payload: list[int], nbrs: list[list[int]]) -> tuple[list[int], list[int], int]:
-    """Per client bytes sent (its payload once per recipient) and received; the busiest node's total."""
+def _traffic(payload: list[int], nbrs: list[list[int]]) -> tuple[list[int], list[int], int, int]:
+    """Per client bytes sent (its payload once per recipient) and received; the busiest node's sent + received,
+    and the most any node receives (one direction, as the DisPFL paper counts)."""
     n = len(nbrs)
     up, down = [0] * n, [0] * n
     for i, js in enumerate(nbrs):
         for j in js:
             down[i] += payload[j]
             up[j] += payload[j]
-    return up, down, max(u + d for u, d in zip(up, down, strict=True))
+    return up, down, max(u + d for u, d in zip(up, down, strict=True)), max(down)
 
 
-class DisPFL(Algorithm):
-    """Dai et al., ICML 2022 (ALGORITHMS.md). Each round, from the round's snapshot: client i averages its
-    neighbours' sparse models (and its own) over the intersection of masks, keeps its own mask's support,
-    trains with masked SGD, then prunes ``ceil(alpha_t * nnz)`` weights per tensor and regrows as many."""
+class DisPFLRunner(Runner):
+    """DisPFL (``pfl_edge.algorithms.dispfl``) over every client at once: each round's graph as a sparse mixing
+    matrix, one ``neighbourhood_average`` for all clients."""
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
-        cfg = ctx.cfg
-        self.shapes = {k: tuple(v.shape) for k, v in ctx.model.named_parameters()}
-        by_density: dict[float, dict[str, float]] = {}
-        masks = []
-        for i in range(ctx.num_clients):
-            d = cfg.client_density(i)
-            dens = by_density.setdefault(d, erk_densities(self.shapes, d))
-            masks.append(init_masks(self.shapes, dens, generator(cfg.seed, "mask", i)))
-        self.masks: Stack = stack_states(masks)
-        self.weights: Stack = {k: v * self.masks[k] if k in self.masks else v
-                               for k, v in stack_states([ctx.init_state] * ctx.num_clients).items()}
-        self.rows = torch.arange(ctx.num_clients)
+        cl = ctx.clients
+        self.state = dispfl.init_clients(cl, ctx.init_state, [ctx.cfg.client_density(i) for i in range(len(cl))])
         self.sizes = layer_sizes(ctx.model, ctx.input_shape)
         self._deployed: Stack | None = None
-        # per client, the tensors its density leaves dense: sent without a mask (nnz never changes)
-        self.dense_keys = [{k for k, m in self.masks.items() if bool(m[i].all())} for i in range(ctx.num_clients)]
         self.label_counts = torch.stack([torch.bincount(ctx.train_data.y[i, : int(ctx.train_data.n[i])],
-                                                        minlength=ctx.num_classes) for i in range(ctx.num_clients)])
-
-    def _client_masks(self, i: int) -> dict[str, Tensor]:
-        return {k: m[i] for k, m in self.masks.items()}
+                                                        minlength=ctx.num_classes) for i in range(len(cl))])
 
     def _payload(self, i: int) -> int:
-        masks = {k: m.bool() for k, m in self._client_masks(i).items() if k not in self.dense_keys[i]}
-        return payload_bytes(unstack(self.weights, i), masks)
+        return payload_bytes(unstack(self.state.weights, i), dispfl.sent_masks(unstack(self.state.support, i)))
 
     def run_round(self, t: int, participants: Tensor) -> RoundStats:
         ctx, cfg = self.ctx, self.ctx.cfg
-        nbrs = neighbours(cfg.topology_spec, ctx.num_clients, t, cfg.seed)
-        up, down, busiest = _traffic([self._payload(i) for i in range(ctx.num_clients)], nbrs)
-        avg = neighbourhood_average(self.weights, mixing_matrix(nbrs), self.masks)
-        start = {k: v * self.masks[k] if k in self.masks else v for k, v in avg.items()}
-        res = ctx.trainer.train(start, self.rows, ctx.train_config(t), ctx.gens("train", t, self.rows),
-                                masks=self.masks)
+        cl = ctx.clients
+        nbrs = self.algo.neighbours(t)
+        assert nbrs is not None
+        up, down, busiest, received = _traffic([self._payload(i) for i in range(len(cl))], nbrs)
+        masks = self.state.masks  # what each client trains under this round
+        summary = mask_summary(masks, self.label_counts)
+        self.state, res, trained = dispfl.round_step(cl, self.state, mixing_matrix(nbrs), t)
         flops = [cfg.local_epochs * int(ctx.train_data.n[i]) * 3
-                 * forward_flops(ctx.model, ctx.input_shape, self._client_masks(i), self.sizes)
-                 for i in range(ctx.num_clients)]
+                 * forward_flops(ctx.model, ctx.input_shape, {k: m[i] for k, m in masks.items()}, self.sizes)
+                 for i in range(len(cl))]
         if cfg.regrow == "gradient":  # the dense-gradient screen: one batch, 3 dense forwards per sample
             flops = [f + min(cfg.batch_size, int(n)) * 3 * ctx.dense_flops
                      for f, n in zip(flops, ctx.train_data.n, strict=True)]
-        # What a client deploys this round is its trained sparse model, as in the reference code's
-        # evaluation; the prune-and-regrow that follows prepares the next round.
-        self._deployed = {k: v.clone() for k, v in res.stack.items()}
-        acc, loss = ctx.trainer.evaluate(self._deployed, self.rows)
-        density = [self._density(i) for i in range(ctx.num_clients)]
-        summary = mask_summary(self.masks, self.label_counts)
-        self._update_masks(t, res.stack)
-        return RoundStats(acc.tolist(), loss.tolist(), _weighted_loss(res.loss, ctx.train_data.n), up, down,
-                          busiest, self.rows.tolist(), flops, density, {"mask": summary})
-
-    def _update_masks(self, t: int, trained: Stack) -> None:
-        ctx, cfg = self.ctx, self.ctx.cfg
-        # round t (1-based) uses alpha at t - 1, so the first update prunes at alpha0 and the last one is not
-        # a no-op (the reference counts rounds from 0)
-        alpha = prune_rate(cfg.alpha0, t - 1, cfg.rounds)
-        grads = (ctx.trainer.dense_gradients(trained, self.rows, cfg.batch_size, ctx.gens("regrow", t, self.rows))
-                 if cfg.regrow == "gradient" else None)
-        for i in range(ctx.num_clients):
-            sparse = {k: m for k, m in self._client_masks(i).items() if k not in self.dense_keys[i]}
-            w, m = prune_regrow({k: trained[k][i] for k in sparse}, sparse, alpha,
-                                grads=None if grads is None else {k: grads[k][i] for k in sparse},
-                                gen=generator(cfg.seed, "regrow-random", t, i) if grads is None else None)
-            for k in sparse:
-                trained[k][i] = w[k]
-                self.masks[k][i] = m[k]
-        self.weights = trained
-
-    def _density(self, i: int) -> float:
-        ones = sum(float(m[i].sum()) for m in self.masks.values())
-        return ones / sum(m[i].numel() for m in self.masks.values())
+        # what a client deploys this round is its trained sparse model, as the reference code evaluates it
+        self._deployed = trained
+        acc, loss = ctx.trainer.evaluate(trained, cl.slots)
+        density = [_density(masks, i) for i in range(len(cl))]
+        return RoundStats(acc.tolist(), loss.tolist(), weighted_loss(res.loss, ctx.train_data.n), up, down,
+                          busiest, received, cl.slots.tolist(), flops, density, {"mask": summary})
 
     def deployed(self) -> Stack:
-        return self._deployed if self._deployed is not None else self.weights
+        return self._deployed if self._deployed is not None else self.state.weights
 
     def analysis(self) -> dict[str, object]:
         """Pairwise mask Hamming distances beside the cosine similarity of label distributions."""
-        ham = hamming_matrix(self.masks)
+        ham = hamming_matrix(self.state.masks)
         cos = _cosine(self.label_counts.float())
         return {"hamming": ham.tolist(), "label_cosine": cos.tolist()}
 
 
-class DPSGD(Algorithm):
-    """Decentralized parallel SGD with multi-epoch local training: every client trains, then averages its
-    model with its in-neighbours' (equal weights, dense). Evaluated on that neighbourhood average, the
-    client's consensus model; ``dpsgd-ft`` first fine-tunes it locally for ``ft_epochs`` (not kept)."""
+def _density(masks: Stack, i: int) -> float:
+    ones = sum(float(m[i].sum()) for m in masks.values())
+    return ones / sum(m[i].numel() for m in masks.values())
+
+
+class DPSGDRunner(Runner):
+    """D-PSGD(-FT) (``pfl_edge.algorithms.dpsgd``) over every client at once."""
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
         self.weights: Stack = stack_states([ctx.init_state] * ctx.num_clients)
-        self.rows = torch.arange(ctx.num_clients)
-        self.ft = ctx.cfg.algorithm == "dpsgd-ft"
         self._deployed: Stack | None = None
 
     def run_round(self, t: int, participants: Tensor) -> RoundStats:
         ctx, cfg = self.ctx, self.ctx.cfg
-        res = ctx.trainer.train(self.weights, self.rows, ctx.train_config(t), ctx.gens("train", t, self.rows))
-        nbrs = neighbours(cfg.topology_spec, ctx.num_clients, t, cfg.seed)
-        up, down, busiest = _traffic([payload_bytes(unstack(res.stack, i)) for i in range(ctx.num_clients)],
-                                     nbrs)
-        self.weights = neighbourhood_average(res.stack, mixing_matrix(nbrs))
-        deployed = self.weights
-        epochs = cfg.local_epochs
-        if self.ft and cfg.ft_epochs:
-            deployed = ctx.trainer.train(deployed, self.rows, ctx.train_config(t, cfg.ft_epochs),
-                                         ctx.gens("finetune", t, self.rows)).stack
-            epochs += cfg.ft_epochs
+        cl = ctx.clients
+        nbrs = self.algo.neighbours(t)
+        assert nbrs is not None
+        self.weights, res, deployed = dpsgd.round_step(cl, self.weights, mixing_matrix(nbrs), t)
+        up, down, busiest, received = _traffic([payload_bytes(unstack(res.stack, i)) for i in range(len(cl))],
+                                               nbrs)
         self._deployed = deployed
-        acc, loss = ctx.trainer.evaluate(deployed, self.rows)
+        acc, loss = ctx.trainer.evaluate(deployed, cl.slots)
+        epochs = cfg.local_epochs + (cfg.ft_epochs if cfg.algorithm == "dpsgd-ft" else 0)
         flops = (3 * ctx.dense_flops * epochs * ctx.train_data.n).tolist()
-        return RoundStats(acc.tolist(), loss.tolist(), _weighted_loss(res.loss, ctx.train_data.n), up, down,
-                          busiest, self.rows.tolist(), flops, [1.0] * ctx.num_clients)
+        return RoundStats(acc.tolist(), loss.tolist(), weighted_loss(res.loss, ctx.train_data.n), up, down,
+                          busiest, received, cl.slots.tolist(), flops, [1.0] * len(cl))
 
     def deployed(self) -> Stack:
         return self._deployed if self._deployed is not None else self.weights
@@ -172,12 +129,6 @@ def hamming_matrix(masks: Stack) -> Tensor:
             ones += part.sum(1, dtype=torch.float64)
         total += flat.shape[1]
     return ((ones[:, None] + ones[None, :] - 2 * inter) / total).to(torch.float32)
-
-
-def _weighted_loss(loss: Tensor, n: Tensor) -> float:
-    """Mean training loss over clients weighted by their samples, as the central algorithms report it."""
-    w = n.to(torch.float64)
-    return float((loss.to(torch.float64) * w).sum() / w.sum())
 
 
 def _cosine(counts: Tensor) -> Tensor:

@@ -10,48 +10,26 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from ..algorithms import sample_participants
 from ..checkpoint import ModelSpec, build_model, save_checkpoint
-from ..data import Dataset, Partition, get_dataset, partition
+from ..federation import FederationConfig, deal, init_state
 from ..flops import forward_flops
 from ..parallel import Trainer
-from ..seeding import derive_seed, generator, numpy_rng, seed_everything
+from ..seeding import seed_everything
 from ..split import split_keys
 from ..train import ClientTensors, unstack
 from .algorithms import Context, make_algorithm
-from .config import SimConfig
 
-__all__ = ["build_context", "deal", "sample_participants", "simulate"]
-
-
-def sample_participants(seed: int, t: int, num_clients: int, fraction: float) -> torch.Tensor:
-    """The clients of round ``t``: ``max(1, floor(fraction * N))`` drawn from the round's own stream."""
-    m = max(1, min(num_clients, math.floor(fraction * num_clients + 1e-9)))
-    if m == num_clients:
-        return torch.arange(num_clients)
-    return torch.randperm(num_clients, generator=generator(seed, "participants", t))[:m].sort().values
+__all__ = ["build_context", "sample_participants", "simulate"]
 
 
-def deal(cfg: SimConfig, *, data_dir: str | None = None) -> tuple[Dataset, Partition, ModelSpec]:
-    """``cfg``'s data set, dealt to its clients, and the model spec it implies: the one place the simulator,
-    the server and every device deal a federation's data (so they deal it identically)."""
-    ds = get_dataset(cfg.dataset, data_dir=data_dir or cfg.data_dir)
-    part = partition(cfg.partition, ds.train_y, ds.test_y, cfg.clients, ds.num_classes,
-                     numpy_rng(cfg.seed, "partition"), samples_per_client=cfg.samples_per_client,
-                     test_per_client=cfg.test_per_client)
-    # a linear base keeps cfg.kp personal blocks behind one "base" block
-    spec = ModelSpec(cfg.model, part.num_classes, ds.in_channels, ds.image_size, cfg.base,
-                     cfg.kp if cfg.base == "linear" else 0)
-    return ds, part, spec
-
-
-def build_context(cfg: SimConfig) -> tuple[Context, ModelSpec]:
+def build_context(cfg: FederationConfig) -> tuple[Context, ModelSpec]:
     seed_everything(cfg.seed)
     ds, part, spec = deal(cfg)
-    torch.manual_seed(derive_seed(cfg.seed, "init"))
+    init = init_state(cfg, spec)
     model = build_model(spec)
     kp = cfg.effective_kp if cfg.effective_kp is not None else len(model.block_names)  # local: all personal
     split = split_keys(model, kp, local_norm_stats=cfg.local_norm_stats)
-    init = {k: v.detach().clone() for k, v in model.state_dict().items()}
     train_data = ClientTensors.build(ds.train_x, [c.train_idx for c in part.clients],
                                      [c.train_y for c in part.clients])
     test_data = ClientTensors.build(ds.test_x, [c.test_idx for c in part.clients],
@@ -66,7 +44,7 @@ def _pstd(xs: list[float]) -> float:
     return math.sqrt(sum((x - mean) ** 2 for x in xs) / len(xs))
 
 
-def simulate(cfg: SimConfig, *, save_dir: str | Path | None = None, progress: bool | None = None) -> dict[str, Any]:
+def simulate(cfg: FederationConfig, *, save_dir: str | Path | None = None, progress: bool | None = None) -> dict[str, Any]:
     """Run ``cfg`` and return the result: ``config``, ``rounds`` (one dict per round), ``final``, ``meta``.
 
     ``progress``: a bar on stderr; ``None`` shows it only on a terminal.
@@ -79,7 +57,7 @@ def simulate(cfg: SimConfig, *, save_dir: str | Path | None = None, progress: bo
         ctx.trainer.close()
 
 
-def _run(cfg: SimConfig, ctx: Context, spec: ModelSpec, t0: float, save_dir: str | Path | None,
+def _run(cfg: FederationConfig, ctx: Context, spec: ModelSpec, t0: float, save_dir: str | Path | None,
          progress: bool | None) -> dict[str, Any]:
     algo = make_algorithm(ctx)
     setup_s = time.perf_counter() - t0
@@ -88,7 +66,7 @@ def _run(cfg: SimConfig, ctx: Context, spec: ModelSpec, t0: float, save_dir: str
                else not progress, leave=False)
     for t in bar:
         start = time.perf_counter()
-        participants = sample_participants(cfg.seed, t, ctx.num_clients, cfg.participation)
+        participants = algo.algo.participants(t)
         st = algo.run_round(t, participants)
         wall = time.perf_counter() - start
         accs = st.client_acc
@@ -104,8 +82,10 @@ def _run(cfg: SimConfig, ctx: Context, spec: ModelSpec, t0: float, save_dir: str
             "client_bytes_up": st.client_bytes_up,
             "client_bytes_down": st.client_bytes_down,
             "busiest_node_bytes": st.busiest_node_bytes,
+            "busiest_node_received": st.busiest_node_received,
             "participants": st.participants,
-            "flops": sum(st.client_flops) / len(st.client_flops),
+            # per participating client (a centralised round trains a sample of the clients)
+            "flops": sum(st.client_flops[i] for i in st.participants) / len(st.participants),
             "client_flops": st.client_flops,
             "client_density": st.client_density,
             **st.extra,
@@ -142,7 +122,7 @@ def _run(cfg: SimConfig, ctx: Context, spec: ModelSpec, t0: float, save_dir: str
     return result
 
 
-def _save(d: Path, cfg: SimConfig, spec: ModelSpec, deployed: dict[str, torch.Tensor],
+def _save(d: Path, cfg: FederationConfig, spec: ModelSpec, deployed: dict[str, torch.Tensor],
           shared: dict[str, torch.Tensor] | None) -> None:
     d.mkdir(parents=True, exist_ok=True)
     extra = {"algorithm": cfg.algorithm, "round": cfg.rounds, "config": cfg.to_dict()}

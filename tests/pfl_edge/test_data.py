@@ -202,3 +202,26 @@ def test_tiny_dirichlet_alpha_still_partitions_or_says_why() -> None:
         assert "could not give" in str(e)
     else:
         assert all(c.n_train >= 10 for c in p.clients)
+
+
+def test_dirichlet_client_split_gives_equal_sizes_and_skewed_priors() -> None:
+    """The DisPFL reference's split: equal client sizes, each client's classes drawn from its own Dir(alpha)
+    prior; no sample goes to two clients. Small alpha concentrates a client on few classes; large alpha
+    approaches the overall class mix."""
+    import numpy as np
+
+    from pfl_edge.data import partition as deal_out
+
+    y = torch.arange(10).repeat_interleave(600)  # 6,000 samples, 10 balanced classes
+    yte = torch.arange(10).repeat_interleave(100)
+
+    def top_share(alpha: float) -> float:
+        part = deal_out(f"dirichlet-client:{alpha}", y, yte, 20, 10, np.random.default_rng(0))
+        sizes = {c.n_train for c in part.clients}
+        assert sizes == {300}
+        every = torch.cat([c.train_idx for c in part.clients])
+        assert len(every) == len(set(every.tolist()))  # no sample twice
+        return float(np.mean([torch.bincount(c.train_y, minlength=10).max() / c.n_train for c in part.clients]))
+
+    assert top_share(0.1) > 0.6  # most of a client's data from one class
+    assert top_share(100.0) < 0.2  # close to uniform (1/10)

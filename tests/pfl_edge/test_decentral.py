@@ -5,7 +5,7 @@ import torch
 from pfl_edge.data import partition
 from pfl_edge.seeding import numpy_rng
 from pfl_edge.sim import SimConfig, build_context, simulate
-from pfl_edge.sim.decentral import DisPFL, hamming_matrix
+from pfl_edge.sim.decentral import DisPFLRunner, hamming_matrix
 from pfl_edge.topology import neighbours
 
 QUICK = dict(dataset="synthetic", partition="iid", clients=6, rounds=2, samples_per_client=64, local_epochs=1,
@@ -15,22 +15,25 @@ QUICK = dict(dataset="synthetic", partition="iid", clients=6, rounds=2, samples_
 def test_dispfl_keeps_masks_and_density_through_rounds() -> None:
     cfg = SimConfig(**{**QUICK, "algorithm": "dispfl", "densities": (0.2, 0.5, 1.0)})
     ctx, _ = build_context(cfg)
-    algo = DisPFL(ctx)
-    nnz0 = {k: m.flatten(1).sum(1) for k, m in algo.masks.items()}
-    masks0 = {k: m.clone() for k, m in algo.masks.items()}
+    algo = DisPFLRunner(ctx)
+    nnz0 = {k: m.flatten(1).sum(1) for k, m in algo.state.masks.items()}
+    masks0 = {k: m.clone() for k, m in algo.state.masks.items()}
     for t in (1, 2):
-        before = {k: m.clone() for k, m in algo.masks.items()}
+        before = {k: m.clone() for k, m in algo.state.masks.items()}
         payloads = [algo._payload(i) for i in range(6)]
         st = algo.run_round(t, torch.arange(6))
         trained = algo.deployed()
-        for k, m in algo.masks.items():
+        for k, m in algo.state.masks.items():
             assert torch.equal(m.flatten(1).sum(1), nnz0[k]), k  # per-tensor nnz preserved
             # masked SGD (momentum, weight decay) kept every weight outside the round's mask at zero ...
             assert torch.all(trained[k][before[k] == 0] == 0), k
             # ... and trained the ones inside it
             assert torch.count_nonzero(trained[k][before[k] == 1]) > 0.9 * before[k].sum(), k
-        # what was evaluated is the trained model; prune-and-regrow then changed the weights kept
-        assert any(not torch.equal(trained[k], algo.weights[k]) for k in algo.masks)
+        # what was evaluated is the trained model, kept as trained with the mask it was trained under;
+        # prune-and-regrow changed only the mask of the next round
+        assert all(torch.equal(trained[k], algo.state.weights[k]) for k in trained)
+        assert all(torch.equal(before[k], algo.state.support[k]) for k in before)
+        assert any(not torch.equal(before[k], algo.state.masks[k]) for k in before)
         acc, _ = ctx.trainer.evaluate(trained, torch.arange(6))
         assert acc.tolist() == pytest.approx(st.client_acc)
         # one transfer per recipient: client i downloads exactly its neighbours' payloads
@@ -39,10 +42,11 @@ def test_dispfl_keeps_masks_and_density_through_rounds() -> None:
         assert st.client_bytes_up == [payloads[j] * sum(j in n for n in nb) for j in range(6)]
         totals = [u + d for u, d in zip(st.client_bytes_up, st.client_bytes_down, strict=True)]
         assert st.busiest_node_bytes == max(totals)
+        assert st.busiest_node_received == max(st.client_bytes_down)
         assert st.client_density[2] == 1.0 and st.client_density[0] == pytest.approx(0.2, abs=1e-3)
     # the density-1.0 client never changes its (all-ones) mask; sparse clients do
-    assert all(torch.equal(m[2], masks0[k][2]) for k, m in algo.masks.items())
-    assert any(not torch.equal(m[0], masks0[k][0]) for k, m in algo.masks.items())
+    assert all(torch.equal(m[2], masks0[k][2]) for k, m in algo.state.masks.items())
+    assert any(not torch.equal(m[0], masks0[k][0]) for k, m in algo.state.masks.items())
     ctx.trainer.close()
 
 

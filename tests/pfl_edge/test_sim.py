@@ -175,6 +175,7 @@ def test_unknown_config_key(tmp_path: Path) -> None:
 
 def test_fedper_base_is_the_sample_weighted_average_of_trained_bases() -> None:
     from pfl_edge.aggregate import weighted_average
+    from pfl_edge.seeding import derive_seed
     from pfl_edge.sim import CentralPFL
     from pfl_edge.split import take
     from pfl_edge.train import unstack
@@ -187,7 +188,8 @@ def test_fedper_base_is_the_sample_weighted_average_of_trained_bases() -> None:
     algo = CentralPFL(ctx)
     rows = torch.arange(4)
     # an independent replay of the round's training from the same start and generators
-    res = ctx.trainer.train(algo._with_base(algo.clients), rows, ctx.train_config(1), ctx.gens("train", 1, rows))
+    gens = [torch.Generator().manual_seed(derive_seed(cfg.seed, "train", 1, i)) for i in range(4)]
+    res = ctx.trainer.train(algo.clients, rows, cfg.train_config(1), gens)
     algo.run_round(1, rows)
     bases = [take(unstack(res.stack, i), ctx.split.base) for i in range(4)]
     expected = weighted_average(bases, n.tolist())

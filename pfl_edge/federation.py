@@ -1,4 +1,6 @@
-"""The simulator's configuration: one frozen dataclass, validated on creation, saved into every result."""
+"""A federation's definition, in one place for the simulator, the server and every device: the config (one frozen
+dataclass, validated on creation, saved into every result), how its data set is dealt to clients, the model it
+trains (spec and id), the K_P and capacity rules, and the named random streams of a round."""
 
 from __future__ import annotations
 
@@ -9,12 +11,36 @@ import tomllib
 import types
 import typing
 from dataclasses import dataclass, fields
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
 
-from ..errors import ConfigError
+import torch
+from torch import Tensor
 
-__all__ = ["ALGORITHMS", "CENTRAL", "DECENTRAL", "SimConfig", "load_config_file"]
+from .checkpoint import ModelSpec, build_model
+from .data import Dataset, Partition, get_dataset, partition
+from .errors import ConfigError
+from .seeding import derive_seed, generator, numpy_rng
+from .train import TrainConfig
+
+__all__ = [
+    "ALGORITHMS",
+    "CENTRAL",
+    "DECENTRAL",
+    "DEVICE_ALGORITHMS",
+    "FederationConfig",
+    "SimConfig",
+    "Stream",
+    "check_device_config",
+    "deal",
+    "device_capacity",
+    "init_state",
+    "load_config_file",
+    "model_id",
+    "model_spec",
+    "stream",
+]
 
 CENTRAL = ("local", "fedavg", "fedavg-ft", "fedper", "fedper-ft")
 DECENTRAL = ("dispfl", "dpsgd", "dpsgd-ft")
@@ -22,8 +48,8 @@ ALGORITHMS = CENTRAL + DECENTRAL
 
 
 @dataclass(frozen=True)
-class SimConfig:
-    """Everything a simulated run depends on; the same config gives the same numbers."""
+class FederationConfig:
+    """Everything a run depends on, simulated or on devices; the same config gives the same numbers."""
 
     algorithm: str = "fedper"
     model: str = "cnn"
@@ -39,6 +65,9 @@ class SimConfig:
     momentum: float = 0.9
     weight_decay: float = 0.0
     clip_norm: float | None = None
+    # clip the whole (unmasked) gradient before masking it, as the DisPFL reference does; None: True for
+    # dispfl, False otherwise (no difference without masks)
+    clip_unmasked: bool | None = None
     kp: int = 2
     base: Literal["deep", "linear"] = "deep"
     participation: float = 1.0
@@ -89,7 +118,7 @@ class SimConfig:
         if self.clip_norm is not None and not self.clip_norm > 0:
             raise ConfigError(f"clip_norm must be > 0, got {self.clip_norm}")
         if self.algorithm in DECENTRAL:
-            from ..topology import check_topology
+            from .topology import check_topology
 
             check_topology(self.topology_spec, self.clients)
             if self.participation != 1.0:
@@ -128,25 +157,115 @@ class SimConfig:
     def lr_at(self, t: int) -> float:
         return self.lr * self.lr_decay ** (t - 1)
 
+    @property
+    def clips_unmasked(self) -> bool:
+        return self.algorithm == "dispfl" if self.clip_unmasked is None else self.clip_unmasked
+
+    def train_config(self, t: int, epochs: int | None = None) -> TrainConfig:
+        """Local SGD of round ``t`` (1-based; round 0, a late joiner's first fine-tuning, uses round 1's lr)."""
+        return TrainConfig(epochs=self.local_epochs if epochs is None else epochs, batch_size=self.batch_size,
+                           lr=self.lr_at(max(t, 1)), momentum=self.momentum, weight_decay=self.weight_decay,
+                           clip_norm=self.clip_norm, clip_unmasked=self.clips_unmasked)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> SimConfig:
+    def from_dict(cls, d: dict[str, Any]) -> FederationConfig:
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
             raise ConfigError(f"unknown config keys {sorted(unknown)}; valid keys: {', '.join(sorted(known))}")
         return cls(**d)
 
-    def replace(self, **changes: Any) -> SimConfig:
+    def replace(self, **changes: Any) -> FederationConfig:
         return dataclasses.replace(self, **changes)
 
 
-def _check_types(cfg: SimConfig) -> None:
+SimConfig = FederationConfig  # the name the simulator's users know
+
+
+# ------------------------------------------------------------------------------------------- random streams
+
+
+class Stream(StrEnum):
+    """The named random streams of a federation (``pfl_edge.seeding``): each consumer draws from its own, so the
+    simulator and a device draw the same numbers for the same client and round."""
+
+    PARTITION = "partition"  # (): who gets which sample
+    INIT = "init"  # (): the initial model
+    PARTICIPANTS = "participants"  # (t): the clients of a round, when participation < 1
+    TOPOLOGY = "topology"  # (t): the round's neighbour graph
+    MASK = "mask"  # (slot): a DisPFL client's initial mask
+    TRAIN = "train"  # (t, slot): batches of local training
+    FINETUNE = "finetune"  # (t, slot): batches of fine-tuning (FedPer-FT, -FT evaluation)
+    REGROW = "regrow"  # (t, slot): the batch of the dense-gradient regrowth screen
+    REGROW_RANDOM = "regrow-random"  # (t, slot): random regrowth
+
+
+def stream(seed: int, name: Stream, *index: int) -> torch.Generator:
+    return generator(seed, name.value, *index)
+
+
+# ------------------------------------------------------------------------------------------- data and model
+
+
+def deal(cfg: FederationConfig, *, data_dir: str | None = None) -> tuple[Dataset, Partition, ModelSpec]:
+    """``cfg``'s data set, dealt to its clients, and the model spec it implies: the one place the simulator,
+    the server and every device deal a federation's data (so they deal it identically)."""
+    ds = get_dataset(cfg.dataset, data_dir=data_dir or cfg.data_dir)
+    part = partition(cfg.partition, ds.train_y, ds.test_y, cfg.clients, ds.num_classes,
+                     numpy_rng(cfg.seed, Stream.PARTITION.value), samples_per_client=cfg.samples_per_client,
+                     test_per_client=cfg.test_per_client)
+    return ds, part, model_spec(cfg, part.num_classes, ds.in_channels, ds.image_size)
+
+
+def model_spec(cfg: FederationConfig, num_classes: int, in_channels: int, image_size: int) -> ModelSpec:
+    # a linear base keeps cfg.kp personal blocks behind one "base" block
+    return ModelSpec(cfg.model, num_classes, in_channels, image_size, cfg.base, cfg.kp if cfg.base == "linear" else 0)
+
+
+def model_id(spec: ModelSpec) -> str:
+    """The id in every payload's header: a device refuses weights of another model."""
+    return f"{spec.model}/{spec.num_classes}/{spec.in_channels}x{spec.image_size}/{spec.base}{spec.kp}"
+
+
+def init_state(cfg: FederationConfig, spec: ModelSpec) -> dict[str, Tensor]:
+    """The model every client starts from (the simulator's and every device's)."""
+    torch.manual_seed(derive_seed(cfg.seed, Stream.INIT.value))
+    return {k: v.detach().clone() for k, v in build_model(spec).state_dict().items()}
+
+
+# ------------------------------------------------------------------------------------------- devices
+
+DEVICE_ALGORITHMS = ("fedavg", "fedper", "fedper-ft", "dispfl")
+
+
+def check_device_config(cfg: FederationConfig) -> None:
+    if cfg.algorithm not in DEVICE_ALGORITHMS:
+        raise ConfigError(f"algorithm {cfg.algorithm!r} does not run on devices; valid: {', '.join(DEVICE_ALGORITHMS)}")
+
+
+def device_capacity(cfg: FederationConfig, slot: int, *, profile_density: float | None = None,
+                    profile_kp: int | None = None) -> tuple[float, int]:
+    """A device's (density, K_P): its profile's where the federation takes capacities from profiles (both given),
+    else the config's for its slot. K_P is 0 where nothing is personal (FedAvg, the decentralised algorithms),
+    and the config's for the linear-base control (its model is built for one K_P)."""
+    if profile_density is not None and profile_kp is not None:
+        density, kp = float(profile_density), int(profile_kp)
+    else:
+        density, kp = cfg.client_density(slot), cfg.kp
+    if cfg.effective_kp == 0:
+        kp = 0
+    elif cfg.base == "linear":
+        kp = cfg.kp
+    return density, kp
+
+
+def _check_types(cfg: FederationConfig) -> None:
     """Every field has its declared type (a config file can hold anything); ints are accepted for floats
     and lists for tuples, and converted."""
-    hints = typing.get_type_hints(SimConfig)
+    hints = typing.get_type_hints(FederationConfig)
     for f in fields(cfg):
         value = getattr(cfg, f.name)
         ok, converted = _coerce(value, hints[f.name])

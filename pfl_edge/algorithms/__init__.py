@@ -1,0 +1,33 @@
+"""Each algorithm's round, defined once as pure functions over ``dict[str, Tensor]`` stacks: what a client does
+with what it received, and what the coordinator plans and aggregates. The simulator runs them over every
+client's row, a device over its one row, the server calls plan and aggregate."""
+
+from . import central, dispfl, dpsgd
+from .algorithm import (
+    Algorithm,
+    DeviceRound,
+    get_algorithm,
+    list_algorithms,
+    register_algorithm,
+    sample_participants,
+)
+from .base import Clients, Metrics, Neighbour, Received, Trainer, Upload, one_row
+
+__all__ = [
+    "Algorithm",
+    "Clients",
+    "DeviceRound",
+    "Metrics",
+    "Neighbour",
+    "Received",
+    "Trainer",
+    "Upload",
+    "central",
+    "dispfl",
+    "dpsgd",
+    "get_algorithm",
+    "list_algorithms",
+    "one_row",
+    "register_algorithm",
+    "sample_participants",
+]

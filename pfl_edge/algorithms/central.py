@@ -1,0 +1,118 @@
+"""A server averages a shared part; the rest stays on each client: FedAvg (everything shared), FedPer (the last
+K_P blocks personal, Arivazhagan et al. 2019), their -FT variants, and purely local training (nothing shared).
+
+A round, for client i: take the new base under its own personal blocks (FedPer-FT: then train the personal
+blocks alone for ``ft_epochs``, base frozen); evaluate what it deploys (FedAvg-FT: a copy fine-tuned on its
+data); train every block for ``local_epochs``; send the base. The server averages the bases weighted by
+training samples, per tensor over the clients that sent it (clients of different K_P send different parts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from torch import Tensor
+
+from ..aggregate import PartialAverage
+from ..federation import Stream
+from ..split import Split, take
+from ..train import Stack, TrainResult, unstack
+from .algorithm import Algorithm, DeviceRound, register_algorithm
+from .base import Clients, Metrics, Received, Upload, one_row
+
+__all__ = ["Central", "aggregate_bases", "deploy", "personal_finetune", "train_round", "upload", "with_base"]
+
+
+def with_base(state: Mapping[str, Tensor], base: Mapping[str, Tensor] | None, split: Split) -> Stack:
+    """A new stack: the clients' own tensors (copied) under ``base`` (one model, broadcast to every row) for the
+    keys of ``split.base``; without a base, the clients' own."""
+    out = {k: v.clone() for k, v in state.items()}
+    if base is None:
+        return out
+    rows = len(next(iter(state.values())))
+    for k in split.base:
+        out[k] = base[k].unsqueeze(0).expand(rows, *base[k].shape).clone()
+    return out
+
+
+def personal_finetune(cl: Clients, state: Stack, split: Split, t: int) -> Stack:
+    """FedPer-FT: the personal blocks alone for ``ft_epochs`` on the base just received, base frozen."""
+    personal = [k for k in cl.param_names if k in set(split.personal)]
+    if not personal or cl.cfg.ft_epochs == 0:
+        return state
+    return cl.trainer.train(state, cl.slots, cl.cfg.train_config(t, cl.cfg.ft_epochs), cl.gens(Stream.FINETUNE, t),
+                            trainable=personal).stack
+
+
+def train_round(cl: Clients, state: Stack, t: int) -> TrainResult:
+    """Local SGD of round ``t`` over every block."""
+    return cl.trainer.train(state, cl.slots, cl.cfg.train_config(t), cl.gens(Stream.TRAIN, t))
+
+
+def deploy(cl: Clients, state: Stack, t: int) -> Stack:
+    """What the clients deploy (and are evaluated on): their model, or for FedAvg-FT a copy of the global model
+    fine-tuned on their data for ``ft_epochs`` (not kept)."""
+    if cl.cfg.algorithm != "fedavg-ft" or not cl.cfg.ft_epochs:
+        return state
+    return cl.trainer.train(state, cl.slots, cl.cfg.train_config(t, cl.cfg.ft_epochs),
+                            cl.gens(Stream.FINETUNE, t)).stack
+
+
+def upload(state: Mapping[str, Tensor], split: Split) -> dict[str, Tensor]:
+    """What a client sends: its base only; the personal blocks never leave it."""
+    return take(state, split.base)
+
+
+def aggregate_bases(prev: Mapping[str, Tensor],
+                    updates: Iterable[tuple[Mapping[str, Tensor], float]]) -> dict[str, Tensor]:
+    """Per tensor, sum_j n_j x_j / sum_j n_j in float64 over the updates that hold it (in the order given: callers
+    pass slot order, so the result never depends on who finished first); a tensor nobody sent keeps its value."""
+    avg = PartialAverage()
+    for tensors, n in updates:
+        avg.add(tensors, n)
+    return avg.result(prev)
+
+
+@register_algorithm("local", "fedavg", "fedavg-ft", "fedper", "fedper-ft")
+class Central(Algorithm):
+    def aggregate(self, prev: Mapping[str, Tensor],
+                  updates: Iterable[tuple[Mapping[str, Tensor], float]]) -> dict[str, Tensor] | None:
+        return aggregate_bases(prev, updates) if self.split.base else None
+
+    @property
+    def finetunes_personal(self) -> bool:
+        return self.cfg.algorithm == "fedper-ft"
+
+    def receive(self, cl: Clients, state: Stack, base: Mapping[str, Tensor] | None, t: int, *,
+                finetune: bool | None = None) -> Stack:
+        """Clients take the base of round ``t`` (FedPer-FT, or ``finetune``: and adapt their personal blocks)."""
+        out = with_base(state, base, self.split)
+        if self.finetunes_personal if finetune is None else finetune:
+            out = personal_finetune(cl, out, self.split, t)
+        return out
+
+    # ------------------------------------------------------------------------------------------ device
+    @property
+    def on_devices(self) -> bool:
+        return self.cfg.algorithm in ("fedavg", "fedper", "fedper-ft")
+
+    def device_init(self, dev: Clients, init: Mapping[str, Tensor], density: float) -> dict[str, Tensor]:
+        return dict(init)
+
+    def device_round(self, dev: Clients, state: Mapping[str, Tensor], received: Received, t: int, *,
+                     prev: int = 0, late: bool = False, final: bool = False) -> DeviceRound:
+        """Take the base of the last round (a late joiner adapts its fresh head to it, as FedPer-FT would),
+        report the metrics of the round it last trained in, then (unless ``final``) train round ``t`` and send
+        the base."""
+        ft = self.finetunes_personal or (late and prev == 0 and bool(self.split.personal))
+        synced = self.receive(dev, one_row(state), received.base, prev, finetune=ft)
+        metrics = []
+        if prev >= 1:
+            acc, loss = dev.trainer.evaluate(synced, dev.slots)
+            metrics.append(Metrics(prev, float(acc[0]), float(loss[0])))
+        if final:
+            return DeviceRound(unstack(synced, 0), None, metrics, deployed=unstack(synced, 0))
+        res = train_round(dev, synced, t)
+        new = unstack(res.stack, 0)
+        return DeviceRound(new, Upload(upload(new, self.split)), metrics, deployed=new,
+                           train_loss=float(res.loss[0]), steps=int(res.steps[0]))

@@ -1,0 +1,171 @@
+"""DisPFL (Dai et al., ICML 2022; ALGORITHMS.md): personal sparse masks, no central aggregation.
+
+A client keeps three things: ``weights``, exactly as its last training left them (zero off ``support``);
+``support``, the mask they were trained under (it travels with them: a neighbour counts each weight with the
+support it came with); and ``masks``, its current mask after prune-and-regrow (its own, never sent). A round,
+for client i, from the round's snapshot:
+
+1. start = (sum_j w_j) / (sum_j s_j) coordinate-wise over i and its in-neighbours j, then ``⊙ m_i``: zeros never
+   enter an average, and a regrown coordinate starts from its neighbours' average;
+2. train with masked SGD under m_i (the mask re-applied after every step);
+3. evaluate the trained model (what the client deploys this round);
+4. prune ``ceil(alpha_t · nnz)`` weights per tensor and regrow as many: the new mask for the next round; the
+   trained weights and m_i become (weights, support).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..aggregate import neighbourhood_average
+from ..federation import Stream, stream
+from ..sparse import erk_densities, init_masks, prune_rate, prune_regrow
+from ..topology import neighbours
+from ..train import Stack, TrainResult, stack_states, unstack
+from .algorithm import Algorithm, DeviceRound, register_algorithm
+from .base import Clients, Metrics, Received, Upload, one_row
+
+__all__ = ["DisPFL", "SparseClients", "init_clients", "sent_masks", "start_models", "update_masks"]
+
+_SUPPORT = "support:"  # prefixes of a device's state dict: its weights, their support, its current mask
+_MASK = "mask:"
+
+
+@dataclass(frozen=True, eq=False)
+class SparseClients:
+    """Clients' DisPFL state, stacked by row."""
+
+    weights: Stack
+    support: Stack
+    masks: Stack
+
+    def row(self, i: int) -> SparseClients:
+        return SparseClients(*(one_row(unstack(s, i)) for s in (self.weights, self.support, self.masks)))
+
+
+def init_clients(cl: Clients, init: Mapping[str, Tensor], densities: Sequence[float]) -> SparseClients:
+    """Each client's mask at its own density (ERK; drawn from its slot's stream) and its sparse initial model,
+    which counts as trained under that mask."""
+    shapes = cl.shapes
+    by_density: dict[float, dict[str, float]] = {}
+    masks = []
+    for slot, d in zip(cl.slots.tolist(), densities, strict=True):
+        dens = by_density.setdefault(d, erk_densities(shapes, d))
+        masks.append(init_masks(shapes, dens, stream(cl.cfg.seed, Stream.MASK, slot)))
+    m = stack_states(masks)
+    w = {k: v * m[k] if k in m else v for k, v in stack_states([dict(init)] * len(cl)).items()}
+    return SparseClients(w, m, {k: v.clone() for k, v in m.items()})
+
+
+def start_models(weights: Stack, support: Stack, mixing: Tensor, masks: Stack) -> Stack:
+    """Row i of ``mixing`` picks the models that client i averages (itself included): per coordinate the sum
+    of their weights over the number of supports covering it (0 where none does), then ``⊙`` its mask ``masks``
+    row i. ``weights``/``support`` have one row per column of ``mixing``, ``masks`` one per row."""
+    avg = neighbourhood_average(weights, mixing, support)
+    return {k: v * masks[k] if k in masks else v for k, v in avg.items()}
+
+
+def train_round(cl: Clients, start: Stack, masks: Stack, t: int) -> TrainResult:
+    return cl.trainer.train(start, cl.slots, cl.cfg.train_config(t), cl.gens(Stream.TRAIN, t), masks=masks)
+
+
+def update_masks(cl: Clients, trained: Stack, masks: Stack, t: int) -> Stack:
+    """Prune-and-regrow after round ``t`` (1-based; alpha at t - 1, so the first update prunes at alpha0 and the
+    last is not a no-op, as the reference counts rounds from 0). Tensors a client's density leaves dense keep
+    their all-ones mask."""
+    cfg = cl.cfg
+    alpha = prune_rate(cfg.alpha0, t - 1, cfg.rounds)
+    grads = (cl.trainer.dense_gradients(trained, cl.slots, cfg.batch_size, cl.gens(Stream.REGROW, t))
+             if cfg.regrow == "gradient" else None)
+    out = {k: m.clone() for k, m in masks.items()}
+    for i, slot in enumerate(cl.slots.tolist()):
+        mine = {k: m[i] for k, m in masks.items() if not bool(m[i].all())}
+        new = prune_regrow({k: trained[k][i] for k in mine}, mine, alpha,
+                           grads=None if grads is None else {k: grads[k][i] for k in mine},
+                           gen=stream(cfg.seed, Stream.REGROW_RANDOM, t, slot) if grads is None else None)
+        for k, m in new.items():
+            out[k][i] = m
+    return out
+
+
+def sent_masks(support: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The masks that travel with a client's weights: its support, for the tensors it holds sparse (a tensor its
+    density leaves dense goes without one)."""
+    return {k: m.bool() for k, m in support.items() if not bool(m.all())}
+
+
+def round_step(cl: Clients, state: SparseClients, mixing: Tensor, t: int,
+               received: SparseClients | None = None) -> tuple[SparseClients, TrainResult, Stack]:
+    """One DisPFL round for the clients of ``cl``: returns their new state, the training result and the model
+    each deploys (the trained one). ``received``: the models that ``mixing``'s columns refer to (default: the
+    clients' own, every client's neighbours being among them, as in the simulator)."""
+    pool = state if received is None else received
+    start = start_models(pool.weights, pool.support, mixing, state.masks)
+    res = train_round(cl, start, state.masks, t)
+    new_masks = update_masks(cl, res.stack, state.masks, t)
+    return SparseClients(res.stack, state.masks, new_masks), res, res.stack
+
+
+@register_algorithm("dispfl")
+class DisPFL(Algorithm):
+    decentral = True
+
+    def neighbours(self, t: int) -> list[list[int]] | None:
+        return neighbours(self.cfg.topology_spec, self.cfg.clients, t, self.cfg.seed)
+
+    # ------------------------------------------------------------------------------------------ device
+    @property
+    def on_devices(self) -> bool:
+        return True
+
+    def device_init(self, dev: Clients, init: Mapping[str, Tensor], density: float) -> dict[str, Tensor]:
+        return pack(init_clients(dev, init, [density]))
+
+    def device_first_upload(self, state: Mapping[str, Tensor]) -> Upload | None:
+        st = unpack(state)
+        return Upload(unstack(st.weights, 0), sent_masks(unstack(st.support, 0)))
+
+    def deployed_key(self, key: str) -> bool:
+        return not key.startswith((_SUPPORT, _MASK))
+
+    def device_round(self, dev: Clients, state: Mapping[str, Tensor], received: Received, t: int, *,
+                     prev: int = 0, late: bool = False, final: bool = False) -> DeviceRound:
+        """Average its own model with its neighbours' (in slot order, through the simulator's own
+        ``neighbourhood_average``, so the device computes the very same numbers), train, evaluate, prune and
+        regrow; send the trained weights on the mask they were trained under."""
+        own = unpack(state)
+        me = int(dev.slots[0])
+        rows = sorted([(me, unstack(own.weights, 0), unstack(own.support, 0))]
+                      + [(n.slot, dict(n.tensors), _support(n.tensors, n.masks, own.support))
+                         for n in received.neighbours if n.slot != me], key=lambda r: r[0])
+        pool = SparseClients(stack_states([r[1] for r in rows]), stack_states([r[2] for r in rows]), {})
+        new, res, trained = round_step(dev, own, torch.ones(1, len(rows)), t, received=pool)
+        acc, loss = dev.trainer.evaluate(trained, dev.slots)
+        weights = unstack(new.weights, 0)
+        return DeviceRound(pack(new), Upload(weights, sent_masks(unstack(new.support, 0))),
+                           [Metrics(t, float(acc[0]), float(loss[0]))], deployed=weights,
+                           train_loss=float(res.loss[0]), steps=int(res.steps[0]))
+
+
+def _support(tensors: Mapping[str, Tensor], masks: Mapping[str, Tensor], keys: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """A received model's support for each masked tensor (``keys``): its mask, or all ones for one sent dense."""
+    return {k: masks[k].to(tensors[k].dtype) if k in masks else torch.ones_like(tensors[k]) for k in keys}
+
+
+def pack(st: SparseClients) -> dict[str, Tensor]:
+    """One device's state (row 0) as one flat dict, as it is stored."""
+    out = dict(unstack(st.weights, 0))
+    out.update({_SUPPORT + k: v for k, v in unstack(st.support, 0).items()})
+    out.update({_MASK + k: v for k, v in unstack(st.masks, 0).items()})
+    return out
+
+
+def unpack(state: Mapping[str, Tensor]) -> SparseClients:
+    w = {k: v for k, v in state.items() if not k.startswith((_SUPPORT, _MASK))}
+    s = {k.removeprefix(_SUPPORT): v for k, v in state.items() if k.startswith(_SUPPORT)}
+    m = {k.removeprefix(_MASK): v for k, v in state.items() if k.startswith(_MASK)}
+    return SparseClients(one_row(w), one_row(s), one_row(m))

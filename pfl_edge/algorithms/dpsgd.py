@@ -1,0 +1,36 @@
+"""D-PSGD with multi-epoch local training, DisPFL's dense decentralised baseline: every client trains, then
+averages its model with its in-neighbours' (equal weights, dense). A client deploys that neighbourhood average,
+its consensus model; ``dpsgd-ft`` first fine-tunes it on its own data for ``ft_epochs`` (not kept)."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from ..aggregate import neighbourhood_average
+from ..federation import Stream
+from ..topology import neighbours
+from ..train import Stack, TrainResult
+from .algorithm import Algorithm, register_algorithm
+from .base import Clients
+
+__all__ = ["DPSGD", "round_step"]
+
+
+def round_step(cl: Clients, weights: Stack, mixing: Tensor, t: int) -> tuple[Stack, TrainResult, Stack]:
+    """Train, average over each row of ``mixing``; returns the averages, the training result and what each
+    client deploys."""
+    res = cl.trainer.train(weights, cl.slots, cl.cfg.train_config(t), cl.gens(Stream.TRAIN, t))
+    avg = neighbourhood_average(res.stack, mixing)
+    deployed = avg
+    if cl.cfg.algorithm == "dpsgd-ft" and cl.cfg.ft_epochs:
+        deployed = cl.trainer.train(avg, cl.slots, cl.cfg.train_config(t, cl.cfg.ft_epochs),
+                                    cl.gens(Stream.FINETUNE, t)).stack
+    return avg, res, deployed
+
+
+@register_algorithm("dpsgd", "dpsgd-ft")
+class DPSGD(Algorithm):
+    decentral = True
+
+    def neighbours(self, t: int) -> list[list[int]] | None:
+        return neighbours(self.cfg.topology_spec, self.cfg.clients, t, self.cfg.seed)
