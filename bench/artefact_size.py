@@ -26,8 +26,8 @@ from device_profiles import get_profile
 from export import lower_executorch, lower_executorch_int8, lower_onnx, package, prepare, verify
 from pfl_edge.accounting import payload_bytes
 from pfl_edge.checkpoint import ModelSpec, build_model, save_checkpoint
-from pfl_edge.sim.report import format_table
 from pfl_edge.sparse import erk_densities, init_masks
+from pfl_edge.table import format_table
 
 FORMATS = ("onnx", "pte_fp32", "pte_int8")
 

@@ -303,30 +303,39 @@ def solo_compute(cfg: DemoConfig) -> list[dict[str, Any]]:
     """Each device's compute of one round measured alone in this process (1 thread, as a device runs): local
     training, evaluation, and for DisPFL the mask update and the payload encoding. The round a fleet of real
     devices (one per machine) would see, with no system cost, is the slowest of these."""
-    from pfl_edge import local
-    from pfl_edge.sim.config import SimConfig
+    from edge_runtime.data import load_local_data
+    from edge_runtime.trainer import device_clients
+    from edge_runtime.training import TorchBackend
+    from pfl_edge.algorithms import central, dispfl, get_algorithm, one_row
+    from pfl_edge.codec import encode
+    from pfl_edge.federation import FederationConfig, init_state
+    from pfl_edge.train import unstack
 
     torch.set_num_threads(1)
-    sim = SimConfig.from_dict(cfg.federation_config())
+    fed = FederationConfig.from_dict(cfg.federation_config())
     profiles = get_fleet(cfg.fleet).assign(cfg.devices)
     out = []
     for i in [0, *range(cfg.devices)]:  # device 0 twice: the first run warms up
-        data = local.load_local_data(sim, i)
-        init = local.init_state(sim, data.spec)
+        data = load_local_data(fed, i)
+        dev = device_clients(fed, data, TorchBackend(data.model), i)
+        algo = get_algorithm(fed, data.model, profiles[i].kp)
+        state = algo.device_init(dev, init_state(fed, data.spec), profiles[i].density)
         row: dict[str, Any] = {"device": f"device-{i:02d}", "profile": profiles[i].name}
-        masks = None
-        if cfg.algorithm == "dispfl":
-            init, masks = local.dispfl_init(data, sim, i, profiles[i].density, init)
         t0 = time.perf_counter()
-        trained, _, _ = local.train_local(data, init, sim, 2, i, masks=masks)
+        if algo.decentral:
+            st = dispfl.unpack(state)
+            start = dispfl.start_models(st.weights, st.support, torch.ones(1, 1), st.masks)
+            trained = dispfl.train_round(dev, start, st.masks, 2).stack
+        else:
+            trained = central.train_round(dev, one_row(state), 2).stack
         row["train_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        local.evaluate_local(data, trained)
+        dev.trainer.evaluate(trained, dev.slots)
         row["eval_s"] = time.perf_counter() - t0
-        if masks is not None:
+        if algo.decentral:
             t0 = time.perf_counter()
-            w, m = local.dispfl_update_mask(data, trained, masks, sim, 2, i)
-            local.dispfl_payload(w, m, data.spec, 2)
+            dispfl.update_masks(dev, trained, st.masks, 2)
+            encode(unstack(trained, 0), model_id="m", round=2, masks=dispfl.sent_masks(unstack(st.masks, 0)))
             row["mask_update_encode_s"] = time.perf_counter() - t0
         row["compute_s"] = row["train_s"] + row["eval_s"]
         row["device_work_s"] = row["compute_s"] + row.get("mask_update_encode_s", 0.0)

@@ -37,7 +37,7 @@ from device_profiles import get_profile
 from edge_runtime import ExecuTorchBackend
 from export import lower_executorch_training, prepare
 from pfl_edge.checkpoint import ModelSpec
-from pfl_edge.sim.report import format_table
+from pfl_edge.table import format_table
 from pfl_edge.train import TrainConfig
 
 SHAPES = {"cnn": (1, 28), "mobilenet-v1": (3, 32), "resnet18-gn": (3, 32)}

@@ -19,7 +19,7 @@ import httpx
 
 from device_profiles import get_fleet
 from pfl_edge.errors import ConfigError, PflEdgeError
-from pfl_edge.local import DEVICE_ALGORITHMS
+from pfl_edge.federation import DEVICE_ALGORITHMS
 from pfl_edge.protocol import API_PREFIX
 
 __all__ = ["DemoConfig", "Federation", "free_port", "run_demo", "start_server"]
@@ -266,7 +266,7 @@ def _latest(metrics: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def device_table(devices: list[dict[str, Any]], metrics: dict[str, Any]) -> str:
-    from pfl_edge.sim.report import format_table
+    from pfl_edge.table import format_table
 
     latest = _latest(metrics)
     rows = []

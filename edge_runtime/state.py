@@ -5,8 +5,10 @@ complete step and never from half a file."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,7 @@ from torch import Tensor
 
 from pfl_edge.errors import ConfigError
 
-__all__ = ["StateDir", "atomic_write"]
+__all__ = ["Progress", "RoundStats", "StateDir", "atomic_write"]
 
 
 def atomic_write(path: Path, data: bytes, *, mode: int = 0o644) -> None:
@@ -27,6 +29,60 @@ def atomic_write(path: Path, data: bytes, *, mode: int = 0o644) -> None:
     finally:
         os.close(fd)
     os.replace(tmp, path)
+
+
+@dataclass
+class RoundStats:
+    """What a device measured of one round: bytes moved, training time."""
+
+    bytes_up: int = 0
+    bytes_down: int = 0
+    step_ms: float | None = None
+    train_s: float | None = None
+
+
+@dataclass
+class Progress:
+    """Where a device stands, kept in ``progress.json`` and rewritten atomically after every step.
+
+    ``round`` is the round of its model (0: initialised, not trained) and of the payload in ``upload.bin``;
+    ``posted``: the server accepted that payload (or the round closed without it, ``abandoned``)."""
+
+    round: int = 0
+    posted: bool = True
+    digest: str | None = None
+    train_loss: float | None = None
+    train_s: float | None = None
+    initial_sent: bool = False  # the initial model, for algorithms whose devices send one
+    late: bool = False  # enrolled while the federation was running
+    final: bool = False  # took part in the federation's final evaluation
+    abandoned: int | None = None
+    bytes_up: int = 0  # in all, accepted uploads
+    pending_metrics: list[dict[str, Any]] = field(default_factory=list)  # posted once the upload is accepted
+    stats: dict[str, RoundStats] = field(default_factory=dict)  # by round (as a string: JSON keys)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any], where: str) -> Progress:
+        known = {f.name for f in dataclasses.fields(cls)}
+        try:
+            values = {k: v for k, v in d.items() if k in known}  # keys of older versions are dropped
+            values["stats"] = {str(k): RoundStats(**v) for k, v in dict(values.get("stats", {})).items()}
+            values["pending_metrics"] = [dict(m) for m in values.get("pending_metrics", [])]
+            out = cls(**values)
+            for f in dataclasses.fields(cls):  # JSON may hold anything: every field keeps its declared kind
+                default = f.default if f.default is not dataclasses.MISSING else None
+                value = getattr(out, f.name)
+                if default is not None and (type(value) is not type(default)):
+                    raise TypeError(f"{f.name} is {value!r}")
+            return out
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{where} is not a progress record ({e}); remove the state dir to enrol afresh") from e
+
+    def stat(self, t: int) -> RoundStats:
+        return self.stats.setdefault(str(t), RoundStats())
 
 
 class StateDir:
@@ -66,12 +122,15 @@ class StateDir:
         self.write_json("enrolment.json", data, private=True)
 
     @property
-    def progress(self) -> dict[str, Any]:
-        return self.read_json("progress.json") or {"round": 0, "posted": True, "metrics_round": 0,
-                                                   "bytes_up": 0, "bytes_down": 0}
+    def progress(self) -> Progress:
+        d = self.read_json("progress.json")
+        return Progress() if d is None else Progress.from_json(d, str(self.root / "progress.json"))
 
-    def save_progress(self, data: dict[str, Any]) -> None:
-        self.write_json("progress.json", data)
+    def save_progress(self, p: Progress) -> None:
+        # only the last two rounds' stats are ever reported
+        keep = sorted(p.stats, key=int)[-2:]
+        p.stats = {k: p.stats[k] for k in keep}
+        self.write_json("progress.json", p.to_json())
 
     # --- tensors
     def load_tensors(self, name: str) -> dict[str, Tensor] | None:

@@ -19,6 +19,7 @@ both backends see the same batches for the same generator.
 from __future__ import annotations
 
 import json
+import logging
 import warnings
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
@@ -28,17 +29,22 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from device_profiles import Profile
+from pfl_edge.checkpoint import ModelSpec
 from pfl_edge.errors import ConfigError
 from pfl_edge.train import ClientTensors, TrainConfig, batch_schedule, dense_gradients, stack_states, train, unstack
 
 __all__ = [
     "TRAINING_BACKENDS",
+    "BackendRequest",
     "ExecuTorchBackend",
     "TorchBackend",
     "TrainStats",
     "TrainingBackend",
     "get_training_backend",
 ]
+
+log = logging.getLogger("pfl_edge.client")
 
 _PREFIX = "net."  # export.training wraps the model as ``net``; the runtime names parameters after it
 
@@ -48,6 +54,22 @@ class TrainStats:
     loss: float  # mean training loss over the steps
     steps: int  # optimizer steps taken
     samples: int  # samples processed (epochs x n)
+
+
+@dataclass(frozen=True, eq=False)
+class BackendRequest:
+    """What a device asks of its training backend: its model, the program mode its algorithm trains with
+    (``fedper``: whole model; ``dispfl``: masked, with the dense gradient), the federation's batch size and seed,
+    an exported program if it has one, and where it may export and keep one."""
+
+    model: nn.Module
+    spec: ModelSpec
+    profile: Profile
+    mode: str
+    batch_size: int
+    seed: int
+    program: str | None = None
+    cache_dir: Path | None = None
 
 
 class TrainingBackend(Protocol):
@@ -77,6 +99,10 @@ class TorchBackend:
     """Eager PyTorch through ``pfl_edge.train``: the simulator's code path for one client."""
 
     name = "torch"
+
+    @classmethod
+    def for_device(cls, req: BackendRequest) -> TorchBackend:
+        return cls(req.model)
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -125,19 +151,26 @@ class _RuntimeSGD:
 
     def step(self, grads: Mapping[str, Tensor]) -> None:
         g = {k: grads[k] for k in self.params}  # fresh copies from the runtime: safe to change in place
+        if self.cfg.clip_unmasked:  # the DisPFL reference's order: clip the whole gradient, then mask it
+            self._clip(g)
         for k, m in self.masks.items():
             g[k].mul_(m)
-        if self.cfg.clip_norm is not None:
-            # clip_grad_norm_: the norm of the per-tensor norms, coefficient max/(norm + 1e-6) capped at 1
-            tensors = list(g.values())
-            total = torch.nn.utils.get_total_norm(tensors)
-            torch._foreach_mul_(tensors, torch.clamp(self.cfg.clip_norm / (total + 1e-6), max=1.0))
+        if not self.cfg.clip_unmasked:
+            self._clip(g)
         if self.cfg.weight_decay:
             g = {k: v.add(self.params[k], alpha=self.cfg.weight_decay) for k, v in g.items()}
         self._opt.step(g)
         with torch.no_grad():
             for k, m in self.masks.items():
                 self.params[k].mul_(m)
+
+
+    def _clip(self, g: dict[str, Tensor]) -> None:
+        """clip_grad_norm_: the norm of the per-tensor norms, coefficient max/(norm + 1e-6) capped at 1."""
+        if self.cfg.clip_norm is not None:
+            tensors = list(g.values())
+            total = torch.nn.utils.get_total_norm(tensors)
+            torch._foreach_mul_(tensors, torch.clamp(self.cfg.clip_norm / (total + 1e-6), max=1.0))
 
 
 class ExecuTorchBackend:
@@ -178,6 +211,19 @@ class ExecuTorchBackend:
     @staticmethod
     def from_lowered(lowered: Any) -> ExecuTorchBackend:
         return ExecuTorchBackend(lowered.program, lowered.details)
+
+    @classmethod
+    def for_device(cls, req: BackendRequest) -> ExecuTorchBackend:
+        """The program ``req.program``, or one exported once for the device's mode into ``req.cache_dir`` (each
+        round's weights are swapped into it, never re-exported)."""
+        path = req.program
+        if path is None:
+            path = str(_export_program(req))
+        backend = cls.from_file(path)
+        if backend.batch_size < req.batch_size:
+            raise ConfigError(f"the training program takes batches of {backend.batch_size}, the federation trains "
+                              f"with {req.batch_size}: export one at the federation's batch size")
+        return backend
 
     @staticmethod
     def from_file(path: str | Path) -> ExecuTorchBackend:
@@ -289,6 +335,20 @@ class ExecuTorchBackend:
         return {k: out[k] for k in self.trainable}
 
 
+def _export_program(req: BackendRequest) -> Path:
+    from export import lower_executorch_training, package, prepare
+
+    if req.cache_dir is None:
+        raise ConfigError("an ExecuTorch training backend needs a program or a directory to export one into")
+    found = sorted(req.cache_dir.glob(f"*-train-{req.mode}.pte")) if req.cache_dir.exists() else []
+    if found:
+        return found[0]
+    log.info("exporting an ExecuTorch training program (%s, batch %d)", req.mode, req.batch_size)
+    prep = prepare(req.profile, spec=req.spec, seed=req.seed)
+    lowered = lower_executorch_training(prep, mode=req.mode, batch_size=req.batch_size)
+    return Path(package(lowered, req.cache_dir).path)
+
+
 TRAINING_BACKENDS: dict[str, type[TorchBackend] | type[ExecuTorchBackend]] = {
     "torch": TorchBackend,
     "executorch": ExecuTorchBackend,
@@ -296,8 +356,8 @@ TRAINING_BACKENDS: dict[str, type[TorchBackend] | type[ExecuTorchBackend]] = {
 
 
 def get_training_backend(name: str) -> type[TorchBackend] | type[ExecuTorchBackend]:
-    """The backend class for a profile's ``training_backend``. ``TorchBackend(model)``;
-    ``ExecuTorchBackend(program, details)`` or ``ExecuTorchBackend.from_file(path)``."""
+    """The backend class for a profile's ``training_backend``; ``.for_device(BackendRequest)`` opens one for a
+    device (the agent), ``TorchBackend(model)`` / ``ExecuTorchBackend.from_file(path)`` directly."""
     try:
         return TRAINING_BACKENDS[name]
     except KeyError:

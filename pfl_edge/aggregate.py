@@ -100,7 +100,8 @@ def masked_average(weights: Sequence[Mapping[str, Tensor]],
 
 def neighbourhood_average(stack: Mapping[str, Tensor], mixing: Tensor,
                           masks: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:
-    """``masked_average`` for every client at once: client i averages the rows j with ``mixing[i, j] = 1``.
+    """``masked_average`` for every client at once: client i averages the rows j with ``mixing[i, j] = 1``
+    (``mixing`` is (clients, rows): a device passes one row of ones over its neighbourhood's models).
     Tensors are stacked ``(C, ...)``; ``masks`` stacked likewise for the masked ones (others count as dense).
     One sparse matrix product per tensor (a client has few neighbours) instead of a loop over clients; sums
     of at most C terms in float32."""
@@ -115,5 +116,5 @@ def neighbourhood_average(stack: Mapping[str, Tensor], mixing: Tensor,
             avg = torch.where(den > 0, num / den.clamp_min(1), 0.0)
         else:
             avg = torch.sparse.mm(a, flat) / counts
-        out[k] = (avg if w.is_floating_point() else avg.round()).to(w.dtype).view_as(w)
+        out[k] = (avg if w.is_floating_point() else avg.round()).to(w.dtype).view(mixing.shape[0], *w.shape[1:])
     return out

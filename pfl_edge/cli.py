@@ -189,7 +189,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
     from .data import get_dataset
     from .models import get_model
-    from .sim.report import format_table
+    from .table import format_table
 
     ds = get_dataset(args.dataset, data_dir=args.data_dir)
     model = get_model(args.model, num_classes=ds.num_classes, in_channels=ds.in_channels, image_size=ds.image_size)
@@ -282,7 +282,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     from export import lower_executorch, lower_onnx, package, prepare, verify
 
     from .checkpoint import ModelSpec
-    from .sim.report import format_table
+    from .table import format_table
 
     names = list_profiles() if args.profiles == "all" else args.profiles.split(",")
     profiles = [get_profile(n) for n in names]

@@ -1,8 +1,10 @@
 """Durable state in SQL through SQLAlchemy 2 (SQLite by default, PostgreSQL by URL).
 
 Tables: federations, devices, rounds, updates, metrics, blobs and blob_refs (which federation, and which device,
-may read a blob). The latest sparse model of a DisPFL device is derived from its updates. ``UNIQUE(federation,
-round, device)`` on updates is what makes an accepted update count exactly once, even under a race.
+may read a blob), and pfl_schema (the schema's version; ``server.migrations`` creates and upgrades it). The latest
+sparse model of a DisPFL device is derived from its updates. ``UNIQUE(federation, round, device)`` on updates is
+what makes an accepted update count exactly once, even under a race. Round states are stored as the values of
+``server.states.RoundState``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,10 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
+from .states import RoundState
+
 __all__ = [
+    "SERVER",
     "Base",
     "Blob",
     "BlobRef",
@@ -37,11 +42,13 @@ __all__ = [
     "Federation",
     "Metric",
     "Round",
+    "SchemaVersion",
     "Update",
     "hash_secret",
     "hash_token",
     "make_engine",
     "make_sessionmaker",
+    "now",
     "verify_secret",
 ]
 
@@ -68,7 +75,7 @@ class Federation(Base):
     min_devices: Mapped[int | None] = mapped_column(Integer, nullable=True)  # None: every slot before round 1
     profile_capacity: Mapped[bool] = mapped_column(Boolean)
     round: Mapped[int] = mapped_column(Integer, default=0)
-    state: Mapped[str] = mapped_column(String(16), default="open")
+    state: Mapped[str] = mapped_column(String(16), default=RoundState.OPEN.value)
     init_digest: Mapped[str] = mapped_column(String(64))  # the dense initial model
     base_digest: Mapped[str] = mapped_column(String(64))  # FedPer: the server's whole model after the last close
     round_deadline: Mapped[float | None] = mapped_column(Float, nullable=True)
@@ -143,6 +150,16 @@ class Metric(Base):
     reported_at: Mapped[float] = mapped_column(Float, default=now)
 
 
+class SchemaVersion(Base):
+    """One row: the version of the schema this database holds (``server.migrations.SCHEMA_VERSION``)."""
+
+    __tablename__ = "pfl_schema"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)  # always 1
+    version: Mapped[int] = mapped_column(Integer)
+    updated_at: Mapped[float] = mapped_column(Float, default=now)
+
+
 class Blob(Base):
     __tablename__ = "pfl_blobs"
 
@@ -178,7 +195,10 @@ def make_engine(url: str) -> Engine:
 
 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Any]:
-    Base.metadata.create_all(engine)
+    """Sessions on ``engine``, once its schema is this server's (created, upgraded, or refused: ConfigError)."""
+    from .migrations import migrate  # it builds on this module's tables
+
+    migrate(engine)
     return sessionmaker(engine, expire_on_commit=False)
 
 

@@ -1,7 +1,7 @@
 """What the server knows about a federation's model: its spec and id, every tensor's shape, which tensors a
 device of a given K_P sends (its base), and the initial model. Built once per config and cached: the server
 builds the model's skeleton and reads the data set only to learn its shape (the partition decides the number
-of classes, exactly as ``pfl_edge.local.load_local_data`` does)."""
+of classes, exactly as every device's dealing does)."""
 
 from __future__ import annotations
 
@@ -12,28 +12,34 @@ from typing import Any
 
 from torch import Tensor
 
+from pfl_edge.algorithms import Algorithm, get_algorithm
 from pfl_edge.checkpoint import ModelSpec, build_model
 from pfl_edge.errors import ConfigError
-from pfl_edge.local import check_device_config, device_split, init_state, model_id
+from pfl_edge.federation import FederationConfig, check_device_config, deal, init_state, model_id
 from pfl_edge.models import BlockModel
-from pfl_edge.sim.config import DECENTRAL, SimConfig
-from pfl_edge.sim.simulator import deal
 
 __all__ = ["FedModel", "fed_model"]
 
 
 @dataclass(eq=False)
 class FedModel:
-    cfg: SimConfig
+    cfg: FederationConfig
     spec: ModelSpec
     model: BlockModel
     model_id: str
     shapes: dict[str, tuple[int, ...]]
-    _bases: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    _algos: dict[int, Algorithm] = field(default_factory=dict)
+
+    def algorithm(self, kp: int | None = None) -> Algorithm:
+        """The federation's algorithm, for devices with ``kp`` personal blocks (default: the config's)."""
+        k = self.cfg.kp if kp is None else kp
+        if k not in self._algos:
+            self._algos[k] = get_algorithm(self.cfg, self.model, k)
+        return self._algos[k]
 
     @property
     def decentral(self) -> bool:
-        return self.cfg.algorithm in DECENTRAL
+        return self.algorithm().decentral
 
     @property
     def num_blocks(self) -> int:
@@ -43,9 +49,7 @@ class FedModel:
         """What a device with ``kp`` personal blocks sends and receives (FedPer); every tensor for DisPFL."""
         if self.decentral:
             return tuple(self.shapes)
-        if kp not in self._bases:
-            self._bases[kp] = device_split(self.model, self.cfg, kp).base
-        return self._bases[kp]
+        return self.algorithm(kp).split.base
 
     def expected(self, kp: int) -> dict[str, tuple[int, ...]]:
         return {k: self.shapes[k] for k in self.base_keys(kp)}
@@ -59,7 +63,7 @@ _LOCK = threading.Lock()
 
 
 def fed_model(config: dict[str, Any]) -> FedModel:
-    """The federation's model for ``config`` (SimConfig keys); ConfigError/DataError with a clear message when
+    """The federation's model for ``config`` (FederationConfig keys); ConfigError/DataError with a clear message when
     the config cannot run on devices."""
     key = json.dumps(config, sort_keys=True, default=str)
     with _LOCK:
@@ -67,7 +71,7 @@ def fed_model(config: dict[str, Any]) -> FedModel:
         if hit is not None:
             return hit
         try:
-            cfg = SimConfig.from_dict(dict(config))
+            cfg = FederationConfig.from_dict(dict(config))
         except TypeError as e:  # e.g. a list where a table was expected
             raise ConfigError(f"invalid config: {e}") from e
         check_device_config(cfg)

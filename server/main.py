@@ -1,30 +1,20 @@
 """Running the server: ``serve()`` (the ``pfl-edge server`` command; uvicorn handles SIGINT/SIGTERM and runs the
-app's shutdown: round worker, MQTT link, embedded broker, database), and helpers that start a whole server on a
-free port for tests and demos: ``start_background`` (a thread in this process) and ``start_subprocess`` (a
-separate process, which can be killed for real).
+app's shutdown: round worker, MQTT link, embedded broker, database) and ``main()`` (``python -m server.main``).
+The launchers of whole test servers live in ``server.launch``; their names are re-exported here for callers that
+import them from this module.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
-import sys
-import threading
-import time
-from dataclasses import dataclass, field
-from pathlib import Path
 
-import httpx
 import uvicorn
 
-from .app import AppState, create_app
-from .broker import free_port
-from .settings import Settings, ensure_admin_token, load_settings
+from .app import create_app
+from .launch import BackgroundServer, SubprocessServer, start_background, start_subprocess
+from .settings import Settings, load_settings
 
-__all__ = ["BackgroundServer", "SubprocessServer", "serve", "start_background", "start_subprocess"]
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
+__all__ = ["BackgroundServer", "SubprocessServer", "main", "serve", "start_background", "start_subprocess"]
 
 
 def serve(settings: Settings | None = None, host: str = "127.0.0.1", port: int = 8000, *,
@@ -32,105 +22,6 @@ def serve(settings: Settings | None = None, host: str = "127.0.0.1", port: int =
     """Run the server until SIGINT/SIGTERM, then shut down cleanly."""
     app = create_app(settings)
     uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on")).run()
-
-
-def _wait_healthy(url: str, timeout: float, alive: object = None) -> None:
-    deadline = time.monotonic() + timeout
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        if callable(alive) and not alive():
-            raise RuntimeError(f"the server at {url} exited while starting")
-        try:
-            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError as e:
-            last = e
-        time.sleep(0.05)
-    raise RuntimeError(f"the server at {url} did not become healthy within {timeout} s ({last})")
-
-
-@dataclass
-class BackgroundServer:
-    """A server in a thread of this process. ``url``: its HTTP root; ``state``: the app's AppState."""
-
-    url: str
-    admin_token: str
-    server: uvicorn.Server
-    thread: threading.Thread
-    app_state: AppState | None = field(default=None)
-
-    @property
-    def broker_url(self) -> str:
-        assert self.app_state is not None
-        return self.app_state.broker_url
-
-    def stop(self, timeout: float = 30.0) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout)
-
-    def __enter__(self) -> BackgroundServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-def start_background(settings: Settings, host: str = "127.0.0.1", port: int | None = None, *,
-                     timeout: float = 30.0) -> BackgroundServer:
-    """Start the server (and its embedded broker, if configured) in a thread on a free port; returns once
-    ``/healthz`` answers. ``settings.public_url`` is set to the real URL."""
-    port = port or free_port(host)
-    url = f"http://{host}:{port}"
-    settings = ensure_admin_token(settings.model_copy(update={"public_url": url}), announce=False)
-    app = create_app(settings)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, name="pfl-server", daemon=True)
-    thread.start()
-    _wait_healthy(url, timeout, thread.is_alive)
-    assert settings.admin_token is not None
-    return BackgroundServer(url, settings.admin_token.get_secret_value(), server, thread, app.state.pfl)
-
-
-@dataclass
-class SubprocessServer:
-    url: str
-    admin_token: str
-    proc: subprocess.Popen[bytes]
-
-    def kill(self) -> None:
-        """SIGKILL: no shutdown at all, as a crash or a power cut."""
-        self.proc.kill()
-        self.proc.wait(30)
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM: a clean shutdown."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-
-def start_subprocess(env: dict[str, str], host: str = "127.0.0.1", port: int | None = None, *,
-                     timeout: float = 60.0) -> SubprocessServer:
-    """Start ``python -m server.main`` with settings from ``env`` (``PFL_*``; ``PFL_ADMIN_TOKEN`` required)."""
-    if "PFL_ADMIN_TOKEN" not in env:
-        raise ValueError("start_subprocess needs PFL_ADMIN_TOKEN in env")
-    port = port or free_port(host)
-    url = f"http://{host}:{port}"
-    full = {**os.environ, **env, "PFL_PUBLIC_URL": url}
-    # the repository root on the path, whether or not the package is installed
-    full["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    proc = subprocess.Popen([sys.executable, "-m", "server.main", "--host", host, "--port", str(port),
-                             "--log-level", "warning"], env=full)
-    try:
-        _wait_healthy(url, timeout, lambda: proc.poll() is None)
-    except BaseException:
-        proc.kill()
-        proc.wait(10)
-        raise
-    return SubprocessServer(url, env["PFL_ADMIN_TOKEN"], proc)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -55,14 +55,27 @@ def sample_participants(seed: int, t: int, num_clients: int, fraction: float) ->
 class Algorithm:
     #: devices exchange models among themselves (through the server's relay); the server never averages
     decentral: bool = False
+    #: a device sends its initial model before round 1 (its first neighbours average it)
+    sends_initial_model: bool = False
+    #: the server ends the federation with a final task on which every device evaluates (FedPer: its personal
+    #: blocks on the last base); otherwise a device's last round is its last evaluation
+    final_evaluation: bool = False
+    #: the on-device training program a device of this algorithm runs (``export.TRAINING_MODES``): the whole model
+    #: (its personal blocks alone for -FT's fine-tuning), or DisPFL's masked program with the dense gradient
+    program_mode: str = "fedper"
 
     def __init__(self, cfg: FederationConfig, model: BlockModel, kp: int | None = None) -> None:
         self.name = cfg.algorithm
         self.cfg = cfg
         self.model = model
-        k = cfg.effective_kp if kp is None else kp
-        self.split: Split = split_keys(model, len(model.block_names) if k is None else k,
-                                       local_norm_stats=cfg.local_norm_stats)
+        eff = cfg.effective_kp  # the K_P rule: 0 where nothing is personal, every block for local training
+        if eff is None:
+            k = len(model.block_names)
+        elif eff == 0:
+            k = 0
+        else:
+            k = eff if kp is None else kp
+        self.split: Split = split_keys(model, k, local_norm_stats=cfg.local_norm_stats)
 
     # ------------------------------------------------------------------------------------------ coordinator
     def participants(self, t: int) -> Tensor:
@@ -87,9 +100,9 @@ class Algorithm:
         """A device's state before its first round, from the federation's initial model."""
         raise ConfigError(f"algorithm {self.name!r} does not run on devices")
 
-    def device_first_upload(self, state: Mapping[str, Tensor]) -> Upload | None:
-        """What a device sends before round 1 (DisPFL: its initial sparse model), if anything."""
-        return None
+    def device_upload(self, state: Mapping[str, Tensor]) -> Upload:
+        """What a device whose state is ``state`` (as its last round, or its initialisation, left it) sends."""
+        raise ConfigError(f"algorithm {self.name!r} does not run on devices")
 
     def device_round(self, dev: Clients, state: Mapping[str, Tensor], received: Received, t: int, *,
                      prev: int = 0, late: bool = False, final: bool = False) -> DeviceRound:

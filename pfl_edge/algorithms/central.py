@@ -75,6 +75,8 @@ def aggregate_bases(prev: Mapping[str, Tensor],
 
 @register_algorithm("local", "fedavg", "fedavg-ft", "fedper", "fedper-ft")
 class Central(Algorithm):
+    final_evaluation = True
+
     def aggregate(self, prev: Mapping[str, Tensor],
                   updates: Iterable[tuple[Mapping[str, Tensor], float]]) -> dict[str, Tensor] | None:
         return aggregate_bases(prev, updates) if self.split.base else None
@@ -99,6 +101,9 @@ class Central(Algorithm):
     def device_init(self, dev: Clients, init: Mapping[str, Tensor], density: float) -> dict[str, Tensor]:
         return dict(init)
 
+    def device_upload(self, state: Mapping[str, Tensor]) -> Upload:
+        return Upload(upload(state, self.split))
+
     def device_round(self, dev: Clients, state: Mapping[str, Tensor], received: Received, t: int, *,
                      prev: int = 0, late: bool = False, final: bool = False) -> DeviceRound:
         """Take the base of the last round (a late joiner adapts its fresh head to it, as FedPer-FT would),
@@ -114,5 +119,5 @@ class Central(Algorithm):
             return DeviceRound(unstack(synced, 0), None, metrics, deployed=unstack(synced, 0))
         res = train_round(dev, synced, t)
         new = unstack(res.stack, 0)
-        return DeviceRound(new, Upload(upload(new, self.split)), metrics, deployed=new,
+        return DeviceRound(new, self.device_upload(new), metrics, deployed=new,
                            train_loss=float(res.loss[0]), steps=int(res.steps[0]))

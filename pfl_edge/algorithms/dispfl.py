@@ -113,6 +113,8 @@ def round_step(cl: Clients, state: SparseClients, mixing: Tensor, t: int,
 @register_algorithm("dispfl")
 class DisPFL(Algorithm):
     decentral = True
+    sends_initial_model = True
+    program_mode = "dispfl"
 
     def neighbours(self, t: int) -> list[list[int]] | None:
         return neighbours(self.cfg.topology_spec, self.cfg.clients, t, self.cfg.seed)
@@ -125,7 +127,9 @@ class DisPFL(Algorithm):
     def device_init(self, dev: Clients, init: Mapping[str, Tensor], density: float) -> dict[str, Tensor]:
         return pack(init_clients(dev, init, [density]))
 
-    def device_first_upload(self, state: Mapping[str, Tensor]) -> Upload | None:
+    def device_upload(self, state: Mapping[str, Tensor]) -> Upload:
+        """Its weights as last trained, on the mask they were trained under (the support travels, as in the
+        paper); tensors its density leaves dense go without a mask."""
         st = unpack(state)
         return Upload(unstack(st.weights, 0), sent_masks(unstack(st.support, 0)))
 
@@ -145,13 +149,14 @@ class DisPFL(Algorithm):
         pool = SparseClients(stack_states([r[1] for r in rows]), stack_states([r[2] for r in rows]), {})
         new, res, trained = round_step(dev, own, torch.ones(1, len(rows)), t, received=pool)
         acc, loss = dev.trainer.evaluate(trained, dev.slots)
-        weights = unstack(new.weights, 0)
-        return DeviceRound(pack(new), Upload(weights, sent_masks(unstack(new.support, 0))),
-                           [Metrics(t, float(acc[0]), float(loss[0]))], deployed=weights,
+        state_out = pack(new)
+        return DeviceRound(state_out, self.device_upload(state_out),
+                           [Metrics(t, float(acc[0]), float(loss[0]))], deployed=unstack(new.weights, 0),
                            train_loss=float(res.loss[0]), steps=int(res.steps[0]))
 
 
-def _support(tensors: Mapping[str, Tensor], masks: Mapping[str, Tensor], keys: Mapping[str, Tensor]) -> dict[str, Tensor]:
+def _support(tensors: Mapping[str, Tensor], masks: Mapping[str, Tensor],
+             keys: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """A received model's support for each masked tensor (``keys``): its mask, or all ones for one sent dense."""
     return {k: masks[k].to(tensors[k].dtype) if k in masks else torch.ones_like(tensors[k]) for k in keys}
 

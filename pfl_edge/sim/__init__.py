@@ -1,7 +1,7 @@
 """The in-process simulator."""
 
-from .algorithms import ALGORITHM_CLASSES, Algorithm, CentralPFL, Context, RoundStats, make_algorithm
 from ..federation import ALGORITHMS, SimConfig, load_config_file
+from .algorithms import ALGORITHM_CLASSES, Algorithm, CentralPFL, Context, RoundStats, make_algorithm
 from .report import client_table, plot_rounds, write_result
 from .simulator import build_context, sample_participants, simulate
 

@@ -156,7 +156,7 @@ ALGORITHM_CLASSES: dict[str, Callable[[Context], Runner]] = dict.fromkeys(CENTRA
 
 
 def _register_decentral() -> None:
-    from .decentral import DPSGDRunner, DisPFLRunner
+    from .decentral import DisPFLRunner, DPSGDRunner
 
     ALGORITHM_CLASSES.update({"dispfl": DisPFLRunner, "dpsgd": DPSGDRunner, "dpsgd-ft": DPSGDRunner})
 

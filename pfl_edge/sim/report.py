@@ -7,7 +7,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..table import format_table
+
 __all__ = ["client_table", "format_table", "plot_masks", "plot_rounds", "write_result"]
+
 
 
 def write_result(result: Mapping[str, Any], out: str | Path, *, plot: bool = True) -> Path:
@@ -83,16 +86,6 @@ def plot_rounds(results: Mapping[str, Mapping[str, Any]], out: str | Path, *, ti
     fig.savefig(p)
     plt.close(fig)
     return p
-
-
-def format_table(rows: Sequence[Sequence[str]], *, right: bool = False, rule: bool = False) -> str:
-    """Columns aligned to their widest cell; ``rule`` draws a line under the first row (the header)."""
-    widths = [max(len(r[j]) for r in rows) for j in range(len(rows[0]))]
-    lines = ["  ".join(c.rjust(w) if right else c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-             for r in rows]
-    if rule:
-        lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 def client_table(result: Mapping[str, Any]) -> str:

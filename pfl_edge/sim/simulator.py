@@ -44,7 +44,8 @@ def _pstd(xs: list[float]) -> float:
     return math.sqrt(sum((x - mean) ** 2 for x in xs) / len(xs))
 
 
-def simulate(cfg: FederationConfig, *, save_dir: str | Path | None = None, progress: bool | None = None) -> dict[str, Any]:
+def simulate(cfg: FederationConfig, *, save_dir: str | Path | None = None,
+             progress: bool | None = None) -> dict[str, Any]:
     """Run ``cfg`` and return the result: ``config``, ``rounds`` (one dict per round), ``final``, ``meta``.
 
     ``progress``: a bar on stderr; ``None`` shows it only on a terminal.

@@ -16,7 +16,7 @@ from pfl_edge.errors import ConfigError
 def test_round_trip_and_private_enrolment(tmp_path: Path) -> None:
     s = StateDir(tmp_path / "dev")
     assert s.enrolment is None
-    assert s.progress["round"] == 0 and s.progress["posted"]
+    assert s.progress.round == 0 and s.progress.posted
     s.save_enrolment({"device_id": "d1", "token": "secret"})
     assert s.enrolment == {"device_id": "d1", "token": "secret"}
     assert stat.S_IMODE(os.stat(tmp_path / "dev" / "enrolment.json").st_mode) == 0o600
@@ -27,6 +27,24 @@ def test_round_trip_and_private_enrolment(tmp_path: Path) -> None:
     s.save_upload(b"payload")
     assert s.load_upload() == b"payload"
     assert not list((tmp_path / "dev").glob(".*.tmp"))  # no temporary files left behind
+
+
+def test_progress_is_a_typed_record_kept_across_restarts(tmp_path: Path) -> None:
+    s = StateDir(tmp_path)
+    p = s.progress
+    p.round, p.posted, p.digest = 3, False, "ab" * 32
+    p.stat(2).bytes_up = 10
+    p.stat(3).bytes_down = 20
+    p.stat(1).train_s = 1.0  # only the last two rounds' figures are kept
+    p.pending_metrics = [{"round": 3, "accuracy": 0.5, "loss": 1.0, "n_test": 4}]
+    s.save_progress(p)
+    back = StateDir(tmp_path).progress
+    assert (back.round, back.posted, back.digest) == (3, False, "ab" * 32)
+    assert set(back.stats) == {"2", "3"} and back.stats["3"].bytes_down == 20
+    assert back.pending_metrics == p.pending_metrics
+    (tmp_path / "progress.json").write_text('{"round": "three"}')
+    with pytest.raises(ConfigError, match="progress record"):
+        _ = s.progress
 
 
 def test_damaged_files_are_refused(tmp_path: Path) -> None:

@@ -17,10 +17,11 @@ from typing import Any
 import pytest
 import torch
 
+from edge_runtime.data import load_local_data
 from edge_runtime.fleet import Federation, free_port, start_server
+from pfl_edge.algorithms import get_algorithm
 from pfl_edge.checkpoint import load_checkpoint
 from pfl_edge.codec import decode
-from pfl_edge.local import device_split, load_local_data
 from pfl_edge.protocol import API_PREFIX
 from pfl_edge.sim import SimConfig, simulate
 
@@ -136,7 +137,10 @@ def _enrol_late(fed: Federation, i: int, profile: str, config: dict[str, Any]) -
     import hashlib
     import json
 
-    from pfl_edge.local import dispfl_init, dispfl_payload, init_state
+    from edge_runtime.trainer import device_clients
+    from edge_runtime.training import TorchBackend
+    from pfl_edge.codec import encode
+    from pfl_edge.federation import init_state, model_id
 
     r = fed.http.post(f"{API_PREFIX}/devices", json={"federation": fed.fed, "enrol_secret": fed.secret,
                                                     "profile": profile, "name": f"device-{i:02d}", "index": i})
@@ -148,8 +152,10 @@ def _enrol_late(fed: Federation, i: int, profile: str, config: dict[str, Any]) -
     cfg = SimConfig.from_dict(config)
     if cfg.algorithm == "dispfl":
         data = load_local_data(cfg, i)
-        w, m = dispfl_init(data, cfg, i, enr["density"], init_state(cfg, data.spec))
-        payload = dispfl_payload(w, m, data.spec, 0)
+        algo = get_algorithm(cfg, data.model)
+        dev = device_clients(cfg, data, TorchBackend(data.model), i)
+        up = algo.device_upload(algo.device_init(dev, init_state(cfg, data.spec), enr["density"]))
+        payload = encode(up.tensors, model_id=model_id(data.spec), round=0, masks=up.masks)
         digest = hashlib.sha256(payload).hexdigest()
         auth = {"Authorization": f"Bearer {enr['token']}"}
         assert fed.http.put(f"{API_PREFIX}/blobs/{digest}", content=payload, headers=auth).status_code < 300
@@ -203,7 +209,7 @@ def test_fedper_devices_end_with_the_simulators_models(tmp_path: Path, broker: s
     assert len(metrics["rounds"]) >= cfg.rounds
     # every payload a device sent the server (the blob refs record the uploader): its base part, nothing more
     data = load_local_data(cfg, 0)
-    split = device_split(data.model, cfg, cfg.kp)
+    split = get_algorithm(cfg, data.model, cfg.kp).split
     from sqlalchemy import create_engine, text
 
     engine = create_engine(database_url or f"sqlite:///{tmp_path / 'run' / 'server' / 'state.db'}")
@@ -226,6 +232,19 @@ def test_dispfl_devices_end_with_the_simulators_models(tmp_path: Path, broker: s
     fed = _run(tmp_path / "run", cfg.to_dict(), profiles, broker=broker)
     fed.close()
     _assert_simulator_models(cfg, tmp_path)
+    # what a device sends carries the mask its weights were trained under, not the next round's mask
+    from safetensors.torch import load_file
+
+    moved = 0
+    for i in range(cfg.clients):
+        d = tmp_path / "run" / "devices" / f"device-{i:02d}"
+        sent = decode((d / "upload.bin").read_bytes())
+        state = load_file(str(d / "model.safetensors"))
+        for k, m in sent.masks.items():
+            assert torch.equal(m.float(), state[f"support:{k}"]), (i, k)
+            assert bool((sent.tensors[k][~m] == 0).all())
+            moved += int(not torch.equal(m.float(), state[f"mask:{k}"]))
+    assert moved > 0  # prune-and-regrow changed the masks after the last training
 
 
 def test_a_device_killed_mid_run_picks_up_where_it_was(tmp_path: Path, broker: str) -> None:

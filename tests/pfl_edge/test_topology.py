@@ -63,21 +63,28 @@ def test_flops_hand_computed_for_the_cnn_and_masks() -> None:
     assert forward_flops(model, (1, 28, 28), {"fc1.1.weight": half}) == dense - 2 * 64 * 3136
 
 
-def test_flops_count_c_out_for_convolutions_without_bias() -> None:
+def test_flops_add_c_out_only_for_convolutions_with_a_bias() -> None:
+    """The DisPFL reference's count: (2 nnz(W) + C_out) H_out W_out for a convolution with a bias, 2 nnz(W) H_out
+    W_out without one (resnet18-gn's convolutions have none; the cnn's do)."""
     model = get_model("resnet18-gn", num_classes=10, in_channels=3, image_size=32)
-    sd = model.state_dict()
-    assert "stem.0.bias" not in sd
+    assert "stem.0.bias" not in model.state_dict()
     masks = {k: torch.zeros_like(v) for k, v in model.named_parameters() if v.dim() > 1}
-    # with every weight masked off, only C_out * H * W per convolution and the head's bias remain
-    convs = sum(m.out_channels * hw for m, hw in _conv_positions(model))
-    assert forward_flops(model, (3, 32, 32), masks) == convs + 10
+    # with every weight masked off, only the head's bias remains
+    assert forward_flops(model, (3, 32, 32), masks) == 10
+    cnn = get_model("cnn", num_classes=10, in_channels=1, image_size=28)
+    convs = [(m, hw) for m, hw in _conv_positions(cnn, (1, 1, 28, 28))]
+    assert convs and all(m.bias is not None for m, _ in convs)
+    masks = {k: torch.zeros_like(v) for k, v in cnn.named_parameters() if v.dim() > 1}
+    linear_bias = sum(m.out_features for m in cnn.modules() if isinstance(m, torch.nn.Linear))
+    assert forward_flops(cnn, (1, 28, 28), masks) == sum(m.out_channels * hw for m, hw in convs) + linear_bias
 
 
-def _conv_positions(model: torch.nn.Module) -> list[tuple[torch.nn.Conv2d, int]]:
+def _conv_positions(model: torch.nn.Module,
+                    shape: tuple[int, ...] = (1, 3, 32, 32)) -> list[tuple[torch.nn.Conv2d, int]]:
     out = []
     hooks = [m.register_forward_hook(lambda m, i, o: out.append((m, o.shape[2] * o.shape[3])))
              for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
-    model(torch.zeros(1, 3, 32, 32))
+    model(torch.zeros(*shape))
     for h in hooks:
         h.remove()
     return out

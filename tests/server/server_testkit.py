@@ -1,5 +1,6 @@
-"""Helpers of the server tests: tiny federations, device-like HTTP clients, payloads good and bad, and a
-snapshot of every table to check that a refused request changed nothing."""
+"""Helpers of the server tests: tiny federations, device-like HTTP clients, payloads good and bad, a device's
+side of a round (built from ``pfl_edge.algorithms``, as the agent builds it), and a snapshot of every table to
+check that a refused request changed nothing."""
 
 from __future__ import annotations
 
@@ -14,7 +15,12 @@ import httpx
 import torch
 from sqlalchemy import Engine, MetaData, select
 
+from edge_runtime.data import LocalData
+from pfl_edge.algorithms import Clients, Trainer, central, dispfl, one_row
 from pfl_edge.codec import Decoded, decode, encode
+from pfl_edge.federation import FederationConfig, Stream, model_id, stream
+from pfl_edge.split import Split
+from pfl_edge.train import train, unstack
 from server.db import Base
 from server.fedmodel import FedModel, fed_model
 
@@ -77,6 +83,28 @@ class Dev:
         r = self.update(t, d, n)
         assert r.status_code == 200, r.text
         return d
+
+
+def train_one(data: LocalData, state: dict[str, torch.Tensor], cfg: FederationConfig, t: int,
+              slot: int) -> dict[str, torch.Tensor]:
+    """Local training of round ``t`` for the device of ``slot``, as the simulator trains that client."""
+    res = train(data.model, one_row(state), data.train, torch.tensor([0]), cfg.train_config(t),
+                [stream(cfg.seed, Stream.TRAIN, t, slot)], engine="loop")
+    return unstack(res.stack, 0)
+
+
+def base_payload(state: dict[str, torch.Tensor], split: Split, data: LocalData, t: int) -> bytes:
+    """A FedPer device's upload: its base part only."""
+    return encode(central.upload(state, split), model_id=model_id(data.spec), round=t)
+
+
+def dispfl_initial(cfg: FederationConfig, data: LocalData, slot: int, density: float,
+                   init: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A DisPFL device's sparse initial model and the masks that travel with it (its training support)."""
+    clients = Clients(cfg, data.model, trainer=cast(Trainer, None),  # init_clients trains nothing
+                      slots=torch.tensor([slot]), n_train=torch.tensor([data.n_train]))
+    st = dispfl.init_clients(clients, init, [density])
+    return unstack(st.weights, 0), dispfl.sent_masks(unstack(st.support, 0))
 
 
 def perturbed(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:

@@ -249,3 +249,19 @@ def test_a_device_never_reads_another_devices_fedper_upload(client: TestClient) 
     assert r.status_code == 403 and "another device's upload" in r.json()["detail"]
     assert b.get(b.e["init_digest"]) is not None  # what the server made is for everyone
     assert client.get(f"/v1/blobs/{digest}", headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 200
+
+
+def test_refusals_carry_their_typed_status(client: TestClient) -> None:
+    from http import HTTPStatus
+
+    from server.errors import ApiError, Conflict, Forbidden, NotFound, TooLarge, Unauthorized, Unprocessable
+
+    for cls, status in [(Unauthorized, 401), (Forbidden, 403), (NotFound, 404), (Conflict, 409), (TooLarge, 413),
+                        (Unprocessable, 422)]:
+        err = cls("why")
+        assert isinstance(err, ApiError) and isinstance(err.status, HTTPStatus) and err.status == status
+    r = client.get("/v1/federations/nope")  # no token: the auth dependency refuses before anything is looked up
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer" and set(r.json()) == {"detail"}
+    r = client.get("/v1/federations/nope", headers=bearer(ADMIN))
+    assert r.status_code == 404 and r.json() == {"detail": "unknown federation 'nope'"}
+    assert "www-authenticate" not in r.headers

@@ -17,21 +17,25 @@ from server_testkit import (
     FEDPER,
     Dev,
     Mqtt,
+    base_payload,
     bearer,
     create,
+    dispfl_initial,
     fed_state,
     perturbed,
+    train_one,
     wait_for,
 )
 
+from edge_runtime.data import load_local_data
 from pfl_edge.aggregate import weighted_average
+from pfl_edge.algorithms import get_algorithm
 from pfl_edge.codec import encode
-from pfl_edge.local import base_payload, device_split, dispfl_init, dispfl_payload, load_local_data, train_local
+from pfl_edge.federation import FederationConfig
 from pfl_edge.protocol import round_topic, status_topic, task_topic
-from pfl_edge.sim import SimConfig
 from pfl_edge.split import take
 from pfl_edge.topology import neighbours
-from server.main import BackgroundServer, start_background, start_subprocess
+from server.launch import BackgroundServer, start_background, start_subprocess
 from server.settings import Settings
 
 ADMIN = "admin-token-for-round-tests"
@@ -73,13 +77,13 @@ def test_fedper_rounds_average_like_weighted_average(tmp_path: Path, database_ur
     try:
         c = httpx.Client(base_url=srv.url, timeout=30)
         create(c, ADMIN, "fp", FEDPER)
-        cfg = SimConfig.from_dict(dict(FEDPER))
+        cfg = FederationConfig.from_dict(dict(FEDPER))
         devs = [Dev(c, "fp", index=i) for i in range(3)]
         # each device listens on its own task topic, as the agent does (persistent session, last will)
         mq = [Mqtt(srv.broker_url, [task_topic("fp", d.id)], client_id=d.id, clean=False,
                    will=(status_topic("fp", d.id), b"")) for d in devs]
         data = [load_local_data(cfg, d.index) for d in devs]
-        split = device_split(data[0].model, cfg, cfg.kp)
+        split = get_algorithm(cfg, data[0].model, cfg.kp).split
         init = devs[0].fm.init_state()
         states = [dict(init) for _ in devs]
         for t in (1, 2):
@@ -89,8 +93,8 @@ def test_fedper_rounds_average_like_weighted_average(tmp_path: Path, database_ur
             assert set(base) == set(split.base)
             uploads, weights = [], []
             for i, d in enumerate(devs):
-                states[i], _, _ = train_local(data[i], {**states[i], **base}, cfg, t, d.index)
-                payload = base_payload(states[i], split, data[i].spec, t)
+                states[i] = train_one(data[i], {**states[i], **base}, cfg, t, d.index)
+                payload = base_payload(states[i], split, data[i], t)
                 n = data[i].n_train + 10 * i  # unequal weights
                 dg = d.put(payload)
                 r = d.update(t, dg, n)
@@ -122,7 +126,7 @@ def test_fedper_rounds_average_like_weighted_average(tmp_path: Path, database_ur
 def test_dispfl_tasks_name_the_neighbours_latest_models(srv: BackgroundServer) -> None:
     c = httpx.Client(base_url=srv.url, timeout=30)
     create(c, ADMIN, "dp", DISPFL)
-    cfg = SimConfig.from_dict(dict(DISPFL))
+    cfg = FederationConfig.from_dict(dict(DISPFL))
     watch = Mqtt(srv.broker_url, ["pfl/dp/device/+/task", round_topic("dp")])
     devs = [Dev(c, "dp", index=i) for i in (2, 0, 3, 1)]  # enrol out of order: slots, not arrival, decide
     by_slot = {d.index: d for d in devs}
@@ -133,8 +137,8 @@ def test_dispfl_tasks_name_the_neighbours_latest_models(srv: BackgroundServer) -
     for i in range(4):
         d = by_slot[i]
         assert fed_state(c, ADMIN, "dp")[0] == 0  # round 1 waits for every initial model
-        w, m = dispfl_init(data[i], cfg, i, d.e["density"], init)
-        latest[i] = d.put(dispfl_payload(w, m, data[i].spec, 0))
+        w, m = dispfl_initial(cfg, data[i], i, d.e["density"], init)
+        latest[i] = d.put(encode(w, model_id=d.fm.model_id, round=0, masks=m))
         r = d.update(0, latest[i])
         assert r.status_code == 200 and r.json()["accepted"], r.text
     for t in (1, 2):
@@ -154,9 +158,8 @@ def test_dispfl_tasks_name_the_neighbours_latest_models(srv: BackgroundServer) -
                     if by_slot[j].e["density"] < 1:
                         r = c.get(f"/v1/blobs/{latest[j]}", headers=d.h)
                         assert r.status_code == 403 and "neighbours" in r.json()["detail"]
-            w, m = dispfl_init(data[i], cfg, i, d.e["density"], init)
-            new[i] = d.send(t, {k: v * 1.01 for k, v in w.items()}, masks={k: v.bool() for k, v in m.items()
-                                                                           if not bool(v.all())})
+            w, m = dispfl_initial(cfg, data[i], i, d.e["density"], init)
+            new[i] = d.send(t, {k: v * 1.01 for k, v in w.items()}, masks=m)
         latest = new
     wait_for(lambda: fed_state(c, ADMIN, "dp") == (2, "finished"), what="finished")
     assert watch.wait(round_topic("dp"), lambda x: x["state"] == "finished")["round"] == 2

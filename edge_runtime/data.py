@@ -1,0 +1,77 @@
+"""A device's own data: its partition of a registered data set (dealt exactly as the simulator deals it), or the
+user's own labelled images; and the model it trains."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from pfl_edge.checkpoint import ModelSpec, build_model
+from pfl_edge.data import get_dataset
+from pfl_edge.errors import ConfigError
+from pfl_edge.federation import FederationConfig, deal, model_spec
+from pfl_edge.models import BlockModel
+from pfl_edge.train import ClientTensors
+
+__all__ = ["LocalData", "load_image_folder", "load_local_data"]
+
+
+@dataclass(frozen=True, eq=False)
+class LocalData:
+    """A device's training and test data (stacks of one client) and the model it trains."""
+
+    train: ClientTensors
+    test: ClientTensors
+    spec: ModelSpec
+    model: BlockModel
+
+    @property
+    def n_train(self) -> int:
+        return int(self.train.n[0])
+
+    @property
+    def n_test(self) -> int:
+        return int(self.test.n[0])
+
+    @property
+    def xy(self) -> tuple[Tensor, Tensor]:
+        """Its training samples and labels, unpadded."""
+        n = self.n_train
+        return self.train.x[0, :n], self.train.y[0, :n]
+
+
+def load_local_data(cfg: FederationConfig, index: int, *, data_dir: str | None = None) -> LocalData:
+    """Partition ``index`` of ``cfg``'s data set, dealt exactly as the simulator deals it."""
+    if not 0 <= index < cfg.clients:
+        raise ConfigError(f"partition index {index} out of range for {cfg.clients} partitions")
+    ds, part, spec = deal(cfg, data_dir=data_dir)
+    c = part.clients[index]
+    return LocalData(ClientTensors.build(ds.train_x, [c.train_idx], [c.train_y]),
+                     ClientTensors.build(ds.test_x, [c.test_idx], [c.test_y]), spec, build_model(spec))
+
+
+def load_image_folder(root: str, cfg: FederationConfig, *, seed: int, test_fraction: float = 0.2) -> LocalData:
+    """The user's own labelled images: one sub-folder per class, named by the class index (``0``, ``1``, ...)
+    or by the class's position in the sorted folder names. Images are converted to the federation's model
+    input (channels, size) and standardised over the folder; ``test_fraction`` of each class is held out."""
+    from pfl_edge.data.folder import read_image_folder
+
+    ds = get_dataset(cfg.dataset, data_dir=cfg.data_dir)  # the federation's model shape and classes
+    x, y = read_image_folder(root, ds.in_channels, ds.image_size, ds.num_classes)
+    gen = torch.Generator().manual_seed(seed)
+    test_idx: list[Tensor] = []
+    train_idx: list[Tensor] = []
+    for c in torch.unique(y).tolist():
+        idx = torch.nonzero(y == c).flatten()
+        idx = idx[torch.randperm(len(idx), generator=gen)]
+        k = round(test_fraction * len(idx))
+        test_idx.append(idx[:k])
+        train_idx.append(idx[k:])
+    tr, te = torch.cat(train_idx), torch.cat(test_idx)
+    if len(tr) == 0:
+        raise ConfigError(f"{root}: no training images left after holding out {test_fraction:.0%} for testing")
+    spec = model_spec(cfg, ds.num_classes, ds.in_channels, ds.image_size)
+    return LocalData(ClientTensors.build(x, [tr], [y[tr]]), ClientTensors.build(x, [te], [y[te]]), spec,
+                     build_model(spec))

@@ -1,0 +1,119 @@
+"""The database schema's version, and the small steps that upgrade an older database to it.
+
+Table ``pfl_schema`` holds the version. On start (:func:`migrate`): an empty database gets every table and the
+current version; a database of an older version gets each later step, in order, in one transaction; a newer
+or unknown version is refused with a ConfigError saying what was found and what to do (this server cannot know
+what a newer one changed). A database from before versioning counts as version 1 (the first release's tables):
+every step checks what is there before it adds anything, so it upgrades whichever release wrote it.
+
+Adding a column later: add it to the model in ``server.db``, then a :class:`Step` here that adds it to an
+existing table (``ALTER TABLE ... ADD COLUMN``, nullable or with a default), and bump :data:`SCHEMA_VERSION`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from sqlalchemy import Connection, Engine, insert, inspect, select, text, update
+
+from pfl_edge.errors import ConfigError
+
+from .db import Base, SchemaVersion, now
+
+__all__ = ["SCHEMA_VERSION", "STEPS", "Step", "migrate", "schema_version"]
+
+log = logging.getLogger(__name__)
+
+_PG_LOCK = 0x70666C5F736368  # pg_advisory_xact_lock key: servers starting together on one database take turns
+
+
+@dataclass(frozen=True)
+class Step:
+    """Upgrades a database of version ``version - 1`` to ``version``; idempotent (it checks before it adds)."""
+
+    version: int
+    what: str
+    apply: Callable[[Connection], None]
+
+
+def _columns(conn: Connection, table: str) -> set[str] | None:
+    """The columns of ``table``, None if there is no such table."""
+    insp = inspect(conn)
+    if not insp.has_table(table):
+        return None
+    return {c["name"] for c in insp.get_columns(table)}
+
+
+def _add_column(table: str, column: str, ddl_type: str) -> Callable[[Connection], None]:
+    def apply(conn: Connection) -> None:
+        have = _columns(conn, table)
+        if have is not None and column not in have:  # a missing table is created whole afterwards
+            conn.execute(text(f"ALTER TABLE {table} ADD COLUMN {column} {ddl_type}"))
+
+    return apply
+
+
+def _enrol_nonce(conn: Connection) -> None:
+    _add_column("pfl_devices", "enrol_nonce", "VARCHAR(32)")(conn)
+    if _columns(conn, "pfl_devices") is not None:
+        conn.execute(text("CREATE INDEX IF NOT EXISTS ix_pfl_devices_enrol_nonce ON pfl_devices (enrol_nonce)"))
+
+
+#: every upgrade since version 1, in order; the types are frozen here (the models may change later)
+STEPS: tuple[Step, ...] = (
+    Step(2, "pfl_federations.min_devices (late joiners)", _add_column("pfl_federations", "min_devices", "INTEGER")),
+    Step(3, "pfl_devices.enrol_nonce and its index (idempotent enrolment)", _enrol_nonce),
+)
+SCHEMA_VERSION = STEPS[-1].version
+
+
+def _found_version(conn: Connection) -> int | None:
+    """The database's version: None if it holds no table of ours, 1 if it predates versioning."""
+    tables = set(inspect(conn).get_table_names())
+    if SchemaVersion.__tablename__ not in tables:
+        return 1 if any(t.startswith("pfl_") for t in tables) else None
+    found = conn.execute(select(SchemaVersion.version).where(SchemaVersion.id == 1)).scalar()
+    if found is None:
+        raise ConfigError(f"the database has a {SchemaVersion.__tablename__} table without a version: it was not "
+                          f"written by pfl-edge (this server's schema is version {SCHEMA_VERSION}); point "
+                          "PFL_DATABASE_URL at another database or schema")
+    return int(found)
+
+
+def _refuse(found: int) -> ConfigError:
+    if found > SCHEMA_VERSION:
+        return ConfigError(f"the database holds schema version {found}, newer than this server's version "
+                           f"{SCHEMA_VERSION}: it was written by a newer pfl-edge. Run that version or a later one "
+                           "on it, or point PFL_DATABASE_URL at another database (there is no downgrade)")
+    return ConfigError(f"the database holds unknown schema version {found}; this server reads versions 1 to "
+                       f"{SCHEMA_VERSION}. Point PFL_DATABASE_URL at another database")
+
+
+def migrate(engine: Engine) -> int | None:
+    """Bring the database to :data:`SCHEMA_VERSION` (see the module's docstring); returns the version it held
+    before (None: it was empty). ConfigError for a newer or unknown version; nothing is changed then."""
+    with engine.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_LOCK})
+        found = _found_version(conn)
+        if found is not None and not 1 <= found <= SCHEMA_VERSION:
+            raise _refuse(found)
+        for step in STEPS:
+            if found is not None and step.version > found:
+                log.info("database schema: version %d -> %d: %s", step.version - 1, step.version, step.what)
+                step.apply(conn)
+        Base.metadata.create_all(conn)  # an empty database, or tables added by a later version; never alters one
+        if conn.execute(select(SchemaVersion.id).where(SchemaVersion.id == 1)).first() is None:
+            conn.execute(insert(SchemaVersion).values(id=1, version=SCHEMA_VERSION, updated_at=now()))
+        elif found != SCHEMA_VERSION:
+            conn.execute(update(SchemaVersion).where(SchemaVersion.id == 1)
+                         .values(version=SCHEMA_VERSION, updated_at=now()))
+    return found
+
+
+def schema_version(engine: Engine) -> int | None:
+    """The version the database holds (None: no table of ours; 1: from before versioning)."""
+    with engine.connect() as conn:
+        return _found_version(conn)

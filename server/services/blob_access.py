@@ -1,0 +1,144 @@
+"""Blob access: devices' uploads (checked to decode against their federation's model before they are kept),
+who may read what, the blobs the server makes itself, and the base part of a model each K_P is sent."""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from pfl_edge.codec import DEFAULT_MAX_BYTES, Decoded, decode, encode
+from pfl_edge.errors import CodecError
+from pfl_edge.split import take
+
+from ..blobs import BlobError, BlobStore, BlobTooLarge, sha256_hex
+from ..db import SERVER, Blob, BlobRef, Device
+from ..errors import Forbidden, NotFound, TooLarge, Unprocessable
+from ..fedmodel import FedModel
+from .store import Store
+
+__all__ = ["BlobAccess"]
+
+
+class BlobAccess:
+    def __init__(self, store: Store, blobs: BlobStore) -> None:
+        self.store = store
+        self.blobs = blobs
+        # (federation, whole-model digest, kp) -> digest of its base part
+        self._base_cache: dict[tuple[str, str, int], str] = {}
+
+    @staticmethod
+    def add_ref(s: Session, digest: str, size: int, fed_id: str, uploader: str) -> bool:
+        """Record that ``uploader`` of ``fed_id`` holds ``digest``; True if that is new."""
+        if s.get(Blob, digest) is None:
+            s.add(Blob(digest=digest, size=size))
+            s.flush()
+        if s.get(BlobRef, (digest, fed_id, uploader)) is None:
+            s.add(BlobRef(digest=digest, federation=fed_id, uploader=uploader))
+            return True
+        return False
+
+    def put(self, dev: Device, digest: str, data: bytes) -> bool:
+        """True if new for this device (201), False if it had already sent it (200)."""
+        limit = self.store.max_blob_bytes
+        if len(data) > limit:
+            raise TooLarge(f"blob of {len(data)} bytes is over the limit of {limit} bytes")
+        actual = sha256_hex(data)
+        if actual != digest:
+            raise Unprocessable(f"body has sha256 {actual}, the path names {digest}: the path must be the body's "
+                                "sha256 (64 lowercase hex)")
+        with self.store.read() as s:
+            if s.get(BlobRef, (digest, dev.federation, dev.id)) is not None:
+                return False  # the very same bytes, already checked and stored
+            fm = self.store.model(self.store.existing(s, dev.federation))
+        try:
+            decode(data, expected=fm.shapes, model_id=fm.model_id, max_bytes=self.store.decode_limit(fm),
+                   allow_missing=True)
+        except CodecError as e:
+            raise Unprocessable(f"payload refused: {e}") from None
+        try:
+            self.blobs.put(digest, data)
+        except BlobTooLarge as e:
+            raise TooLarge(str(e)) from None
+        except BlobError as e:
+            raise Unprocessable(str(e)) from None
+        with self.store.write() as s:
+            return self.add_ref(s, digest, len(data), dev.federation, dev.id)
+
+    def get(self, fed_id: str | None, digest: str, reader: Device | None = None) -> bytes:
+        """The blob, if ``reader`` (a device of ``fed_id``; None with ``fed_id`` None: the admin) may read it: what
+        the server made (the initial model, averages), what the device itself uploaded, and in decentralised
+        algorithms the models of its in-neighbours of this round or the last. Another device's individual
+        upload is never served where a server averages: an update can leak its owner's data."""
+        with self.store.read() as s:
+            if fed_id is not None:
+                self._check_reader(s, fed_id, digest, reader)
+            elif s.get(Blob, digest) is None:
+                raise NotFound(f"no blob {digest}")
+        try:
+            return self.blobs.get(digest)
+        except KeyError:
+            raise NotFound(f"no blob {digest} in the store") from None
+
+    def _check_reader(self, s: Session, fed_id: str, digest: str, reader: Device | None) -> None:
+        uploaders = set(s.scalars(select(BlobRef.uploader).where(BlobRef.digest == digest,
+                                                                  BlobRef.federation == fed_id)))
+        if not uploaders:
+            if s.get(Blob, digest) is not None:
+                raise Forbidden(f"blob {digest} belongs to another federation")
+            raise NotFound(f"no blob {digest}")
+        if reader is not None and not (SERVER in uploaders or reader.id in uploaders
+                                       or self._neighbour_blob(s, fed_id, reader, uploaders)):
+            raise Forbidden(f"blob {digest} is another device's upload; a device reads the server's models, its "
+                            "own uploads and (DisPFL) its current neighbours' models")
+
+    def _neighbour_blob(self, s: Session, fed_id: str, reader: Device, uploaders: set[str]) -> bool:
+        fed = self.store.existing(s, fed_id)
+        algo = self.store.model(fed).algorithm()
+        slots: set[int] | None = None
+        for t in {fed.round, fed.round - 1} - {0, -1}:  # a device may still be on the last round's task
+            graph = algo.neighbours(t)
+            if graph is None:
+                return False  # a server averages: no device reads another's model
+            if slots is None:
+                slots = set(s.scalars(select(Device.slot).where(Device.id.in_(uploaders),
+                                                                Device.federation == fed_id)))
+            if slots & set(graph[reader.slot]):
+                return True
+        return False
+
+    def keep(self, payload: bytes) -> str:
+        """Store a payload the server made (no reference yet: the caller adds it); its digest."""
+        digest = sha256_hex(payload)
+        if not self.blobs.exists(digest):
+            self.blobs.put(digest, payload)
+        return digest
+
+    def store_server_blob(self, fed_id: str, payload: bytes) -> str:
+        """Keep a payload the server made, readable by every device of ``fed_id``; its digest."""
+        digest = self.keep(payload)
+        with self.store.write() as s:
+            self.add_ref(s, digest, len(payload), fed_id, SERVER)
+        return digest
+
+    def load(self, digest: str, fm: FedModel, expected: dict[str, tuple[int, ...]] | None = None) -> Decoded:
+        """A stored payload decoded against the federation's model: exactly ``expected``'s tensors, or (None) any
+        of the model's."""
+        return decode(self.blobs.get(digest), expected=fm.shapes if expected is None else expected,
+                      model_id=fm.model_id, max_bytes=max(DEFAULT_MAX_BYTES, self.store.decode_limit(fm)),
+                      allow_missing=expected is None)
+
+    def base_for(self, fed_id: str, fm: FedModel, whole: str, kp: int) -> str:
+        """Digest of the base part (for a device with ``kp``) of the whole model ``whole``; what a device receives
+        holds no tensor that is personal to it (where every tensor is shared, ``whole`` itself)."""
+        # per federation: two federations with the same config share blobs, but each must hold a reference to
+        # what its devices are sent (blob reads are checked per federation)
+        key = (fed_id, whole, kp)
+        hit = self._base_cache.get(key)
+        if hit is not None:
+            return hit
+        d = self.load(whole, fm)
+        keys = fm.base_keys(kp)
+        digest = whole if set(keys) == set(d.tensors) else self.store_server_blob(
+            fed_id, encode(take(d.tensors, keys), model_id=fm.model_id, round=d.round))
+        self._base_cache[key] = digest
+        return digest

@@ -1,0 +1,180 @@
+"""Federations and their devices: creation (admin), enrolment with the federation's secret (a slot, a capacity
+and a token; idempotent by the device's nonce), and authentication of device tokens."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from device_profiles import Profile, get_profile, list_profiles
+from pfl_edge.codec import encode
+from pfl_edge.errors import PflEdgeError, UnknownNameError
+from pfl_edge.federation import device_capacity
+from pfl_edge.protocol import Enrolment, EnrolRequest, FederationCreate, FederationInfo
+
+from ..db import SERVER, Device, Federation, hash_secret, hash_token, verify_secret
+from ..errors import Conflict, Forbidden, Unauthorized, Unprocessable
+from ..fedmodel import fed_model
+from ..states import ENROLMENT_ROUND, RoundState
+from .blob_access import BlobAccess
+from .store import Store
+
+__all__ = ["EnrolmentService"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Enrolled:
+    """What an enrolment answers with, read inside its transaction."""
+
+    device_id: str
+    slot: int
+    density: float
+    kp: int
+    round: int
+    init_digest: str
+    config: dict[str, object]
+
+
+class EnrolmentService:
+    def __init__(self, store: Store, blobs: BlobAccess, *, device_broker_url: str, device_mqtt_password: str,
+                 on_enrolled: Callable[[], None], on_created: Callable[[str], None]) -> None:
+        self.store = store
+        self.blobs = blobs
+        self.device_broker_url = device_broker_url
+        self.device_mqtt_password = device_mqtt_password
+        self.on_enrolled = on_enrolled  # wakes the round worker: enrolment may open round 1
+        self.on_created = on_created  # announces a new federation
+
+    # ----------------------------------------------------------------------------------------- federations
+
+    def create_federation(self, req: FederationCreate) -> FederationInfo:
+        try:
+            fm = fed_model(dict(req.config))
+        except PflEdgeError as e:
+            raise Unprocessable(f"config cannot run on devices: {e}") from None
+        with self.store.read() as s:
+            if s.get(Federation, req.id) is not None:
+                raise Conflict(f"federation {req.id!r} already exists")
+        payload = encode(fm.init_state(), model_id=fm.model_id, round=ENROLMENT_ROUND)
+        digest = self.blobs.keep(payload)
+        try:
+            with self.store.write() as s:
+                if s.get(Federation, req.id) is not None:
+                    raise Conflict(f"federation {req.id!r} already exists")
+                s.add(Federation(id=req.id, config=fm.cfg.to_dict(), enrol_secret_hash=hash_secret(req.enrol_secret),
+                                 quorum=req.quorum, deadline_s=req.deadline_s, min_updates=req.min_updates,
+                                 min_devices=req.min_devices, profile_capacity=req.profile_capacity,
+                                 round=ENROLMENT_ROUND, state=RoundState.OPEN.value, init_digest=digest,
+                                 base_digest=digest))
+                s.flush()
+                self.blobs.add_ref(s, digest, len(payload), req.id, SERVER)
+        except IntegrityError:
+            raise Conflict(f"federation {req.id!r} already exists") from None
+        info = self.federation_info(req.id)
+        self.on_created(req.id)
+        return info
+
+    def federation_info(self, fed_id: str) -> FederationInfo:
+        with self.store.read() as s:
+            fed = self.store.federation(s, fed_id)
+            n = s.scalar(select(func.count()).select_from(Device).where(Device.federation == fed_id)) or 0
+            return FederationInfo(id=fed.id, config=fed.config, round=fed.round, state=fed.state,  # type: ignore[arg-type]
+                                  devices=n, quorum=fed.quorum, deadline_s=fed.deadline_s,
+                                  profile_capacity=fed.profile_capacity)
+
+    # ------------------------------------------------------------------------------------------- devices
+
+    def authenticate(self, token: str | None) -> Device:
+        """The device holding ``token``."""
+        if not token:
+            raise Unauthorized("missing bearer token: send 'Authorization: Bearer <device token>'")
+        with self.store.read() as s:
+            dev = s.scalar(select(Device).where(Device.token_hash == hash_token(token)))
+        if dev is None:
+            raise Unauthorized("unknown or revoked device token")
+        return dev
+
+    def enrol(self, req: EnrolRequest) -> Enrolment:
+        profile = self._admit(req)
+        token = secrets.token_urlsafe(32)
+        got = self._again(req, token)
+        if got is not None:
+            log.info("federation %s: device %s enrolled again (same nonce)", req.federation, got.device_id)
+        else:
+            got = self._new(req, token, profile)
+            self.on_enrolled()
+            log.info("federation %s: device %s enrolled in slot %d (%s)", req.federation, got.device_id, got.slot,
+                     profile.name)
+        fm = fed_model(got.config)
+        return Enrolment(device_id=got.device_id, token=token, index=got.slot, federation=req.federation,
+                         config=got.config, density=got.density, kp=got.kp, broker_url=self.device_broker_url,
+                         mqtt_username=got.device_id, mqtt_password=self.device_mqtt_password, round=got.round,
+                         init_digest=self.blobs.base_for(req.federation, fm, got.init_digest, got.kp))
+
+    def _admit(self, req: EnrolRequest) -> Profile:
+        """The device's profile, once its federation exists and its secret is right."""
+        with self.store.read() as s:
+            secret_hash = self.store.federation(s, req.federation).enrol_secret_hash
+        if not verify_secret(req.enrol_secret, secret_hash):
+            raise Forbidden(f"wrong enrol secret for federation {req.federation!r}")
+        try:
+            return get_profile(req.profile)
+        except UnknownNameError:
+            raise Unprocessable(f"unknown device profile {req.profile!r}; valid profiles: "
+                                f"{', '.join(list_profiles())}") from None
+
+    def _again(self, req: EnrolRequest, token: str) -> _Enrolled | None:
+        """The same device asking again with its nonce (its first answer was lost): same slot, a fresh token."""
+        with self.store.write() as s:
+            fed = self.store.locked(s, req.federation)
+            again = None if req.nonce is None else s.scalar(
+                select(Device).where(Device.federation == fed.id, Device.enrol_nonce == req.nonce))
+            if again is None:
+                self._check_open(fed)
+                return None
+            again.token_hash = hash_token(token)
+            return _Enrolled(again.id, again.slot, again.density, again.kp, again.joined_round, fed.init_digest,
+                             fed.config)
+
+    @staticmethod
+    def _check_open(fed: Federation) -> None:
+        if fed.state == RoundState.FINISHED:
+            raise Conflict(f"federation {fed.id!r} has finished its {fed_model(fed.config).cfg.rounds} rounds")
+
+    def _new(self, req: EnrolRequest, token: str, profile: Profile) -> _Enrolled:
+        with self.store.write() as s:
+            fed = self.store.locked(s, req.federation)
+            self._check_open(fed)
+            slot = self._slot(s, fed, req.index)
+            fm = self.store.model(fed)
+            density, kp = device_capacity(fm.cfg, slot,
+                                          profile_density=profile.density if fed.profile_capacity else None,
+                                          profile_kp=profile.kp if fed.profile_capacity else None)
+            if kp > fm.num_blocks:
+                raise Unprocessable(f"profile {profile.name!r} keeps {kp} personal blocks but model "
+                                    f"{fm.cfg.model!r} has only {fm.num_blocks}: {fm.model.block_names}")
+            dev_id = "dev-" + secrets.token_hex(8)
+            s.add(Device(id=dev_id, federation=fed.id, token_hash=hash_token(token), profile=profile.name,
+                         name=req.name, slot=slot, density=density, kp=kp, online=False, joined_round=fed.round,
+                         enrol_nonce=req.nonce))
+            return _Enrolled(dev_id, slot, density, kp, fed.round, fed.init_digest, fed.config)
+
+    @staticmethod
+    def _slot(s: Session, fed: Federation, asked: int | None) -> int:
+        """The slot asked for if it is free, else the lowest free one."""
+        clients = fed_model(fed.config).cfg.clients
+        taken = set(s.scalars(select(Device.slot).where(Device.federation == fed.id)))
+        free = [i for i in range(clients) if i not in taken]
+        if not free:
+            raise Conflict(f"federation {fed.id!r} is full: all {clients} slots are taken")
+        if asked is not None and asked >= clients:
+            raise Unprocessable(f"index {asked} out of range: the federation has slots 0..{clients - 1}")
+        return asked if asked is not None and asked in free else free[0]

@@ -1,0 +1,80 @@
+"""A round's plan: which devices take part, and each one's task (the base it starts from where a server
+averages, its in-neighbours' latest models where devices exchange them)."""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from pfl_edge.errors import InternalError
+from pfl_edge.protocol import Neighbour, Task
+
+from ..db import Device, Federation, Round, Update
+from ..fedmodel import FedModel
+from ..states import ENROLMENT_ROUND
+from .blob_access import BlobAccess
+from .store import Store
+
+__all__ = ["Planner"]
+
+
+class Planner:
+    def __init__(self, store: Store, blobs: BlobAccess) -> None:
+        self.store = store
+        self.blobs = blobs
+
+    @staticmethod
+    def active(s: Session, fed: Federation, fm: FedModel, t: int) -> list[Device]:
+        """Devices that take part in round ``t``: enrolled before it opened (and, where the algorithm asks for
+        one, with their initial model sent)."""
+        devs = list(s.scalars(select(Device).where(Device.federation == fed.id, Device.joined_round < t)
+                              .order_by(Device.slot)))
+        if fm.algorithm().sends_initial_model:
+            have = set(s.scalars(select(Update.device).where(Update.federation == fed.id,
+                                                             Update.round == ENROLMENT_ROUND)))
+            devs = [d for d in devs if d.id in have]
+        return devs
+
+    def tasks(self, fed_id: str, t: int, *, final: bool = False) -> list[tuple[str, Task]]:
+        """(device id, task) of round ``t`` for every device in it; ``final``: the federation's last step, for
+        every device (a late joiner of the last round too: each evaluates and stops)."""
+        with self.store.read() as s:
+            fed = self.store.existing(s, fed_id)
+            r = self.store.round(s, fed_id, t)
+            fm = self.store.model(fed)
+            devs = (list(s.scalars(select(Device).where(Device.federation == fed_id).order_by(Device.slot)))
+                    if final else self.active(s, fed, fm, t))
+            graph = fm.algorithm().neighbours(t)
+            if graph is not None:
+                return self._neighbour_tasks(s, fm, r, devs, graph)
+            whole = r.base_digest if final else r.start_digest
+            if whole is None:
+                raise InternalError(f"federation {fed_id!r} round {t} has no {'result' if final else 'start'} model")
+            kps = [(d.id, d.kp) for d in devs]
+        return [(dev_id, Task(federation=fed_id, round=t, algorithm=fm.cfg.algorithm,
+                              base=self.blobs.base_for(fed_id, fm, whole, kp), deadline=r.deadline, final=final))
+                for dev_id, kp in kps]
+
+    def _neighbour_tasks(self, s: Session, fm: FedModel, r: Round, devs: list[Device],
+                         graph: list[list[int]]) -> list[tuple[str, Task]]:
+        """Each device's in-neighbours of the round that have a model, with the digest of their latest one."""
+        latest = self.latest_models(s, r.federation, r.round)
+        by_slot = {d.slot: d for d in s.scalars(select(Device).where(Device.federation == r.federation))}
+        out = []
+        for d in devs:
+            ns = [Neighbour(index=j, device_id=by_slot[j].id, digest=latest[by_slot[j].id])
+                  for j in graph[d.slot] if j in by_slot and by_slot[j].id in latest]
+            out.append((d.id, Task(federation=r.federation, round=r.round, algorithm=fm.cfg.algorithm,
+                                   neighbours=ns, deadline=r.deadline)))
+        return out
+
+    @staticmethod
+    def latest_models(s: Session, fed_id: str, t: int) -> dict[str, str]:
+        """Every device's latest model from before round ``t`` (its update of the latest round it sent)."""
+        rows = s.execute(select(Update.device, Update.round, Update.digest)
+                         .where(Update.federation == fed_id, Update.round < t))
+        best: dict[str, tuple[int, str]] = {}
+        for dev, rnd, digest in rows:
+            if dev not in best or rnd > best[dev][0]:
+                best[dev] = (rnd, digest)
+        return {d: v[1] for d, v in best.items()}

@@ -1,0 +1,49 @@
+"""Recovery after a (re)start, or after the broker came back without its retained messages: finish half-done
+transitions and re-publish what devices must see now (every transition was committed before it was published,
+so the database alone says what that is)."""
+
+from __future__ import annotations
+
+import logging
+
+from sqlalchemy import select
+
+from ..db import Federation
+from ..states import ENROLMENT_ROUND, RoundState
+from .planning import Planner
+from .publishing import Publisher
+from .rounds import RoundMachine
+from .store import Store
+
+__all__ = ["Recovery"]
+
+log = logging.getLogger(__name__)
+
+
+class Recovery:
+    def __init__(self, store: Store, planner: Planner, publisher: Publisher, machine: RoundMachine) -> None:
+        self.store = store
+        self.planner = planner
+        self.publisher = publisher
+        self.machine = machine
+
+    def recover(self) -> None:
+        with self.store.read() as s:
+            feds = [(f.id, f.round, f.state) for f in s.scalars(select(Federation))]
+        for fed_id, t, state in feds:
+            try:
+                self._recover(fed_id, t, RoundState(state))
+            except Exception:  # one broken federation must not keep the others down
+                log.exception("federation %s: recovery failed; the worker will retry", fed_id)
+
+    def _recover(self, fed_id: str, t: int, state: RoundState) -> None:
+        if state is RoundState.COLLECTING:
+            self.publisher.tasks(fed_id, self.planner.tasks(fed_id, t))
+        elif state is RoundState.FINISHED:
+            with self.store.read() as s:
+                final = self.store.model(self.store.existing(s, fed_id)).algorithm().final_evaluation
+            if final and t > ENROLMENT_ROUND:
+                self.machine.publish_final(fed_id, t)
+        self.publisher.announce(fed_id)
+        if state not in (RoundState.COLLECTING, RoundState.FINISHED):
+            self.machine.step(fed_id)  # a transition cut short: make it now

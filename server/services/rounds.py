@@ -1,0 +1,182 @@
+"""The round machine: reads the facts of a federation, asks ``server.states.next_state`` which transition is due,
+and makes it. Every transition is committed before anything is published, so a server killed anywhere resumes
+from the database (``server.services.recovery``). The server's aggregation runs at close, streaming the accepted
+updates from the blob store one at a time, so nothing is held in memory between requests."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+from torch import Tensor
+
+from pfl_edge.codec import encode
+from pfl_edge.errors import InternalError
+
+from ..db import Device, Federation, Round, Update, now
+from ..fedmodel import FedModel
+from ..states import ENROLMENT_ROUND, RoundState, Transition, next_state
+from .blob_access import BlobAccess
+from .planning import Planner
+from .publishing import Publisher
+from .store import Store
+
+__all__ = ["RoundMachine"]
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[str, Transition], None]
+
+
+class RoundMachine:
+    def __init__(self, store: Store, blobs: BlobAccess, planner: Planner, publisher: Publisher, *,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.store = store
+        self.blobs = blobs
+        self.planner = planner
+        self.publisher = publisher
+        self.clock = clock
+        self._step_lock = threading.Lock()  # transitions: one at a time
+        S = RoundState  # short: the table reads as the state diagram
+        self._handlers: dict[tuple[RoundState, RoundState], Handler] = {
+            (S.OPEN, S.OPEN): self._open,  # enrolment is over: round 1 opens
+            (S.OPEN, S.COLLECTING): self._collect,
+            (S.COLLECTING, S.CLOSING): self._begin_close,
+            (S.CLOSING, S.PUBLISHED): self._close,
+            (S.PUBLISHED, S.OPEN): self._open,
+            (S.PUBLISHED, S.FINISHED): self._finish,
+        }
+
+    @property
+    def transitions(self) -> frozenset[tuple[RoundState, RoundState]]:
+        """The (source, target) pairs this machine makes: every move of ``server.states.TRANSITIONS``."""
+        return frozenset(self._handlers)
+
+    def step(self, fed_id: str) -> None:
+        """Make every transition that is due for this federation (idempotent; safe to call any time)."""
+        with self._step_lock:
+            for _ in range(len(self._handlers)):  # e.g. closing -> published -> open -> collecting in one call
+                tr = self.due(fed_id)
+                if tr is None:
+                    return
+                self._handlers[tr.source, tr.target](fed_id, tr)
+
+    def due(self, fed_id: str) -> Transition | None:
+        """The transition due now for ``fed_id``, if any."""
+        with self.store.read() as s:
+            fed = s.get(Federation, fed_id)
+            if fed is None:
+                return None
+            return next_state(fed.state, fed.round, **self._facts(s, fed))
+
+    def _facts(self, s: Session, fed: Federation) -> dict[str, Any]:
+        """What ``next_state`` decides from; each value is read only where the state can use it."""
+        fm = self.store.model(fed)
+        facts: dict[str, Any] = dict(updates=0, active=0, quorum=fed.quorum, deadline=None, now=self.clock(),
+                                     min_updates=fed.min_updates, more_rounds=fed.round < fm.cfg.rounds,
+                                     enrolment_ready=False)
+        if fed.round == ENROLMENT_ROUND:
+            clients = fm.cfg.clients
+            need = min(fed.min_devices or clients, clients)
+            facts["enrolment_ready"] = len(self.planner.active(s, fed, fm, ENROLMENT_ROUND + 1)) >= need
+        elif fed.state == RoundState.COLLECTING:
+            r = self.store.round(s, fed.id, fed.round)
+            facts.update(updates=self.store.count_updates(s, fed.id, fed.round), active=r.active,
+                         deadline=r.deadline)
+        return facts
+
+    def _advance(self, s: Session, fed_id: str, tr: Transition) -> Federation | None:
+        """The federation moved to ``tr``'s target in this write, or None if it moved on meanwhile."""
+        fed = self.store.locked(s, fed_id)
+        if fed.round != tr.source_round or fed.state != tr.source:
+            return None
+        fed.round, fed.state = tr.round, tr.target.value
+        if tr.target in (RoundState.COLLECTING, RoundState.CLOSING):
+            self.store.round(s, fed_id, tr.round).state = tr.target.value
+        return fed
+
+    # ------------------------------------------------------------------------------------------- transitions
+
+    def _open(self, fed_id: str, tr: Transition) -> None:
+        t = tr.round
+        with self.store.write() as s:
+            fed = self._advance(s, fed_id, tr)
+            if fed is None:
+                return
+            fm = self.store.model(fed)
+            n = len(self.planner.active(s, fed, fm, t))
+            opened = now()
+            deadline = opened + fed.deadline_s
+            if s.get(Round, (fed_id, t)) is None:
+                s.add(Round(federation=fed_id, round=t, state=RoundState.OPEN.value, opened_at=opened,
+                            deadline=deadline, active=n, start_digest=None if fm.decentral else fed.base_digest))
+            fed.round_deadline = deadline
+        log.info("federation %s: round %d open (%d devices)", fed_id, t, n)
+
+    def _collect(self, fed_id: str, tr: Transition) -> None:
+        tasks = self.planner.tasks(fed_id, tr.round)  # prepares every blob a task names before anyone is told
+        with self.store.write() as s:
+            if self._advance(s, fed_id, tr) is None:
+                return
+        self.publisher.tasks(fed_id, tasks)
+        self.publisher.announce(fed_id)
+
+    def _begin_close(self, fed_id: str, tr: Transition) -> None:
+        with self.store.write() as s:
+            if self._advance(s, fed_id, tr) is None:
+                return
+        self.publisher.announce(fed_id)
+
+    def _close(self, fed_id: str, tr: Transition) -> None:
+        t = tr.round
+        with self.store.read() as s:
+            fm = self.store.model(self.store.existing(s, fed_id))
+            start = self.store.round(s, fed_id, t).start_digest
+            ups = [(u.digest, u.n_samples, kp) for u, kp in s.execute(
+                select(Update, Device.kp).join(Device, Device.id == Update.device)
+                .where(Update.federation == fed_id, Update.round == t).order_by(Device.slot))]
+        result: str | None = None
+        if start is not None:  # a server model to aggregate into (none where devices exchange models)
+            new = self.average(fm, start, ups)
+            result = self.blobs.store_server_blob(fed_id, encode(new, model_id=fm.model_id, round=t))
+        with self.store.write() as s:
+            fed = self._advance(s, fed_id, tr)
+            if fed is None:
+                return
+            r = self.store.round(s, fed_id, t)
+            r.state, r.closed_at, r.base_digest = RoundState.PUBLISHED.value, now(), result
+            if result is not None:
+                fed.base_digest = result
+        log.info("federation %s: round %d closed with %d updates", fed_id, t, len(ups))
+
+    def average(self, fm: FedModel, start: str, ups: list[tuple[str, int, int]]) -> dict[str, Tensor]:
+        """The algorithm's aggregation of the uploads ``(digest, n_samples, kp)`` into the model ``start``,
+        streamed from the blob store one at a time in slot order (so the result does not depend on which device
+        finished first, and equals the simulator's)."""
+        prev = self.blobs.load(start, fm).tensors
+        new = fm.algorithm().aggregate(prev, ((self.blobs.load(digest, fm, fm.expected(kp)).tensors, float(n))
+                                              for digest, n, kp in ups))
+        if new is None:
+            raise InternalError(f"algorithm {fm.cfg.algorithm!r} has a server model but aggregates nothing")
+        return new
+
+    def _finish(self, fed_id: str, tr: Transition) -> None:
+        with self.store.write() as s:
+            fed = self._advance(s, fed_id, tr)
+            if fed is None:
+                return
+            final = self.store.model(fed).algorithm().final_evaluation
+        log.info("federation %s: finished after round %d", fed_id, tr.round)
+        if final:
+            self.publish_final(fed_id, tr.round)
+        self.publisher.announce(fed_id)
+
+    def publish_final(self, fed_id: str, t: int) -> None:
+        """The last step where the server ends with an evaluation (FedPer: every device evaluates its personal
+        blocks on the last base and reports round t)."""
+        self.publisher.tasks(fed_id, self.planner.tasks(fed_id, t, final=True))

@@ -1,0 +1,93 @@
+"""Updates: a device's upload for a round, checked (its round, its blob, exactly the tensors it may send) and
+counted exactly once (``UNIQUE(federation, round, device)``; a retry of the same update is answered again)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from pfl_edge.errors import CodecError
+from pfl_edge.protocol import UpdateAccepted, UpdateRequest
+
+from ..db import BlobRef, Device, Federation, Update
+from ..errors import Conflict, Unprocessable
+from ..fedmodel import FedModel
+from ..states import ENROLMENT_ROUND, RoundState
+from .blob_access import BlobAccess
+from .store import Store
+
+__all__ = ["Updates"]
+
+
+class Updates:
+    def __init__(self, store: Store, blobs: BlobAccess, on_accepted: Callable[[], None]) -> None:
+        self.store = store
+        self.blobs = blobs
+        self.on_accepted = on_accepted  # wakes the round worker: the update may close the round
+
+    def submit(self, dev: Device, t: int, req: UpdateRequest) -> UpdateAccepted:
+        with self.store.read() as s:
+            fed = self.store.existing(s, dev.federation)
+            fm = self.store.model(fed)
+            dup = self._previous(s, fed.id, t, dev.id)
+            if dup is not None:
+                return self._duplicate(s, dup, t, req)
+            self._check_round(s, fed, fm, dev, t)
+            if s.get(BlobRef, (req.digest, fed.id, dev.id)) is None:
+                raise Unprocessable(f"blob {req.digest} was not uploaded by this device: PUT /v1/blobs/{req.digest} "
+                                    "first")
+        self._check_payload(fm, dev, t, req.digest)  # decoded outside the lock
+        with self.store.write() as s:
+            fed = self.store.locked(s, dev.federation)
+            dup = self._previous(s, fed.id, t, dev.id)
+            if dup is not None:  # a concurrent retry won the race
+                return self._duplicate(s, dup, t, req)
+            self._check_round(s, fed, fm, dev, t)  # the round may have closed meanwhile
+            s.add(Update(federation=fed.id, round=t, device=dev.id, digest=req.digest, n_samples=req.n_samples,
+                         train_loss=req.train_loss, train_s=req.train_s, bytes_down=req.bytes_down))
+            s.flush()
+            n = self.store.count_updates(s, fed.id, t)
+        self.on_accepted()
+        return UpdateAccepted(round=t, accepted=True, updates=n)
+
+    def _check_payload(self, fm: FedModel, dev: Device, t: int, digest: str) -> None:
+        """The blob must be exactly what this device may send this round."""
+        try:
+            d = self.blobs.load(digest, fm, fm.expected(dev.kp))
+        except CodecError as e:
+            what = "its sparse model" if fm.decentral else f"exactly its base part (kp={dev.kp})"
+            raise Unprocessable(f"update refused: a {fm.cfg.algorithm} device sends {what}: {e}") from None
+        if d.round != t:
+            raise Unprocessable(f"the payload's header is for round {d.round}, the update is posted for round {t}")
+
+    @staticmethod
+    def _previous(s: Session, fed_id: str, t: int, dev_id: str) -> Update | None:
+        return s.scalar(select(Update).where(Update.federation == fed_id, Update.round == t, Update.device == dev_id))
+
+    def _duplicate(self, s: Session, dup: Update, t: int, req: UpdateRequest) -> UpdateAccepted:
+        if dup.digest != req.digest:
+            raise Conflict(f"this device already sent a different update for round {t} ({dup.digest}); one update "
+                           "per device and round")
+        return UpdateAccepted(round=t, accepted=False, updates=self.store.count_updates(s, dup.federation, t))
+
+    @staticmethod
+    def _check_round(s: Session, fed: Federation, fm: FedModel, dev: Device, t: int) -> None:
+        algo = fm.algorithm()
+        if fed.state == RoundState.FINISHED:
+            raise Conflict(f"federation {fed.id!r} has finished (round {fed.round}); no more updates")
+        if t == ENROLMENT_ROUND:
+            if not algo.sends_initial_model:
+                raise Conflict(f"round 0 takes no updates in {fm.cfg.algorithm}; the current round is {fed.round}")
+            return  # a device's initial model, accepted whenever it enrols
+        if t != fed.round or fed.state != RoundState.COLLECTING:
+            raise Conflict(f"round {t} is not collecting updates: the federation is in round {fed.round} "
+                           f"({fed.state})")
+        if dev.joined_round >= t:
+            raise Conflict(f"device joined during round {dev.joined_round}; it takes part from round "
+                           f"{dev.joined_round + 1}")
+        if algo.sends_initial_model and s.scalar(select(Update.id).where(
+                Update.federation == fed.id, Update.device == dev.id, Update.round == ENROLMENT_ROUND)) is None:
+            raise Conflict("upload the initial sparse model as the update of round 0 first")
+

@@ -1,0 +1,77 @@
+"""The round worker: one thread that makes every state transition, woken by enrolments and updates, by the
+MQTT link when the broker came back, and by a ticker for deadlines. HTTP handlers only insert rows."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from sqlalchemy import select
+
+from ..db import Federation
+from ..states import RoundState
+from .recovery import Recovery
+from .rounds import RoundMachine
+from .store import Store
+
+__all__ = ["RoundWorker"]
+
+log = logging.getLogger(__name__)
+
+
+class RoundWorker:
+    def __init__(self, store: Store, machine: RoundMachine, recovery: Recovery, *, tick_s: float = 1.0) -> None:
+        self.store = store
+        self.machine = machine
+        self.recovery = recovery
+        self.tick_s = tick_s
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._republish = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Resume every unfinished federation, then run the worker (transitions and deadlines)."""
+        self.recovery.recover()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="pfl-rounds", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(30)
+            self._thread = None
+
+    def kick(self) -> None:
+        self._wake.set()
+
+    def request_republish(self) -> None:
+        """From the MQTT thread: the broker came back; the worker re-publishes what devices must see now."""
+        self._republish = True
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.tick_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            try:
+                if self._republish:
+                    self._republish = False
+                    self.recovery.recover()
+                self.tick()
+            except Exception:  # keep the worker alive; the next tick retries
+                log.exception("round worker")
+
+    def tick(self) -> None:
+        """Every due transition of every unfinished federation."""
+        with self.store.read() as s:
+            ids = list(s.scalars(select(Federation.id).where(Federation.state != RoundState.FINISHED.value)))
+        for fed_id in ids:
+            try:
+                self.machine.step(fed_id)
+            except Exception:
+                log.exception("federation %s: transition failed; will retry", fed_id)

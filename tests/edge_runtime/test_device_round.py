@@ -1,0 +1,103 @@
+"""A device's round (``Algorithm.device_round`` on its one row, trained by its training backend) against the
+in-process simulator: devices that each run their slot's round (and a coordinator that aggregates their uploads
+with the algorithm's own ``aggregate``) end with the simulator's models, bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from edge_runtime.data import load_local_data
+from edge_runtime.trainer import device_clients
+from edge_runtime.training import TorchBackend
+from pfl_edge.algorithms import Neighbour, Received, get_algorithm
+from pfl_edge.checkpoint import load_checkpoint
+from pfl_edge.codec import decode, encode
+from pfl_edge.federation import init_state, model_id
+from pfl_edge.sim import SimConfig, simulate
+
+QUICK = dict(dataset="synthetic", partition="pathological:2", clients=4, rounds=2, samples_per_client=48,
+             test_per_client=32, local_epochs=1, batch_size=16, lr=0.05, workers=1, seed=3)
+
+
+def _sim(cfg: SimConfig, tmp: Path) -> tuple[dict, list[dict[str, torch.Tensor]]]:
+    res = simulate(cfg, save_dir=tmp, progress=False)
+    return res, [load_checkpoint(tmp / f"client_{i:03d}.safetensors")[0] for i in range(cfg.clients)]
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """The same numbers, bit for bit: devices run the simulator's arithmetic in the simulator's order."""
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def _devices(cfg: SimConfig) -> list:
+    out = []
+    for i in range(cfg.clients):
+        data = load_local_data(cfg, i)
+        out.append((data, device_clients(cfg, data, TorchBackend(data.model), i),
+                    get_algorithm(cfg, data.model, cfg.kp)))
+    return out
+
+
+def _wire(tensors: dict[str, torch.Tensor], masks: dict[str, torch.Tensor], spec, t: int):
+    return decode(encode(tensors, model_id=model_id(spec), round=t, masks=masks))
+
+
+@pytest.mark.parametrize("algorithm", ["fedper", "fedper-ft", "fedavg"])
+def test_fedper_devices_match_simulator(tmp_path: Path, algorithm: str) -> None:
+    cfg = SimConfig(algorithm=algorithm, kp=2, **QUICK)
+    res, want = _sim(cfg, tmp_path)
+    devs = _devices(cfg)
+    init = init_state(cfg, devs[0][0].spec)
+    states = [algo.device_init(dev, init, 1.0) for _, dev, algo in devs]
+    base = devs[0][2].device_upload(init).tensors
+    for t in range(1, cfg.rounds + 2):
+        final = t > cfg.rounds
+        uploads = []
+        for i, (data, dev, algo) in enumerate(devs):
+            out = algo.device_round(dev, states[i], Received(base=base), t, prev=t - 1, final=final)
+            states[i] = out.state
+            if t > 1:  # the metrics of the round before, on the base it produced
+                assert [m.round for m in out.metrics] == [t - 1]
+                assert out.metrics[0].accuracy == pytest.approx(res["rounds"][t - 2]["client_acc"][i], abs=1e-6)
+            if not final:
+                assert out.upload is not None
+                sent = _wire(out.upload.tensors, out.upload.masks, data.spec, t)
+                assert set(sent.tensors) == set(algo.split.base)  # nothing personal leaves the device
+                uploads.append((sent.tensors, float(data.n_train)))
+        if not final:
+            base = devs[0][2].aggregate(base, uploads)
+    for i in range(cfg.clients):
+        _equal(states[i], want[i])
+
+
+@pytest.mark.parametrize("regrow", ["gradient", "random"])
+def test_dispfl_devices_match_simulator(tmp_path: Path, regrow: str) -> None:
+    cfg = SimConfig(algorithm="dispfl", densities=(0.3, 0.6, 1.0), topology="random:2", regrow=regrow, **QUICK)
+    res, want = _sim(cfg, tmp_path)
+    devs = _devices(cfg)
+    init = init_state(cfg, devs[0][0].spec)
+    states = [algo.device_init(dev, init, cfg.client_density(i)) for i, (_, dev, algo) in enumerate(devs)]
+    sent = [_wire(algo.device_upload(s).tensors, algo.device_upload(s).masks, d.spec, 0)
+            for (d, _, algo), s in zip(devs, states, strict=True)]
+    for t in range(1, cfg.rounds + 1):
+        nbrs = devs[0][2].neighbours(t)
+        new_sent = []
+        for i, (data, dev, algo) in enumerate(devs):
+            got = [Neighbour(j, sent[j].tensors, sent[j].masks) for j in nbrs[i]]
+            out = algo.device_round(dev, states[i], Received(neighbours=got), t)
+            states[i] = out.state
+            assert out.metrics[0].accuracy == pytest.approx(res["rounds"][t - 1]["client_acc"][i], abs=1e-6)
+            if t == cfg.rounds:
+                _equal(out.deployed, want[i])  # the simulator deploys the trained model
+            # the payload carries the mask the weights were trained under, not the next round's
+            up = _wire(out.upload.tensors, out.upload.masks, data.spec, t)
+            for k, m in up.masks.items():
+                assert torch.equal(m.float(), out.state[f"support:{k}"]), k
+                assert bool((up.tensors[k][~m] == 0).all())
+            new_sent.append(up)
+        sent = new_sent
