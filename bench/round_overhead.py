@@ -7,16 +7,26 @@ DisPFL, exactly as `pfl-edge demo` launches them (`edge_runtime.fleet.start_serv
 
 * from the server: round opened/closed and every update's acceptance time (its SQLite database), per-device
   ``train_s``, ``bytes_up``, ``bytes_down`` (``GET /v1/federations/demo/metrics``);
-* from each device's log (``-v``: one timestamped line per HTTP response): when its downloads, its metrics report,
-  its upload and its update post completed, so each device's round splits into phases;
+* from each device's log (``-v``: one timestamped line per HTTP response): when its downloads, its metrics
+  reports, its upload and its update post completed;
+* from each device's state dir: when it wrote ``model.safetensors`` (its state after the round's
+  ``device_round``, written before the upload is encoded; the file's mtime, polled every 50 ms so that each
+  round's write is seen);
 * CPU seconds (utime + stime from /proc/PID/stat, sampled every 50 ms) of the server process (which also runs the
   broker) and of every device process, per round window: how busy the 2 cores were.
 
-"Compute" of a device in round t: FedPer, ``train_s`` (local training, timed by the device) plus the evaluation
-that sits in round t's window (a FedPer device evaluates round t-1's model on the new base at the start of round
-t: log time of its metrics post minus log time of its base download; includes one small POST). DisPFL: ``train_s``
-only; its evaluation, mask update (one dense-gradient batch) and encoding come after training and are reported as
-"post-train device work" (not separable from the logs). Writes bench/results/round_overhead.json.
+"Compute" of a device in round t. FedPer: ``train_s`` (what the device reports: time in its trainer, i.e. local
+training, and FedPer-FT's fine-tuning where there is one) plus the evaluation in round t's window: a FedPer
+device takes the new base and evaluates round t-1's model on it before it trains round t. That evaluation is
+``eval_s`` = (model saved) - (base downloaded) - ``train_s``: everything between the base download and the
+state write that is not training (taking the base, the evaluation, writing the state; with the agent of commit
+976e24b and before, also its metrics POST, which that agent sent before training; the current agent posts the
+metrics of round t-1 after its round-t update). DisPFL: ``train_s`` only; its neighbourhood averaging,
+evaluation, mask update (one dense-gradient batch) and encoding are reported as "post-train device work"
+(``post_train_s``; not separable from the logs). ``device_work_s`` (base/neighbour downloads done -> update
+accepted) is everything the device does in the round once its inputs are in; "system overhead" relates the round
+to the busiest device's. Runs against whichever tree is first on sys.path (and launches server and devices from
+it); the agents of 976e24b and after are both parsed. Writes bench/results/round_overhead.json.
 
     .venv/bin/python bench/round_overhead.py [--algorithms fedper,dispfl] [--quick]
 """
@@ -69,18 +79,25 @@ def _cpu_s(pid: int) -> float | None:
 
 
 class CpuSampler:
-    """(time, CPU seconds) of each watched pid every ``period`` s, in a thread."""
+    """(time, CPU seconds) of each watched pid, and every new mtime of each watched file, every ``period`` s, in a
+    thread."""
 
     def __init__(self, period: float = 0.05) -> None:
         self.period = period
         self.pids: dict[str, int] = {}
         self.samples: dict[str, list[tuple[float, float]]] = {}
+        self.files: dict[str, Path] = {}
+        self.mtimes: dict[str, list[float]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def watch(self, name: str, pid: int) -> None:
         self.pids[name] = pid
         self.samples.setdefault(name, [])
+
+    def watch_file(self, name: str, path: Path) -> None:
+        self.files[name] = path
+        self.mtimes.setdefault(name, [])
 
     def start(self) -> None:
         self._thread.start()
@@ -96,6 +113,14 @@ class CpuSampler:
                 c = _cpu_s(pid)
                 if c is not None:
                     self.samples[name].append((now, c))
+            for name, path in list(self.files.items()):
+                try:
+                    m = path.stat().st_mtime
+                except OSError:
+                    continue
+                seen = self.mtimes[name]
+                if not seen or seen[-1] != m:
+                    seen.append(m)
             self._stop.wait(self.period)
 
     def cpu_between(self, name: str, a: float, b: float) -> float:
@@ -151,6 +176,9 @@ def run_federation(cfg: DemoConfig, root: Path) -> dict[str, Any]:
             fed.start_device(i, prof.name, extra=[] if cfg.training_backend is None
                              else ["--training-backend", cfg.training_backend])
             sampler.watch(f"device-{i:02d}", fed.devices[i].pid)
+            sampler.watch_file(f"device-{i:02d}", root / "devices" / f"device-{i:02d}" / "model.safetensors")
+        children = {"server": import_root(fed.server.pid),
+                    **{f"device-{i:02d}": import_root(p.pid) for i, p in enumerate(fed.devices)}}
         deadline = time.monotonic() + cfg.timeout_s
         while True:  # what run_demo's loop does, without the table: one status call a second
             info = fed.info()
@@ -178,7 +206,21 @@ def run_federation(cfg: DemoConfig, root: Path) -> dict[str, Any]:
     names = {d["device_id"]: d["name"] for d in devices}
     logs = {name: parse_log(root / "devices" / f"{name}.log") for name in names.values()}
     return {"metrics": metrics, "devices": devices, "rounds": rounds, "updates": updates, "logs": logs,
-            "names": names, "sampler": sampler, "total_s": total_s, "lo_tx_bytes": lo_bytes}
+            "names": names, "sampler": sampler, "total_s": total_s, "lo_tx_bytes": lo_bytes, "children": children}
+
+
+def import_root(pid: int) -> str | None:
+    """Where a ``python -m pfl_edge`` child imports pfl_edge from: its working directory (sys.path[0] under -m),
+    else the first PYTHONPATH entry that holds it (else the installed package, reported as None)."""
+    try:
+        cwd = os.readlink(f"/proc/{pid}/cwd")
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    except OSError:
+        return None
+    path = [cwd, *env.get(b"PYTHONPATH", b"").decode().split(os.pathsep)]
+    return next((str(Path(p).resolve()) for p in path if p and (Path(p) / "pfl_edge" / "__init__.py").exists()),
+                None)
 
 
 def parse_log(path: Path) -> list[tuple[float, str, str]]:
@@ -193,11 +235,16 @@ def parse_log(path: Path) -> list[tuple[float, str, str]]:
 
 
 def device_rounds(log: list[tuple[float, str, str]]) -> dict[int, dict[str, Any]]:
-    """Per round, the device's HTTP events of that round: everything after its previous update post up to this
-    round's update post (DisPFL: and the metrics post that follows it)."""
+    """Per round, the device's HTTP events of that round: everything after its previous update post (and the
+    metrics posts right after it) up to this round's update post. Metrics posts that follow an update post
+    directly are that round's ``metrics_after`` (DisPFL: round t's; the current agent's FedPer: round t-1's);
+    ``metrics`` are those posted before the update (the agent of 976e24b and before: FedPer's of round t-1)."""
     out: dict[int, dict[str, Any]] = {}
     seg: list[tuple[float, str, str]] = []
     for ev in log:
+        if ev[1] == "POST" and "/metrics" in ev[2] and out and not seg:
+            out[max(out)].setdefault("metrics_after", []).append(ev[0])
+            continue
         seg.append(ev)
         m = re.match(r"/rounds/(\d+)/updates", ev[2]) if ev[1] == "POST" else None
         if m:
@@ -207,11 +254,6 @@ def device_rounds(log: list[tuple[float, str, str]]) -> dict[int, dict[str, Any]
             puts = [e[0] for e in seg if e[1] == "PUT"]
             out[t] = {"gets": gets, "metrics": mets, "put": puts[-1] if puts else None, "post": ev[0]}
             seg = []
-        elif ev[1] == "POST" and "/metrics" in ev[2] and out:
-            last = max(out)
-            if not seg[:-1] and ev[2] == f"/rounds/{last}/metrics":  # DisPFL: metrics right after the update
-                out[last]["metrics_after"] = ev[0]
-                seg = []
     return out
 
 
@@ -238,20 +280,33 @@ def analyse(raw: dict[str, Any], algorithm: str) -> dict[str, Any]:
             ev = {**ev, "gets": [g for g in ev["gets"] if g >= opened - 1e-3]}  # not the enrolment's download
             first_get = ev["gets"][0] if ev["gets"] else None
             last_get = ev["gets"][-1] if ev["gets"] else None
+            start = last_get if last_get is not None else opened
+            end = ev["put"] or ev["post"]
+            # the state write of this round: after its inputs are in, before its upload
+            saved = max((x for x in sampler.mtimes.get(name, []) if start < x <= end), default=None)
             eval_s = 0.0
-            if algorithm != "dispfl" and ev["metrics"] and last_get is not None:
-                eval_s = ev["metrics"][-1] - last_get  # evaluation of round t-1 (+ its small POST)
-            ready = (ev["metrics"][-1] if (algorithm != "dispfl" and ev["metrics"]) else last_get) or opened
+            eval_log_s = None
+            if algorithm != "dispfl":
+                if ev["metrics"]:  # the agent of 976e24b: the metrics post of round t-1 before training
+                    eval_log_s = ev["metrics"][-1] - start
+                if saved is not None:
+                    eval_s = max(0.0, saved - start - train)  # base taken, round t-1 evaluated, state written
+                elif eval_log_s is not None:
+                    eval_s = eval_log_s
+            compute = train + eval_s
             devs.append({
                 "device": name,
                 "train_s": train,
                 "eval_s": eval_s,
-                "compute_s": train + eval_s,
+                "eval_log_s": eval_log_s,  # the previous script's FedPer evaluation (old agent only)
+                "compute_s": compute,
                 # opened -> its (first) download done: task prepared, MQTT delivery, first GET
                 "start_lag_s": None if first_get is None else first_get - opened,
                 "download_s": None if first_get is None else last_get - first_get,  # DisPFL: the other GETs
-                # after training: FedPer encode + save + PUT + POST; DisPFL also evaluation + mask update
-                "post_train_s": ev["post"] - ready - train,
+                # after the compute: FedPer encode + save + PUT + POST; DisPFL also averaging, evaluation and
+                # mask update
+                "post_train_s": ev["post"] - start - compute,
+                "saved_after_s": None if saved is None else saved - start,
                 # everything the device does once its inputs are downloaded, up to its update accepted
                 "device_work_s": None if last_get is None else ev["post"] - last_get,
                 "accepted_at": accepted.get((t, name)),
@@ -268,6 +323,7 @@ def analyse(raw: dict[str, Any], algorithm: str) -> dict[str, Any]:
             "slowest_device": slowest["device"],
             "slowest_train_s": slowest["train_s"],
             "slowest_eval_s": slowest["eval_s"],
+            "slowest_eval_log_s": slowest["eval_log_s"],
             "slowest_compute_s": slowest["compute_s"],
             "overhead_s": wall - slowest["compute_s"],
             "overhead_pct": 100 * (wall - slowest["compute_s"]) / slowest["compute_s"],
@@ -303,8 +359,12 @@ def solo_compute(cfg: DemoConfig) -> list[dict[str, Any]]:
     """Each device's compute of one round measured alone in this process (1 thread, as a device runs): local
     training, evaluation, and for DisPFL the mask update and the payload encoding. The round a fleet of real
     devices (one per machine) would see, with no system cost, is the slowest of these."""
+    try:
+        from pfl_edge import algorithms  # noqa: F401
+    except ImportError:  # the tree of commit 976e24b and before: the devices' rounds in pfl_edge.local
+        return _solo_compute_local(cfg)
     from edge_runtime.data import load_local_data
-    from edge_runtime.trainer import device_clients
+    from edge_runtime.trainer import DeviceTrainer, device_clients
     from edge_runtime.training import TorchBackend
     from pfl_edge.algorithms import central, dispfl, get_algorithm, one_row
     from pfl_edge.codec import encode
@@ -317,7 +377,7 @@ def solo_compute(cfg: DemoConfig) -> list[dict[str, Any]]:
     out = []
     for i in [0, *range(cfg.devices)]:  # device 0 twice: the first run warms up
         data = load_local_data(fed, i)
-        dev = device_clients(fed, data, TorchBackend(data.model), i)
+        dev = device_clients(fed, DeviceTrainer(data, TorchBackend(data.model)), i)
         algo = get_algorithm(fed, data.model, profiles[i].kp)
         state = algo.device_init(dev, init_state(fed, data.spec), profiles[i].density)
         row: dict[str, Any] = {"device": f"device-{i:02d}", "profile": profiles[i].name}
@@ -341,6 +401,51 @@ def solo_compute(cfg: DemoConfig) -> list[dict[str, Any]]:
         row["device_work_s"] = row["compute_s"] + row.get("mask_update_encode_s", 0.0)
         out.append(row)
     return out[1:]
+
+
+def _solo_compute_local(cfg: DemoConfig) -> list[dict[str, Any]]:
+    """``solo_compute`` on the API of commit 976e24b (``pfl_edge.local``), as that commit's script measured it."""
+    from pfl_edge import local  # type: ignore[attr-defined]
+    from pfl_edge.sim.config import SimConfig  # type: ignore[import-not-found]
+
+    torch.set_num_threads(1)
+    sim = SimConfig.from_dict(cfg.federation_config())
+    profiles = get_fleet(cfg.fleet).assign(cfg.devices)
+    out = []
+    for i in [0, *range(cfg.devices)]:  # device 0 twice: the first run warms up
+        data = local.load_local_data(sim, i)
+        init = local.init_state(sim, data.spec)
+        row: dict[str, Any] = {"device": f"device-{i:02d}", "profile": profiles[i].name}
+        masks = None
+        if cfg.algorithm == "dispfl":
+            init, masks = local.dispfl_init(data, sim, i, profiles[i].density, init)
+        t0 = time.perf_counter()
+        trained, _, _ = local.train_local(data, init, sim, 2, i, masks=masks)
+        row["train_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        local.evaluate_local(data, trained)
+        row["eval_s"] = time.perf_counter() - t0
+        if masks is not None:
+            t0 = time.perf_counter()
+            w, m = local.dispfl_update_mask(data, trained, masks, sim, 2, i)
+            local.dispfl_payload(w, m, data.spec, 2)
+            row["mask_update_encode_s"] = time.perf_counter() - t0
+        row["compute_s"] = row["train_s"] + row["eval_s"]
+        row["device_work_s"] = row["compute_s"] + row.get("mask_update_encode_s", 0.0)
+        out.append(row)
+    return out[1:]
+
+
+def code_info() -> dict[str, Any]:
+    """Which tree this process runs (and so launches: the children inherit its PYTHONPATH and working dir)."""
+    import pfl_edge
+    import server
+
+    root = Path(pfl_edge.__file__).resolve().parents[1]
+    rev = os.popen(f"git -C {root} rev-parse --short HEAD 2>/dev/null").read().strip()
+    dirty = os.popen(f"git -C {root} status --porcelain --untracked-files=no 2>/dev/null").read().strip()
+    return {"root": str(root), "rev": rev + (" + uncommitted changes" if dirty else ""),
+            "pfl_edge": pfl_edge.__file__, "server": server.__file__}
 
 
 def print_rows(algo: str, res: dict[str, Any]) -> None:
@@ -371,8 +476,10 @@ def main() -> None:
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine(),
         "load_average_start": os.getloadavg(),
-        "compute": "FedPer: train_s + the evaluation in the round's window (log time of the metrics post minus "
-                   "that of the base download); DisPFL: train_s",
+        "code": code_info(),
+        "compute": "FedPer: train_s + eval_s, eval_s = (model.safetensors written) - (base downloaded) - train_s "
+                   "(the evaluation of round t-1 on the new base, in round t's window; with the agent of 976e24b "
+                   "also its metrics POST); DisPFL: train_s",
         "runs": {},
     }
     for algo in args.algorithms.split(","):
@@ -399,8 +506,12 @@ def main() -> None:
               f"{res['solo']['slowest_device_work_s']:.2f} s, CPU floor on {CORES} cores "
               f"{res['solo']['cpu_floor_s']:.2f} s; train_s stretched x{res['solo']['train_stretch']:.2f} "
               f"in the federation", flush=True)
+        stray = {k: v for k, v in raw["children"].items() if v != result["code"]["root"]}
+        if stray:
+            raise RuntimeError(f"children import another tree than {result['code']['root']}: {stray}")
         result["runs"][algo] = {
             "config": cfg.federation_config(),
+            "children_import_root": raw["children"],
             "training_backend": args.training_backend,
             "profiles": [p.name for p in get_fleet(cfg.fleet).assign(cfg.devices)],
             "lo_tx_bytes": raw["lo_tx_bytes"],

@@ -1,5 +1,5 @@
 """Server aggregation throughput and peak memory against the number of uploads: FedPer's streaming weighted average,
-run through the server's own code (``server.rounds.Coordinator._average``: the accepted updates read from the blob
+run through the server's own code (``Coordinator.rounds.average``: the accepted updates read from the blob
 store one at a time, decoded, added into one float64 accumulator per tensor), then the result encoded and stored as
 ``_close`` does.
 
@@ -71,8 +71,8 @@ def make_store(root: Path, n: int, seed: int = 0) -> dict[str, Any]:
 
 
 def child(store_dir: str, manifest: str, n: int, repeats: int) -> dict[str, Any]:
-    """In a fresh process: time Coordinator._average over the first ``n`` uploads, then encode + store."""
-    from server.rounds import Coordinator
+    """In a fresh process: time the server's average over the first ``n`` uploads, then encode + store."""
+    from server.coordinator import Coordinator
 
     man = json.loads(Path(manifest).read_text())
     fm = fed_model(CONFIG)
@@ -87,7 +87,7 @@ def child(store_dir: str, manifest: str, n: int, repeats: int) -> dict[str, Any]
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        new = coord._average(fm, man["start"], ups)
+        new = coord.rounds.average(fm, man["start"], ups)
         times.append(time.perf_counter() - t0)
     t0 = time.perf_counter()
     out = encode(new, model_id=fm.model_id, round=1)

@@ -131,7 +131,8 @@ class Agent:
         torch.set_num_threads(self.cfg.threads or self.profile.threads)
         self.data = self._load_data(data_cfg, enr)
         self.algo: Algorithm = get_algorithm(self.fed, self.data.model, enr.kp)
-        self.dev = device_clients(self.fed, self.data, self._training_backend(), enr.index)
+        self.trainer = DeviceTrainer(self.data, self._training_backend())
+        self.dev = device_clients(self.fed, self.trainer, enr.index)
         if self.store.load_tensors("model.safetensors") is None:
             self._init_model(enr)
         prog = self.store.progress
@@ -272,8 +273,7 @@ class Agent:
             self._flush_upload()
             return
         received, down = self._receive(task)
-        trainer = self.dev.trainer
-        assert isinstance(trainer, DeviceTrainer)
+        trainer = self.trainer
         trainer.reset_clock()
         out = self.algo.device_round(self.dev, state, received, t, prev=prog.round, late=prog.late)
         st = prog.stat(t)

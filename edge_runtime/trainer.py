@@ -63,6 +63,6 @@ class DeviceTrainer:
         return one_row(self.backend.dense_gradients(x, y, batch_size, gens[0]))
 
 
-def device_clients(cfg: FederationConfig, data: LocalData, backend: TrainingBackend, slot: int) -> Clients:
-    """The device as the algorithms see it: one client, its slot, its samples, trained by ``backend``."""
-    return Clients(cfg, data.model, DeviceTrainer(data, backend), torch.tensor([slot]), torch.tensor([data.n_train]))
+def device_clients(cfg: FederationConfig, trainer: DeviceTrainer, slot: int) -> Clients:
+    """The device as the algorithms see it: one client, its slot, its samples, trained by ``trainer``."""
+    return Clients(cfg, trainer.data.model, trainer, torch.tensor([slot]), torch.tensor([trainer.data.n_train]))

@@ -46,7 +46,7 @@ import dataclasses
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +59,9 @@ from pfl_edge.split import split_keys
 from pfl_edge.train import TrainConfig
 
 from .stages import ExportError, Lowered, Packaged, Prepared, _update_manifest
+
+if TYPE_CHECKING:
+    from edge_runtime.training import ExecuTorchBackend
 
 __all__ = ["TRAINING_MODES", "TrainingVerified", "TrainingWrapper", "lower_executorch_training", "verify_training"]
 
@@ -186,32 +189,64 @@ def verify_training(target: Lowered | Packaged, *, mask: Mapping[str, Tensor] | 
     if d.get("kind") != "training":
         raise ConfigError("verify_training needs a training program (lower_executorch_training)")
     prep = lowered.prepared
-    b = int(d["batch_size"])
-    trainable = list(d["trainable"])
+    batches = _random_batches(prep, int(d["batch_size"]), seed)
+    masks = dict(mask or {})
+    eager = _masked_copy(prep.model, masks)
+    backend = ExecuTorchBackend(lowered.program, d)
+    backend.load({k: v.detach().clone() for k, v in eager.state_dict().items()})
+    cfg = TrainConfig(lr=lr, momentum=momentum, weight_decay=weight_decay)
+    grad_err, loss_err = _step_side_by_side(eager, backend, cfg, list(d["trainable"]), masks, batches, steps)
+    state = backend.state()
+    weight_err = max(float((state[k] - v.detach()).abs().max()) for k, v in eager.state_dict().items())
+    name = target.path.name if isinstance(target, Packaged) else f"{prep.spec.model} training program"
+    if grad_err > grad_atol or loss_err > grad_atol:
+        raise ExportError(f"{name}: gradients differ from eager PyTorch by {grad_err:.3g} (loss by {loss_err:.3g}; "
+                          f"atol {grad_atol})")
+    if weight_err > weight_atol:
+        raise ExportError(f"{name}: weights after {steps} SGD steps differ from eager PyTorch by {weight_err:.3g} "
+                          f"(atol {weight_atol})")
+    if isinstance(target, Packaged):
+        target.entry["verify"] = {"grad_max_abs_err": grad_err, "weight_max_abs_err": weight_err,
+                                  "loss_abs_err": loss_err, "steps": steps, "grad_atol": grad_atol,
+                                  "weight_atol": weight_atol, "passed": True}
+        _update_manifest(target.path.parent, target.entry)
+    return TrainingVerified(target, grad_err, weight_err, loss_err, grad_atol, weight_atol)
+
+
+def _random_batches(prep: Prepared, b: int, seed: int) -> list[tuple[Tensor, Tensor]]:
+    """Random images and labels from ``seed``: a full batch of ``b``, then a partial one (the program pads it)."""
     gen = torch.Generator().manual_seed(seed)
     ncls = int(prep.spec.num_classes)
     batches = [(torch.randn(b, *prep.input_shape, generator=gen), torch.randint(0, ncls, (b,), generator=gen))]
     short = max(1, b - 3) if b > 1 else 1
     batches.append((torch.randn(short, *prep.input_shape, generator=gen),
                     torch.randint(0, ncls, (short,), generator=gen)))
+    return batches
 
-    eager = copy.deepcopy(prep.model).train()
+
+def _masked_copy(model: nn.Module, masks: Mapping[str, Tensor]) -> nn.Module:
+    """A copy of ``model`` in training mode, its masked weights multiplied by their masks."""
+    eager = copy.deepcopy(model).train()
     named = dict(eager.named_parameters())
-    masks = dict(mask or {})
     with torch.no_grad():
         for k, m in masks.items():
             named[k].mul_(m)
-    start = {k: v.detach().clone() for k, v in eager.state_dict().items()}
-    backend = ExecuTorchBackend(lowered.program, d)
-    backend.load(start)
-    sgd = backend.sgd(TrainConfig(lr=lr, momentum=momentum, weight_decay=weight_decay), mask=masks)
+    return eager
 
+
+def _step_side_by_side(eager: nn.Module, backend: ExecuTorchBackend, cfg: TrainConfig, trainable: list[str],
+                       masks: Mapping[str, Tensor], batches: list[tuple[Tensor, Tensor]],
+                       steps: int) -> tuple[float, float]:
+    """``steps`` SGD steps of ``trainable`` in eager PyTorch (``eager`` is updated in place) and in the program
+    (through ``backend``), masked as DisPFL masks them; the largest gradient and loss differences seen."""
+    named = dict(eager.named_parameters())
+    sgd = backend.sgd(cfg, mask=masks)
     for p in eager.parameters():
         p.requires_grad_(False)
     params = [named[k] for k in trainable]
     for p in params:
         p.requires_grad_(True)
-    opt = torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    opt = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     grad_err, loss_err = 0.0, 0.0
     for i in range(steps):
         x, y = batches[i % len(batches)]
@@ -231,18 +266,4 @@ def verify_training(target: Lowered | Packaged, *, mask: Mapping[str, Tensor] | 
             for k, m in masks.items():
                 named[k].mul_(m)
         sgd.step(got)
-    state = backend.state()
-    weight_err = max(float((state[k] - v.detach()).abs().max()) for k, v in eager.state_dict().items())
-    name = target.path.name if isinstance(target, Packaged) else f"{prep.spec.model} training program"
-    if grad_err > grad_atol or loss_err > grad_atol:
-        raise ExportError(f"{name}: gradients differ from eager PyTorch by {grad_err:.3g} (loss by {loss_err:.3g}; "
-                          f"atol {grad_atol})")
-    if weight_err > weight_atol:
-        raise ExportError(f"{name}: weights after {steps} SGD steps differ from eager PyTorch by {weight_err:.3g} "
-                          f"(atol {weight_atol})")
-    if isinstance(target, Packaged):
-        target.entry["verify"] = {"grad_max_abs_err": grad_err, "weight_max_abs_err": weight_err,
-                                  "loss_abs_err": loss_err, "steps": steps, "grad_atol": grad_atol,
-                                  "weight_atol": weight_atol, "passed": True}
-        _update_manifest(target.path.parent, target.entry)
-    return TrainingVerified(target, grad_err, weight_err, loss_err, grad_atol, weight_atol)
+    return grad_err, loss_err

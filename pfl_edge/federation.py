@@ -129,13 +129,7 @@ class FederationConfig:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ConfigError(f"{name} must be >= 1, got {v}")
-        # lr, momentum, weight decay are checked by TrainConfig; check here too, so a bad file fails at once
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ConfigError(f"lr must be finite and > 0, got {self.lr}")
-        if not 0 <= self.momentum < 1:
-            raise ConfigError(f"momentum must be in [0, 1), got {self.momentum}")
-        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
-            raise ConfigError(f"weight_decay must be finite and >= 0, got {self.weight_decay}")
+        self.train_config(1)  # lr, momentum, weight decay, clipping: TrainConfig's rules, so a bad file fails at once
 
     @property
     def effective_kp(self) -> int | None:

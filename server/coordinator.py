@@ -4,10 +4,8 @@ launchers. It holds no logic of its own: each call goes to the service that owns
 from __future__ import annotations
 
 from sqlalchemy.orm import Session, sessionmaker
-from torch import Tensor
 
 from .blobs import BlobStore
-from .fedmodel import FedModel
 from .mqtt import MqttLink
 from .services import (
     BlobAccess,
@@ -54,7 +52,3 @@ class Coordinator:
 
     def request_republish(self) -> None:
         self.worker.request_republish()
-
-    def _average(self, fm: FedModel, start: str, ups: list[tuple[str, int, int]]) -> dict[str, Tensor]:
-        # the name bench/server_aggregation.py times; new code calls self.rounds.average
-        return self.rounds.average(fm, start, ups)

@@ -51,7 +51,8 @@ class BlockModel(nn.Sequential):
         """Map every state-dict key (parameters and buffers) to the name of the block that owns it."""
         owner: dict[str, str] = {}
         for name, block in self._modules.items():
-            assert block is not None
+            if block is None:  # a block slot set to None holds nothing
+                continue
             for key in block.state_dict(keep_vars=True):
                 owner[f"{name}.{key}"] = name
         return owner

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from ..accounting import payload_bytes
 from ..algorithms import Algorithm, Clients, central, get_algorithm
-from ..errors import UnknownNameError
+from ..errors import InternalError, UnknownNameError
 from ..federation import CENTRAL, FederationConfig
 from ..models import BlockModel
 from ..parallel import Trainer
@@ -105,7 +105,8 @@ class CentralPFL(Runner):
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
-        assert isinstance(self.algo, central.Central)
+        if not isinstance(self.algo, central.Central):
+            raise InternalError(f"{ctx.cfg.algorithm} is not a centralised algorithm")
         self.central: central.Central = self.algo
         self.clients: Stack = stack_states([ctx.init_state] * ctx.num_clients)
         self.base: dict[str, Tensor] | None = (central.upload(ctx.init_state, self.central.split)

@@ -12,13 +12,21 @@ import torch
 from torch import Tensor
 
 from ..accounting import payload_bytes
-from ..algorithms import dispfl, dpsgd
+from ..algorithms import Algorithm, dispfl, dpsgd
+from ..errors import InternalError
 from ..flops import forward_flops, layer_sizes
 from ..topology import mixing_matrix
 from ..train import Stack, stack_states, unstack
 from .algorithms import Context, RoundStats, Runner, weighted_loss
 
 __all__ = ["DPSGDRunner", "DisPFLRunner", "hamming_matrix", "mask_summary"]
+
+
+def graph(algo: Algorithm, t: int) -> list[list[int]]:
+    nbrs = algo.neighbours(t)
+    if nbrs is None:
+        raise InternalError(f"{algo.name} is decentralised but has no neighbour graph")
+    return nbrs
 
 
 def _traffic(payload: list[int], nbrs: list[list[int]]) -> tuple[list[int], list[int], int, int]:
@@ -52,8 +60,7 @@ class DisPFLRunner(Runner):
     def run_round(self, t: int, participants: Tensor) -> RoundStats:
         ctx, cfg = self.ctx, self.ctx.cfg
         cl = ctx.clients
-        nbrs = self.algo.neighbours(t)
-        assert nbrs is not None
+        nbrs = graph(self.algo, t)
         up, down, busiest, received = _traffic([self._payload(i) for i in range(len(cl))], nbrs)
         masks = self.state.masks  # what each client trains under this round
         summary = mask_summary(masks, self.label_counts)
@@ -97,8 +104,7 @@ class DPSGDRunner(Runner):
     def run_round(self, t: int, participants: Tensor) -> RoundStats:
         ctx, cfg = self.ctx, self.ctx.cfg
         cl = ctx.clients
-        nbrs = self.algo.neighbours(t)
-        assert nbrs is not None
+        nbrs = graph(self.algo, t)
         self.weights, res, deployed = dpsgd.round_step(cl, self.weights, mixing_matrix(nbrs), t)
         up, down, busiest, received = _traffic([payload_bytes(unstack(res.stack, i)) for i in range(len(cl))],
                                                nbrs)

@@ -18,7 +18,7 @@ from ..parallel import Trainer
 from ..seeding import seed_everything
 from ..split import split_keys
 from ..train import ClientTensors, unstack
-from .algorithms import Context, make_algorithm
+from .algorithms import Context, RoundStats, make_algorithm
 
 __all__ = ["build_context", "sample_participants", "simulate"]
 
@@ -70,28 +70,7 @@ def _run(cfg: FederationConfig, ctx: Context, spec: ModelSpec, t0: float, save_d
         participants = algo.algo.participants(t)
         st = algo.run_round(t, participants)
         wall = time.perf_counter() - start
-        accs = st.client_acc
-        rounds.append({
-            "round": t,
-            "mean_acc": sum(accs) / len(accs),
-            "std_acc": _pstd(accs),
-            "client_acc": accs,
-            "client_loss": st.client_loss,
-            "train_loss": st.train_loss,
-            "bytes_up": sum(st.client_bytes_up),
-            "bytes_down": sum(st.client_bytes_down),
-            "client_bytes_up": st.client_bytes_up,
-            "client_bytes_down": st.client_bytes_down,
-            "busiest_node_bytes": st.busiest_node_bytes,
-            "busiest_node_received": st.busiest_node_received,
-            "participants": st.participants,
-            # per participating client (a centralised round trains a sample of the clients)
-            "flops": sum(st.client_flops[i] for i in st.participants) / len(st.participants),
-            "client_flops": st.client_flops,
-            "client_density": st.client_density,
-            **st.extra,
-            "wall_s": wall,
-        })
+        rounds.append(_record(t, st, wall))
         bar.set_postfix(acc=f"{rounds[-1]['mean_acc']:.3f}")
     bar.close()
     last = rounds[-1]
@@ -121,6 +100,32 @@ def _run(cfg: FederationConfig, ctx: Context, spec: ModelSpec, t0: float, save_d
     if save_dir is not None:
         _save(Path(save_dir), cfg, spec, algo.deployed(), algo.shared())
     return result
+
+
+def _record(t: int, st: RoundStats, wall: float) -> dict[str, Any]:
+    """One round of the result JSON."""
+    accs = st.client_acc
+    return {
+        "round": t,
+        "mean_acc": sum(accs) / len(accs),
+        "std_acc": _pstd(accs),
+        "client_acc": accs,
+        "client_loss": st.client_loss,
+        "train_loss": st.train_loss,
+        "bytes_up": sum(st.client_bytes_up),
+        "bytes_down": sum(st.client_bytes_down),
+        "client_bytes_up": st.client_bytes_up,
+        "client_bytes_down": st.client_bytes_down,
+        "busiest_node_bytes": st.busiest_node_bytes,
+        "busiest_node_received": st.busiest_node_received,
+        "participants": st.participants,
+        # per participating client (a centralised round trains a sample of the clients)
+        "flops": sum(st.client_flops[i] for i in st.participants) / len(st.participants),
+        "client_flops": st.client_flops,
+        "client_density": st.client_density,
+        **st.extra,
+        "wall_s": wall,
+    }
 
 
 def _save(d: Path, cfg: FederationConfig, spec: ModelSpec, deployed: dict[str, torch.Tensor],

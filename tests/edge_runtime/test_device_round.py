@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from edge_runtime.data import load_local_data
-from edge_runtime.trainer import device_clients
+from edge_runtime.trainer import DeviceTrainer, device_clients
 from edge_runtime.training import TorchBackend
 from pfl_edge.algorithms import Neighbour, Received, get_algorithm
 from pfl_edge.checkpoint import load_checkpoint
@@ -38,7 +38,7 @@ def _devices(cfg: SimConfig) -> list:
     out = []
     for i in range(cfg.clients):
         data = load_local_data(cfg, i)
-        out.append((data, device_clients(cfg, data, TorchBackend(data.model), i),
+        out.append((data, device_clients(cfg, DeviceTrainer(data, TorchBackend(data.model)), i),
                     get_algorithm(cfg, data.model, cfg.kp)))
     return out
 

@@ -108,13 +108,17 @@ def test_clipping_matches_clip_grad_norm(prep: Prepared, fedper: Lowered, data: 
     assert _max_diff(unclipped.state(), eb.state()) > 100 * ATOL  # clipping changed the result
 
 
-def test_masked_dispfl_training_matches_torch_and_keeps_zeros(prep: Prepared, data: tuple[Tensor, Tensor]) -> None:
+@pytest.mark.parametrize("clip_unmasked", [False, True])
+def test_masked_dispfl_training_matches_torch_and_keeps_zeros(prep: Prepared, data: tuple[Tensor, Tensor],
+                                                              clip_unmasked: bool) -> None:
     x, y = data
     shapes = {k: p.shape for k, p in prep.model.named_parameters() if p.dim() > 1}
     masks = init_masks(shapes, erk_densities(shapes, 0.5), torch.Generator().manual_seed(4))
     low = lower_executorch_training(prep, mode="dispfl", batch_size=B, mask=masks)
     tb, eb = _pair(prep, low)  # dense start: training itself must apply the mask first
-    cfg = TrainConfig(epochs=2, batch_size=B, lr=0.05, momentum=0.9, weight_decay=1e-3, clip_norm=5.0)
+    # a small clip norm, so that clipping the whole or the masked gradient makes a difference
+    cfg = TrainConfig(epochs=2, batch_size=B, lr=0.05, momentum=0.9, weight_decay=1e-3, clip_norm=0.5,
+                      clip_unmasked=clip_unmasked)
     tb.train(x, y, cfg, torch.Generator().manual_seed(8), mask=masks)
     eb.train(x, y, cfg, torch.Generator().manual_seed(8), mask=masks)
     state = eb.state()

@@ -137,7 +137,7 @@ def _enrol_late(fed: Federation, i: int, profile: str, config: dict[str, Any]) -
     import hashlib
     import json
 
-    from edge_runtime.trainer import device_clients
+    from edge_runtime.trainer import DeviceTrainer, device_clients
     from edge_runtime.training import TorchBackend
     from pfl_edge.codec import encode
     from pfl_edge.federation import init_state, model_id
@@ -153,7 +153,7 @@ def _enrol_late(fed: Federation, i: int, profile: str, config: dict[str, Any]) -
     if cfg.algorithm == "dispfl":
         data = load_local_data(cfg, i)
         algo = get_algorithm(cfg, data.model)
-        dev = device_clients(cfg, data, TorchBackend(data.model), i)
+        dev = device_clients(cfg, DeviceTrainer(data, TorchBackend(data.model)), i)
         up = algo.device_upload(algo.device_init(dev, init_state(cfg, data.spec), enr["density"]))
         payload = encode(up.tensors, model_id=model_id(data.spec), round=0, masks=up.masks)
         digest = hashlib.sha256(payload).hexdigest()

@@ -1,0 +1,49 @@
+"""``pfl-edge client``: a device that enrols, follows rounds, trains on local data and uploads."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def _cmd_client(args: argparse.Namespace) -> int:
+    import logging
+
+    from edge_runtime.agent import Agent, AgentConfig, install_signal_handlers
+
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    overrides = {k: v for k, v in (("dataset", args.dataset), ("partition", args.partition),
+                                   ("clients", args.num_partitions), ("seed", args.seed)) if v is not None}
+    cfg = AgentConfig(server=args.server, federation=args.federation, enrol_secret=args.enrol_secret,
+                      profile=args.profile, state_dir=str(args.state_dir), name=args.name,
+                      partition_id=args.partition_id, threads=args.threads, data_dir=args.dataset_dir,
+                      image_dir=args.data_dir, patience_s=args.patience, data_overrides=overrides,
+                      training_backend=args.training_backend, training_program=args.training_program)
+    agent = Agent(cfg)
+    install_signal_handlers(agent)
+    return agent.run()
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("client", help="a device: enrol, follow rounds, train on local data, upload")
+    p.add_argument("--server", required=True, help="the server's URL, e.g. http://10.0.0.2:8080")
+    p.add_argument("--federation", default="demo", help="federation id (default demo)")
+    p.add_argument("--enrol-secret", required=True, help="the federation's enrolment secret")
+    p.add_argument("--profile", required=True, help="this device's profile (pfl-edge list)")
+    p.add_argument("--state-dir", type=Path, required=True, help="enrolment, personal blocks, mask, progress")
+    p.add_argument("--name", default="", help="a label for tables")
+    p.add_argument("--dataset", help="registered data set (default: the federation's)")
+    p.add_argument("--partition", help="split (default: the federation's)")
+    p.add_argument("--num-partitions", type=int, help="partitions (default: the federation's clients)")
+    p.add_argument("--partition-id", type=int, help="this device's partition (default: its slot)")
+    p.add_argument("--seed", type=int, help="partition seed (default: the federation's)")
+    p.add_argument("--dataset-dir", help="where the registered data set's files are")
+    p.add_argument("--data-dir", help="the user's own labelled images instead: one folder per class")
+    p.add_argument("--threads", type=int, help="torch threads (default: the profile's)")
+    p.add_argument("--training-backend", choices=["torch", "executorch"],
+                   help="default: the profile's (an executorch program is exported once into the state dir)")
+    p.add_argument("--training-program", help="an exported ExecuTorch training program (.pte beside its manifest)")
+    p.add_argument("--patience", type=float, default=300.0, help="seconds to keep retrying a missing server")
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.set_defaults(func=_cmd_client)

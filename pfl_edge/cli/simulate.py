@@ -1,0 +1,104 @@
+"""``pfl-edge simulate``: a federation in-process, and the simulator flags ``demo --simulate`` shares."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+from .common import _check_writable
+
+# flag -> (SimConfig field, type, help)
+_SIM_FLAGS: list[tuple[str, type, str]] = [
+    ("algorithm", str, "local | fedavg | fedavg-ft | fedper | fedper-ft | dispfl | dpsgd | dpsgd-ft"),
+    ("model", str, "registered model (pfl-edge list)"),
+    ("dataset", str, "registered data set (pfl-edge list)"),
+    ("data-dir", str, "folder of the data set's files"),
+    ("partition", str, "iid | pathological:K | dirichlet:ALPHA (class-wise) | dirichlet-client:ALPHA (client-wise, "
+                       "equal sizes: the DisPFL reference's) | groups:G | preference[:P]"),
+    ("clients", int, "number of clients"),
+    ("rounds", int, "communication rounds"),
+    ("local-epochs", int, "local epochs per round"),
+    ("batch-size", int, "local batch size"),
+    ("lr", float, "SGD learning rate"),
+    ("lr-decay", float, "learning rate of round t: lr * lr_decay ** (t - 1)"),
+    ("clip-norm", float, "clip each client's gradient norm to this"),
+    ("momentum", float, "SGD momentum (state reset every round)"),
+    ("weight-decay", float, "SGD weight decay"),
+    ("kp", int, "FedPer: number of personal (trailing) blocks"),
+    ("base", str, "deep | linear (FedPer's linear-base control)"),
+    ("participation", float, "fraction of clients sampled per round"),
+    ("samples-per-client", int, "cap on training samples per client"),
+    ("test-per-client", int, "test samples per client (default ceil(test split / clients))"),
+    ("ft-epochs", int, "-ft algorithms: fine-tuning epochs"),
+    ("topology", str, "decentralized: random:K | ring | full"),
+    ("density", float, "DisPFL: every client's density (1 - sparsity)"),
+    ("densities", str, "DisPFL: comma-separated densities cycled over clients, e.g. 0.2,0.4,0.6,0.8,1.0"),
+    ("alpha0", float, "DisPFL: initial prune rate (cosine-annealed)"),
+    ("regrow", str, "DisPFL: gradient (the paper) | random (the released scripts)"),
+    ("engine", str, "auto | vmap | loop (training engine)"),
+    ("workers", int, "training processes (default: one per core)"),
+    ("seed", int, "the one seed every random stream derives from"),
+]
+
+
+def _add_sim_flags(p: argparse.ArgumentParser) -> None:
+    for flag, typ, help_ in _SIM_FLAGS:
+        p.add_argument(f"--{flag}", type=typ, default=None, help=help_)
+    p.add_argument("--local-norm-stats", action="store_true", default=None,
+                   help="keep base normalisation statistics on the client (FedBN-style)")
+    p.add_argument("--clip-unmasked", action=argparse.BooleanOptionalAction, default=None,
+                   help="clip the whole gradient before masking it (default: yes for dispfl, the reference's order)")
+    p.add_argument("--fleet", help="DisPFL: take the clients' densities from a device fleet (pfl-edge list)")
+    p.add_argument("--config", type=Path, help="re-run a config: TOML, or the JSON of an earlier run")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _sim_config(args: argparse.Namespace, **defaults: Any) -> Any:
+    from ..sim import SimConfig, load_config_file
+
+    values: dict[str, Any] = dict(defaults)
+    if args.config is not None:
+        values.update(load_config_file(args.config))
+    for flag, _, _ in _SIM_FLAGS:
+        v = getattr(args, flag.replace("-", "_"))
+        if v is not None:
+            values[flag.replace("-", "_")] = v
+    if isinstance(values.get("densities"), str):
+        try:
+            values["densities"] = tuple(float(d) for d in values["densities"].split(","))
+        except ValueError:
+            raise ConfigError(f"--densities takes comma-separated numbers, got {values['densities']!r}") from None
+    if getattr(args, "clip_unmasked", None) is not None:
+        values["clip_unmasked"] = args.clip_unmasked
+    if args.local_norm_stats:
+        values["local_norm_stats"] = True
+    if getattr(args, "fleet", None):
+        from device_profiles import get_fleet
+
+        # the fleet's densities in dealing order, cycled over clients; recorded as plain densities
+        values["densities"] = get_fleet(args.fleet).densities()
+    return SimConfig.from_dict(values)
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from ..sim import client_table, simulate, write_result
+
+    cfg = _sim_config(args)
+    out = args.out or Path("runs") / f"{cfg.algorithm}.json"
+    _check_writable(out, args.save_dir)
+    result = simulate(cfg, save_dir=args.save_dir, progress=False if args.no_progress else None)
+    write_result(result, out)
+    print(client_table(result))
+    print(f"results: {out}  plot: {Path(out).with_suffix('.png')}"
+          + (f"  checkpoints: {args.save_dir}" if args.save_dir else ""))
+    return 0
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("simulate", help="run a federation in-process and write its results")
+    _add_sim_flags(p)
+    p.add_argument("--out", type=Path, help="results JSON (a PNG is written beside it); default runs/ALG.json")
+    p.add_argument("--save-dir", type=Path, help="write each client's final model and the base (safetensors)")
+    p.set_defaults(func=_cmd_simulate)

@@ -1,0 +1,36 @@
+"""The fixed parts of the wire format (see :mod:`pfl_edge.codec`): prefix, trailer, dtypes, codings, limits."""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+FORMAT_VERSION = 1
+DEFAULT_MAX_BYTES = 256 * 1024 * 1024
+
+MAGIC = b"PFLE"
+_PREFIX = struct.Struct("<4sBI")
+_SHA_LEN = 32
+_DTYPES: dict[str, np.dtype[Any]] = {"f4": np.dtype("<f4"), "f2": np.dtype("<f2")}
+_VALUE_DTYPES = {"float32": "f4", "float16": "f2"}
+_CODINGS = ("bitmap", "rice1", "rice0")
+_MAX_NDIM = 64  # torch's own limit on dimensions
+_MAX_K = 62  # a Rice remainder must fit an int64 with room for the quotient
+_DENSE_LEN, _SPARSE_LEN = 5, 9
+
+NDArray = np.ndarray[Any, Any]
+
+
+@dataclass(frozen=True, eq=False)
+class Decoded:
+    """What a payload carried. ``tensors`` are dense float32 (zeros outside the mask for sparse ones); ``masks``
+    has a torch.bool mask for every tensor that was sent sparse."""
+
+    tensors: dict[str, torch.Tensor]
+    masks: dict[str, torch.Tensor]
+    model_id: str
+    round: int
