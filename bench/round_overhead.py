@@ -405,8 +405,9 @@ def solo_compute(cfg: DemoConfig) -> list[dict[str, Any]]:
 
 def _solo_compute_local(cfg: DemoConfig) -> list[dict[str, Any]]:
     """``solo_compute`` on the API of commit 976e24b (``pfl_edge.local``), as that commit's script measured it."""
-    from pfl_edge import local  # type: ignore[attr-defined]
     from pfl_edge.sim.config import SimConfig  # type: ignore[import-not-found]
+
+    from pfl_edge import local  # type: ignore[attr-defined]
 
     torch.set_num_threads(1)
     sim = SimConfig.from_dict(cfg.federation_config())

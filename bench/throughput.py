@@ -105,9 +105,10 @@ def child_plain(args: argparse.Namespace) -> None:
 
 def child_sim(args: argparse.Namespace) -> None:
     """One ``simulate()`` run of whichever tree is first on sys.path, with its Trainer's calls timed per round."""
+    import torch
+
     import pfl_edge
     import pfl_edge.sim.simulator as simulator
-    import torch
     from pfl_edge.parallel import Trainer
     from pfl_edge.sim import SimConfig, simulate
 

@@ -1,5 +1,5 @@
-"""What runs on a device: inference and training backends, and the profiler that measures a device class.
-(The device agent arrives with the federation.)"""
+"""What runs on a device: the agent (``edge_runtime.agent``), its trainer and training backends, inference
+backends, the check of a training program against eager PyTorch, and the profiler that measures a device class."""
 
 from .backends import InferenceBackend, TorchTrainer, load_inference
 from .profiler import Measurement, measure, profile_devices
@@ -11,6 +11,7 @@ from .training import (
     TrainStats,
     get_training_backend,
 )
+from .verify import TrainingVerified, verify_training
 
 __all__ = [
     "TRAINING_BACKENDS",
@@ -21,8 +22,10 @@ __all__ = [
     "TorchTrainer",
     "TrainStats",
     "TrainingBackend",
+    "TrainingVerified",
     "get_training_backend",
     "load_inference",
     "measure",
     "profile_devices",
+    "verify_training",
 ]

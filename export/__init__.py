@@ -1,7 +1,7 @@
 """Export a device's model: ``prepare`` -> ``lower_onnx`` | ``lower_executorch`` -> ``package`` -> ``verify``,
 with a manifest. ONNX (fixed opset, dynamic batch), ExecuTorch inference (XNNPACK; float32, and static int8 with
 ``lower_executorch_int8`` -> ``verify_int8`` on real images), and ExecuTorch training programs
-(``lower_executorch_training`` -> ``package`` -> ``verify_training``).
+(``lower_executorch_training`` -> ``package``; ``edge_runtime.verify_training`` checks it against eager PyTorch).
 """
 
 from .quantize import INT8_MAX_ACC_DROP, INT8_MIN_AGREEMENT, INT8_TAG_SUFFIX, lower_executorch_int8, verify_int8
@@ -18,7 +18,7 @@ from .stages import (
     prepare,
     verify,
 )
-from .training import TRAINING_MODES, TrainingVerified, TrainingWrapper, lower_executorch_training, verify_training
+from .training import TRAINING_MODES, TrainingWrapper, lower_executorch_training
 
 __all__ = [
     "INT8_MAX_ACC_DROP",
@@ -30,7 +30,6 @@ __all__ = [
     "Lowered",
     "Packaged",
     "Prepared",
-    "TrainingVerified",
     "TrainingWrapper",
     "Verified",
     "lower_executorch",
@@ -41,5 +40,4 @@ __all__ = [
     "prepare",
     "verify",
     "verify_int8",
-    "verify_training",
 ]

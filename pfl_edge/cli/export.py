@@ -90,7 +90,8 @@ def _export_int8(args: argparse.Namespace, prep: Prepared, real_x: Tensor | None
 
 def _export_training(args: argparse.Namespace, prep: Prepared, profile: Profile) -> None:
     """executorch-training: the on-device training program for ``--mode``, checked against eager PyTorch."""
-    from export import lower_executorch_training, package, verify_training
+    from edge_runtime.verify import verify_training
+    from export import lower_executorch_training, package
 
     mask = None
     if args.mode == "dispfl":  # the checkpoint's zeros are its mask (a fresh model: dense)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..errors import InternalError
+
 
 def _cmd_profile(args: argparse.Namespace) -> int:
     """Export the model once per runtime the profiles need, then measure each device class."""
@@ -27,7 +29,8 @@ def _cmd_profile(args: argparse.Namespace) -> int:
             verify(packaged)
             artefacts[runtime] = packaged.path
             spec = prep.spec
-    assert spec is not None
+    if spec is None:  # with a checkpoint, the spec comes from preparing it; no profile asked for a runtime
+        raise InternalError("no inference runtime was prepared, so the model's spec is unknown")
     report = profile_devices(profiles, spec, artefacts, args.out, repeats=args.repeats)
     print(f"{spec.model}: {report['note']} ({report['host']})")
     header = ("profile", "thr", "runtime", "artefact KB", "infer b1 ms (p95)", "infer bN ms (p95)",

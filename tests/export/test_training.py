@@ -10,7 +10,8 @@ from torch import nn
 
 from device_profiles import get_profile
 from edge_runtime import ExecuTorchBackend
-from export import ExportError, Lowered, Prepared, lower_executorch_training, package, prepare, verify_training
+from edge_runtime.verify import verify_training
+from export import ExportError, Lowered, Prepared, lower_executorch_training, package, prepare
 from pfl_edge.checkpoint import ModelSpec, build_model
 from pfl_edge.errors import ConfigError
 from pfl_edge.models import get_model

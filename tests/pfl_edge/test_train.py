@@ -49,17 +49,20 @@ def test_batch_schedule_visits_every_sample_once_per_epoch() -> None:
     TrainConfig(epochs=1, batch_size=32, lr=0.1, momentum=0.5, clip_norm=0.5),
 ])
 def test_vmap_engine_matches_torch_optim_loop(data: ClientTensors, cfg: TrainConfig) -> None:
-    model = get_model("cnn", num_classes=10, in_channels=1)
-    start = _start(model)
+    # in float64: the two engines run different convolution kernels, whose float32 rounding (which can depend on
+    # the kernel chosen and on memory alignment) would otherwise be all this compares
+    model = get_model("cnn", num_classes=10, in_channels=1).double()
+    start = {k: v.double() for k, v in _start(model).items()}
+    data = ClientTensors(data.x.double(), data.y, data.n)
     rows = torch.arange(N_CLIENTS)
     a = train(model, start, data, rows, cfg, _gens(), engine="vmap")
     b = train(model, start, data, rows, cfg, _gens(), engine="loop")
     assert torch.equal(a.steps, b.steps)
     assert a.steps.tolist() == [cfg.epochs * -(-(40 + 15 * i) // cfg.batch_size) for i in range(N_CLIENTS)]
     for k in start:
-        assert torch.allclose(a.stack[k], b.stack[k], atol=2e-5, rtol=1e-4), k
+        assert torch.allclose(a.stack[k], b.stack[k], atol=1e-10, rtol=1e-8), k
         assert not torch.equal(a.stack[k], start[k]), f"{k} did not train"
-    assert torch.allclose(a.loss, b.loss, atol=1e-5)
+    assert torch.allclose(a.loss, b.loss, atol=1e-10)
 
 
 def test_frozen_parameters_do_not_move(data: ClientTensors) -> None:
