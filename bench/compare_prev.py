@@ -5,8 +5,9 @@ Both trees are measured by this tree's bench/round_overhead.py (it parses the ag
 process whose working directory and PYTHONPATH are that tree, so the script, the server and the device processes
 it launches all import that tree (checked: each run records where its children import pfl_edge from). The
 previous tree is a worktree, e.g. ``git worktree add /tmp/pfl-prev 976e24b``. Writes
-bench/results/round_overhead_compare.json (per run: the script's analysis without the raw server records) and
-prints the medians.
+bench/results/round_overhead_compare.json (per run: the script's per-round analysis, without per-device rows and
+raw server records, which stay in each run's JSON under --work; pooled per-device phase medians in the summary)
+and prints the medians.
 
     .venv/bin/python bench/compare_prev.py [--prev /tmp/pfl-prev] [--repeats 3] [--quick]
 """
@@ -62,6 +63,8 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/pfl-compare-prev"), help="run folders")
     ap.add_argument("--out", type=Path, default=HERE.parent / "results" / "round_overhead_compare.json")
     args = ap.parse_args()
+    if not (args.prev / "pfl_edge" / "__init__.py").exists():
+        raise SystemExit(f"no previous tree at {args.prev}: git worktree add {args.prev} <commit>")
     trees = {"prev": args.prev.resolve(), "new": REPO}
     algos = args.algorithms.split(",")
     load_start = os.getloadavg()
@@ -96,6 +99,13 @@ def main() -> None:
         s["pooled_median_slowest_train_s"] = statistics.median(row["slowest_train_s"] for row in rows)
         s["pooled_median_slowest_eval_s"] = statistics.median(row["slowest_eval_s"] for row in rows)
         s["pooled_median_post_train_s"] = statistics.median(row["last"]["post_train_s"] for row in rows)
+        # phases, every device of every steady round (round_overhead.py's per-device fields)
+        devs = [d for row in rows for d in row.get("devices", [])]
+        for f in ("start_lag_s", "train_s", "eval_s", "upload_s", "post_s", "post_train_s", "device_work_s"):
+            xs = [d[f] for d in devs if d.get(f) is not None]
+            if xs:
+                s[f"pooled_median_device_{f}"] = statistics.median(xs)
+        s["pooled_median_close_s"] = statistics.median(row["close_s"] for row in rows)
         s["solo_slowest_compute_s"] = statistics.median(x["solo"]["slowest_compute_s"] for x in rs)
         s["solo_slowest_device_work_s"] = statistics.median(x["solo"]["slowest_device_work_s"] for x in rs)
         s["train_stretch"] = statistics.median(x["solo"]["train_stretch"] for x in rs)
@@ -111,6 +121,10 @@ def main() -> None:
             "pooled_slowest_compute_s_ratio": (n["pooled_median_slowest_compute_s"]
                                                / p["pooled_median_slowest_compute_s"]),
         }
+    for rs in runs.values():  # per-device rows: in each run's own JSON (--work); summarised above
+        for x in rs:
+            for row in x["rounds"]:
+                row.pop("devices", None)
     result = {
         "date": started,
         "load_average_start": load_start,
@@ -134,6 +148,11 @@ def main() -> None:
                   f"{s['median_system_overhead_pct_rounds_2_on']:18.1f} {s['median_wall_s_rounds_2_on']:13.3f} "
                   f"{s['pooled_median_slowest_compute_s']:18.3f} {s['pooled_median_post_train_s']:13.3f}")
         d = summary[f"{algo}_new_vs_prev"]
+        for name in trees:
+            s = summary[f"{algo}_{name}"]
+            print(f"  {name} phases (median, every device, rounds 2+): " + ", ".join(
+                f"{f} {s[f'pooled_median_device_{f}_s']:.3f}" for f in ("start_lag", "eval", "train", "upload", "post")
+                if f"pooled_median_device_{f}_s" in s) + f", close {s['pooled_median_close_s']:.3f} s")
         print(f"{algo} new - prev: overhead {d['overhead_pct_points']:+.1f} points, system overhead "
               f"{d['system_overhead_pct_points']:+.1f} points, round wall x{d['wall_s_ratio']:.3f}")
     print(f"wrote {args.out}")

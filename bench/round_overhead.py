@@ -307,6 +307,10 @@ def analyse(raw: dict[str, Any], algorithm: str) -> dict[str, Any]:
                 # mask update
                 "post_train_s": ev["post"] - start - compute,
                 "saved_after_s": None if saved is None else saved - start,
+                # state written -> upload PUT done (encode, the agent's writes, PUT; the current agent also writes
+                # what it deploys, as the DisPFL agent of 976e24b did)
+                "upload_s": None if saved is None or ev["put"] is None else ev["put"] - saved,
+                "post_s": None if ev["put"] is None else ev["post"] - ev["put"],  # the update POST
                 # everything the device does once its inputs are downloaded, up to its update accepted
                 "device_work_s": None if last_get is None else ev["post"] - last_get,
                 "accepted_at": accepted.get((t, name)),
@@ -331,7 +335,7 @@ def analyse(raw: dict[str, Any], algorithm: str) -> dict[str, Any]:
             "system_overhead_pct": 100 * (wall - busiest["device_work_s"]) / busiest["device_work_s"],
             "last_device": last["device"],
             "last": {k: last[k] for k in ("train_s", "eval_s", "start_lag_s", "download_s", "post_train_s",
-                                           "device_work_s")},
+                                           "upload_s", "post_s", "device_work_s")},
             # the last update accepted -> round closed: the server's close (FedPer: average, encode, store)
             "close_s": closed - max(d["accepted_at"] for d in devs),
             "server_cpu_s": server_cpu,

@@ -10,22 +10,23 @@ fresh optimizer per client. Layouts, each in its own child process(es):
 * ``plain_2procs_1thread``: the same loop split over two concurrent single-thread processes (half the clients
   each); timed from the start signal until both have finished. On 2 cores this is the best plain layout;
 * ``sim_new`` / ``sim_prev``: ``simulate()`` of this tree / of ``--prev`` (a worktree of the previous commit, put
-  first on PYTHONPATH), FedPer, 2 rounds, ``workers=2`` (its default on 2 cores: two forked single-thread
-  workers, loop engine). Timed: the ``Trainer.train`` call of round 2 (all clients' local epoch, shipping
-  states to the workers and back included), i.e. what a simulator round spends training. Round 1 is the
-  warm-up (fresh worker processes).
+  first on PYTHONPATH), FedPer, ``--sim-rounds`` rounds (default 4), ``workers=2`` (its default on 2 cores: two
+  forked single-thread workers, loop engine). Timed: the ``Trainer.train`` call of each round from round 2 on
+  (every client's local epoch, shipping states to the workers and back included), i.e. what a simulator round
+  spends training; a run's figure is the median over its rounds 2+. Round 1 is the warm-up (fresh worker
+  processes).
 
-The same child runs also give one full simulator round (training + evaluation + aggregation/mask update): the
-``wall_s`` that ``simulate()`` records for round 2, of FedPer and of DisPFL, on both trees, with a breakdown of
-round 2 into its ``Trainer`` calls (train, evaluate, dense_gradients) and the rest.
+The same child runs also give full simulator rounds (training + evaluation + aggregation/mask update): the
+``wall_s`` that ``simulate()`` records for each round from round 2 on, of FedPer and of DisPFL, on both trees,
+with a breakdown into the round's ``Trainer`` calls (train, evaluate, dense_gradients) and the rest.
 
 Plain-loop children stay alive across repeats (set up once, warmed up, then one run per "go"); simulator children
 are one process per run (setup not timed). Repeats are interleaved, the order reversed every other repeat, so
-drift on a shared machine hits every layout alike. Reported: the median over repeats (min alongside).
-Writes bench/results/throughput.json.
+drift on a shared machine hits every layout alike. Reported: the median over repeats (min and max alongside).
+Without a previous tree at ``--prev`` only this tree is measured. Writes bench/results/throughput.json.
 
-    .venv/bin/python bench/throughput.py [--repeats 4] [--prev /tmp/pfl-prev] [--algorithms fedper,dispfl]
-        [--clients 10] [--samples 6000]
+    .venv/bin/python bench/throughput.py [--repeats 3] [--sim-rounds 4] [--prev /tmp/pfl-prev]
+        [--algorithms fedper,dispfl] [--clients 10] [--samples 6000]
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ def child_sim(args: argparse.Namespace) -> None:
 
     simulator.make_algorithm = make_marked
     cfg = SimConfig(algorithm=args.algorithm, model="cnn", dataset=args.dataset, partition=args.partition,
-                    clients=args.clients, samples_per_client=args.samples, rounds=2, local_epochs=1,
+                    clients=args.clients, samples_per_client=args.samples, rounds=args.sim_rounds, local_epochs=1,
                     batch_size=args.batch_size, lr=0.01, momentum=0.9, workers=args.workers, seed=0)
     res = simulate(cfg, progress=False)
     rounds = []
@@ -243,7 +244,7 @@ def run_plain(children: list[PlainChild]) -> dict[str, Any]:
 
 def run_sim(args: argparse.Namespace, tree: Path, algorithm: str) -> dict[str, Any]:
     cmd = [sys.executable, str(HERE), "--child", "sim", "--algorithm", algorithm, "--workers", str(args.workers),
-           *child_args(args)]
+           "--sim-rounds", str(args.sim_rounds), *child_args(args)]
     out = subprocess.run(cmd, cwd=tree, env=tree_env(tree), capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(f"simulate child ({tree}, {algorithm}) failed:\n{out.stderr[-4000:]}")
@@ -268,6 +269,15 @@ def git_rev(tree: Path) -> str:
     return r.stdout.strip() + (" + uncommitted changes" if dirty else "")
 
 
+def steady(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """A simulate() run's rounds from round 2 on (round 1 warms up fresh worker processes)."""
+    return [x for x in run["rounds"] if x["round"] >= 2]
+
+
+def med_of(run: dict[str, Any], key: str) -> float:
+    return statistics.median(x[key] for x in steady(run))
+
+
 def summary(xs: list[float]) -> dict[str, float]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
@@ -284,7 +294,8 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=6000, help="training samples per client")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--workers", type=int, default=2, help="the simulator's training processes")
-    ap.add_argument("--repeats", type=int, default=4)
+    ap.add_argument("--sim-rounds", type=int, default=4, help="rounds per simulate() run (round 1: warm-up)")
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--algorithms", default="fedper,dispfl", help="full simulator rounds timed (fedper is needed "
                     "for the training throughput)")
     ap.add_argument("--prev", type=Path, default=Path("/tmp/pfl-prev"),
@@ -301,7 +312,11 @@ def main() -> None:
         raise SystemExit("--algorithms must include fedper (its training round is the throughput measured)")
     trees = {"new": REPO}
     if str(args.prev) not in ("", "."):
-        trees["prev"] = args.prev
+        if (args.prev / "pfl_edge" / "__init__.py").exists():
+            trees["prev"] = args.prev
+        else:
+            print(f"no previous tree at {args.prev} (git worktree add {args.prev} <commit>): measuring this tree only",
+                  flush=True)
     imports = {name: check_tree(tree) for name, tree in trees.items()}
     half = args.clients // 2
     one = [PlainChild(args, 2, (0, args.clients))]
@@ -319,10 +334,16 @@ def main() -> None:
     for r in range(args.repeats):
         order = layouts if r % 2 == 0 else layouts[::-1]
         for key, fn in order:
+            t0 = time.time()
             res = fn()
+            res["repeat"], res["t0"], res["t1"] = r + 1, t0, time.time()
             runs[key].append(res)
-            brief = (f"{res['samples'] / res['s']:8.0f} samples/s" if "s" in res else
-                     f"round 2: train {res['rounds'][1]['train_s']:.2f} s, wall {res['rounds'][1]['wall_s']:.2f} s")
+            if "s" in res:
+                brief = f"{res['samples'] / res['s']:8.0f} samples/s"
+            else:
+                brief = "rounds 2+: train " + " ".join(f"{x['train_s']:.2f}" for x in steady(res)) + " s, wall " + \
+                        " ".join(f"{x['wall_s']:.2f}" for x in steady(res)) + " s"
+
             print(f"repeat {r + 1}/{args.repeats} {key:28s} {brief}", flush=True)
     for c in one + two:
         c.close()
@@ -334,9 +355,10 @@ def main() -> None:
     for name in trees:
         sim = runs[f"sim_{name}:fedper"]
         assert all(x["train_samples"] == samples for x in sim), [x["train_samples"] for x in sim]
-        rate[f"sim_{name}"] = summary([x["train_samples"] / x["rounds"][1]["train_s"] for x in sim])
+        rate[f"sim_{name}"] = summary([samples / med_of(x, "train_s") for x in sim])
+        rate[f"sim_{name}_all_rounds"] = summary([samples / y["train_s"] for x in sim for y in steady(x)])
     med = {k: v["median"] for k, v in rate.items()}
-    ratios = {
+    ratios: dict[str, Any] = {
         "sim_new / plain_2procs_1thread": med["sim_new"] / med["plain_2procs_1thread"],
         "sim_new / plain_1proc_2threads": med["sim_new"] / med["plain_1proc_2threads"],
         "plain_2procs_1thread / plain_1proc_2threads": med["plain_2procs_1thread"] / med["plain_1proc_2threads"],
@@ -344,21 +366,26 @@ def main() -> None:
     if "prev" in trees:
         ratios["sim_prev / plain_2procs_1thread"] = med["sim_prev"] / med["plain_2procs_1thread"]
         ratios["sim_new / sim_prev"] = med["sim_new"] / med["sim_prev"]
+        ratios["sim_new / sim_prev, all rounds"] = med["sim_new_all_rounds"] / med["sim_prev_all_rounds"]
         # paired per repeat (the two ran next to each other), so slow drift cancels
-        ratios["sim_new / sim_prev, per repeat"] = [  # type: ignore[assignment]
-            p["rounds"][1]["train_s"] / n["rounds"][1]["train_s"]
+        ratios["sim_new / sim_prev, per repeat"] = [
+            med_of(p, "train_s") / med_of(n, "train_s")
             for p, n in zip(runs["sim_prev:fedper"], runs["sim_new:fedper"], strict=True)]
     rounds: dict[str, Any] = {}
     for algo in algos:
         for name in trees:
-            rs = [x["rounds"][1] for x in runs[f"sim_{name}:{algo}"]]
-            rounds[f"{algo}_{name}"] = {k: summary([x[k] for x in rs]) for k in
+            rs = runs[f"sim_{name}:{algo}"]
+            rounds[f"{algo}_{name}"] = {k: summary([med_of(x, k) for x in rs]) for k in
                                         ("wall_s", "train_s", "evaluate_s", "dense_gradients_s", "other_s")}
+            rounds[f"{algo}_{name}"]["wall_s_all_rounds"] = summary([y["wall_s"] for x in rs for y in steady(x)])
         if "prev" in trees:
             rounds[f"{algo}_new / {algo}_prev (wall_s)"] = (rounds[f"{algo}_new"]["wall_s"]["median"]
                                                             / rounds[f"{algo}_prev"]["wall_s"]["median"])
+            rounds[f"{algo}_new / {algo}_prev (wall_s), all rounds"] = (
+                rounds[f"{algo}_new"]["wall_s_all_rounds"]["median"]
+                / rounds[f"{algo}_prev"]["wall_s_all_rounds"]["median"])
             rounds[f"{algo}_new / {algo}_prev (wall_s), per repeat"] = [
-                n["rounds"][1]["wall_s"] / p["rounds"][1]["wall_s"]
+                med_of(n, "wall_s") / med_of(p, "wall_s")
                 for p, n in zip(runs[f"sim_prev:{algo}"], runs[f"sim_new:{algo}"], strict=True)]
 
     import torch
@@ -377,10 +404,12 @@ def main() -> None:
         "timed": {
             "plain_*": "wall time of one pass over all clients' samples (2procs: from the start signal until both "
                        "children have finished)",
-            "sim_*": "Trainer.train of round 2 of simulate(fedper, rounds=2, workers=2): every client's local "
-                     "epoch through the default trainer (forked single-thread workers, loop engine)",
-            "rounds": "round 2 of simulate(): wall_s as the simulator records it (training + evaluation + "
-                      "aggregation or mask update), split into the Trainer calls it made and the rest",
+            "sim_*": "Trainer.train of each round from round 2 on of simulate(fedper, workers=2): every client's "
+                     "local epoch through the default trainer (forked single-thread workers, loop engine); per "
+                     "run the median over its rounds 2+ (sim_*_all_rounds: every round 2+ of every run)",
+            "rounds": "rounds 2+ of simulate(): wall_s as the simulator records it (training + evaluation + "
+                      "aggregation or mask update), split into the Trainer calls it made and the rest; per run "
+                      "the median over its rounds 2+",
         },
         "samples": samples,
         "samples_per_s": rate,
@@ -397,13 +426,15 @@ def main() -> None:
               f"x{v['median'] / med['plain_2procs_1thread']:.3f}")
     for k, v in ratios.items():
         print(f"{k:45s} " + (f"{v:.3f}" if isinstance(v, float) else " ".join(f"{x:.3f}" for x in v)))
-    print(f"\n{'round 2':14s} {'wall s':>7s} {'train s':>8s} {'eval s':>7s} {'grads s':>8s} {'other s':>8s}")
+    print(f"\n{'rounds 2+':14s} {'wall s':>7s} {'train s':>8s} {'eval s':>7s} {'grads s':>8s} {'other s':>8s}")
     for k, v in rounds.items():
         if isinstance(v, dict):
             print(f"{k:14s} " + " ".join(f"{v[f]['median']:7.2f} " for f in
                                           ("wall_s", "train_s", "evaluate_s", "dense_gradients_s", "other_s")))
         elif isinstance(v, float):
-            print(f"{k:40s} {v:.3f}")
+            print(f"{k:50s} {v:.3f}")
+        else:
+            print(f"{k:50s} " + " ".join(f"{x:.3f}" for x in v))
     print(f"wrote {args.out}")
 
 

@@ -33,7 +33,9 @@ __all__ = [
 @dataclass(frozen=True, eq=False)
 class DeviceRound:
     """One device's round: its new state (everything it keeps, in one dict), what it uploads, the metrics it
-    can report now, the model it deploys, and its training's loss and steps."""
+    can report now, the model it deploys where that is not simply its state's model (DisPFL: the trained model
+    of this round; FedPer: on the final step, its personal blocks on the last base), and its training's loss and
+    steps."""
 
     state: dict[str, Tensor]
     upload: Upload | None

@@ -119,5 +119,6 @@ class Central(Algorithm):
             return DeviceRound(unstack(synced, 0), None, metrics, deployed=unstack(synced, 0))
         res = train_round(dev, synced, t)
         new = unstack(res.stack, 0)
-        return DeviceRound(new, self.device_upload(new), metrics, deployed=new,
-                           train_loss=float(res.loss[0]), steps=int(res.steps[0]))
+        # what it deploys is its state (saved anyway) until the final step puts it on the last base
+        return DeviceRound(new, self.device_upload(new), metrics, train_loss=float(res.loss[0]),
+                           steps=int(res.steps[0]))
