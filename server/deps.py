@@ -45,7 +45,10 @@ class Admin:
     name: str = "admin"
 
 
-def coordinator(request: Request) -> Coordinator:
+# Dependencies that only read app state are ``async def``: FastAPI runs a plain ``def`` dependency in its thread
+# pool, and every such hop costs a thread switch on each request (on a loaded 2-core device-and-server host that
+# adds up, BENCHMARKS.md). Those that touch the database (device authentication) stay ``def``.
+async def coordinator(request: Request) -> Coordinator:
     coord: Coordinator = request.app.state.pfl.coordinator
     return coord
 
@@ -53,19 +56,19 @@ def coordinator(request: Request) -> Coordinator:
 Coord = Annotated[Coordinator, Depends(coordinator)]
 
 
-def _enrolment(coord: Coord) -> EnrolmentService:
+async def _enrolment(coord: Coord) -> EnrolmentService:
     return coord.enrolment
 
 
-def _blobs(coord: Coord) -> BlobAccess:
+async def _blobs(coord: Coord) -> BlobAccess:
     return coord.blob_access
 
 
-def _updates(coord: Coord) -> Updates:
+async def _updates(coord: Coord) -> Updates:
     return coord.updates
 
 
-def _metrics(coord: Coord) -> Metrics:
+async def _metrics(coord: Coord) -> Metrics:
     return coord.metrics
 
 
@@ -75,7 +78,7 @@ UpdatesDep = Annotated[Updates, Depends(_updates)]
 MetricsDep = Annotated[Metrics, Depends(_metrics)]
 
 
-def admin_principal(request: Request, tok: Token) -> Admin | None:
+async def admin_principal(request: Request, tok: Token) -> Admin | None:
     """The admin, if the bearer token is the admin token (compared in constant time); else None."""
     admin = request.app.state.admin_token
     if tok is None or not admin or not hmac.compare_digest(tok.credentials.encode(), admin.encode()):
@@ -86,7 +89,7 @@ def admin_principal(request: Request, tok: Token) -> Admin | None:
 MaybeAdmin = Annotated[Admin | None, Depends(admin_principal)]
 
 
-def require_admin(tok: Token, admin: MaybeAdmin) -> Admin:
+async def require_admin(tok: Token, admin: MaybeAdmin) -> Admin:
     if tok is None:
         raise Unauthorized("missing bearer token: creating a federation needs the admin token")
     if admin is None:
