@@ -38,8 +38,9 @@ class Store:
             yield s
 
     @staticmethod
-    def federation(s: Session, fed_id: str) -> Federation:
-        fed = s.get(Federation, fed_id)
+    def federation(s: Session, fed_id: str, *, lock: bool = False) -> Federation:
+        """The federation (``lock``: locked for this write transaction); NotFound if there is none."""
+        fed = s.get(Federation, fed_id, with_for_update=lock)
         if fed is None:
             raise NotFound(f"unknown federation {fed_id!r}")
         return fed
@@ -47,10 +48,7 @@ class Store:
     @staticmethod
     def locked(s: Session, fed_id: str) -> Federation:
         """The federation, locked for this write transaction."""
-        fed = s.get(Federation, fed_id, with_for_update=True)
-        if fed is None:
-            raise NotFound(f"unknown federation {fed_id!r}")
-        return fed
+        return Store.federation(s, fed_id, lock=True)
 
     @staticmethod
     def existing(s: Session, fed_id: str) -> Federation:
