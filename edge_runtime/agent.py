@@ -46,7 +46,7 @@ from .data import LocalData, load_image_folder, load_local_data
 from .http import Http, ServerError, ServerUnavailable
 from .state import Progress, RoundStats, StateDir
 from .trainer import DeviceTrainer, device_clients
-from .training import BackendRequest, get_training_backend
+from .training import BackendRequest, TrainingBackend, get_training_backend
 
 __all__ = ["Agent", "AgentConfig", "ServerError", "ServerUnavailable", "install_signal_handlers"]
 
@@ -156,7 +156,7 @@ class Agent:
                               f"(that partition's slot is taken); pick a free --partition-id or leave it out")
         return load_local_data(data_cfg, enr.index, data_dir=self.cfg.data_dir)
 
-    def _training_backend(self) -> Any:
+    def _training_backend(self) -> TrainingBackend:
         """The profile's training backend (or the one asked for), from the one registry of backends."""
         name = self.cfg.training_backend or self.profile.training_backend
         return get_training_backend(name).for_device(BackendRequest(

@@ -18,10 +18,12 @@ from ..errors import ConfigError, UnknownNameError
 from ..federation import FederationConfig, Stream, stream
 from ..models import BlockModel
 from ..split import Split, split_keys
+from ..topology import neighbours
 from .base import Clients, Metrics, Received, Upload
 
 __all__ = [
     "Algorithm",
+    "Decentralised",
     "DeviceRound",
     "get_algorithm",
     "list_algorithms",
@@ -116,6 +118,16 @@ class Algorithm:
     def deployed_key(self, key: str) -> bool:
         """Is ``key`` of a device's state part of the model it deploys (not bookkeeping such as masks)?"""
         return True
+
+
+class Decentralised(Algorithm):
+    """Clients average with their in-neighbours of the round (the federation's topology, drawn from its seed);
+    no server averages."""
+
+    decentral = True
+
+    def neighbours(self, t: int) -> list[list[int]] | None:
+        return neighbours(self.cfg.topology_spec, self.cfg.clients, t, self.cfg.seed)
 
 
 _REGISTRY: dict[str, Callable[[FederationConfig, BlockModel, int | None], Algorithm]] = {}

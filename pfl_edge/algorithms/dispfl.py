@@ -24,9 +24,8 @@ from torch import Tensor
 from ..aggregate import neighbourhood_average
 from ..federation import Stream, stream
 from ..sparse import erk_densities, init_masks, prune_rate, prune_regrow
-from ..topology import neighbours
 from ..train import Stack, TrainResult, stack_states, unstack
-from .algorithm import Algorithm, DeviceRound, register_algorithm
+from .algorithm import Decentralised, DeviceRound, register_algorithm
 from .base import Clients, Metrics, Received, Upload, one_row
 
 __all__ = ["DisPFL", "SparseClients", "init_clients", "sent_masks", "start_models", "update_masks"]
@@ -111,13 +110,9 @@ def round_step(cl: Clients, state: SparseClients, mixing: Tensor, t: int,
 
 
 @register_algorithm("dispfl")
-class DisPFL(Algorithm):
-    decentral = True
+class DisPFL(Decentralised):
     sends_initial_model = True
     program_mode = "dispfl"
-
-    def neighbours(self, t: int) -> list[list[int]] | None:
-        return neighbours(self.cfg.topology_spec, self.cfg.clients, t, self.cfg.seed)
 
     # ------------------------------------------------------------------------------------------ device
     @property

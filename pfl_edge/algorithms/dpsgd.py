@@ -8,9 +8,8 @@ from torch import Tensor
 
 from ..aggregate import neighbourhood_average
 from ..federation import Stream
-from ..topology import neighbours
 from ..train import Stack, TrainResult
-from .algorithm import Algorithm, register_algorithm
+from .algorithm import Decentralised, register_algorithm
 from .base import Clients
 
 __all__ = ["DPSGD", "round_step"]
@@ -29,8 +28,5 @@ def round_step(cl: Clients, weights: Stack, mixing: Tensor, t: int) -> tuple[Sta
 
 
 @register_algorithm("dpsgd", "dpsgd-ft")
-class DPSGD(Algorithm):
-    decentral = True
-
-    def neighbours(self, t: int) -> list[list[int]] | None:
-        return neighbours(self.cfg.topology_spec, self.cfg.clients, t, self.cfg.seed)
+class DPSGD(Decentralised):
+    """Registered for the simulator; D-PSGD does not run on devices."""
