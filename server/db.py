@@ -80,6 +80,8 @@ class Federation(Base):
     base_digest: Mapped[str] = mapped_column(String(64))  # FedPer: the server's whole model after the last close
     round_deadline: Mapped[float | None] = mapped_column(Float, nullable=True)
     created_at: Mapped[float] = mapped_column(Float, default=now)
+    # how updates are combined and bounded (robust aggregation); None: the plain weighted mean, default bounds
+    aggregation: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
 
 class Device(Base):
@@ -99,6 +101,12 @@ class Device(Base):
     joined_round: Mapped[int] = mapped_column(Integer)  # takes part from joined_round + 1
     enrol_nonce: Mapped[str | None] = mapped_column(String(32), nullable=True, index=True)
     enrolled_at: Mapped[float] = mapped_column(Float, default=now)
+    # its own MQTT password (sha256 of 256 random bits; the broker checks it, Mosquitto gets it at provisioning)
+    mqtt_hash: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    revoked_at: Mapped[float | None] = mapped_column(Float, nullable=True)  # set: no HTTP, no MQTT, no rounds
+    token_expires: Mapped[float | None] = mapped_column(Float, nullable=True)  # unix time; None: never
+    declared_samples: Mapped[int | None] = mapped_column(Integer, nullable=True)  # training samples at enrolment
+    uploaded_bytes: Mapped[int] = mapped_column(BigInteger, default=0)  # distinct blob bytes it sent (its quota)
 
 
 class Round(Base):
@@ -207,22 +215,36 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-_PBKDF2_ITERS = 20_000
+# scrypt (RFC 7914) at n=2^15, r=8, p=1: ~32 MiB and ~0.1 s per guess (OWASP's minimum is n=2^17 with r=8 at
+# p=1 for interactive logins; a device enrols once, a guesser also meets the enrolment rate limit)
+_SCRYPT = (2**15, 8, 1)
+_PBKDF2_MIN_ITERS = 1  # legacy hashes of schema <= 3 (20k iterations) still verify; new ones are scrypt
 
 
 def hash_secret(secret: str) -> str:
-    """Enrol secrets are chosen by people: salted PBKDF2."""
+    """Enrol secrets are chosen by people: salted scrypt."""
+    n, r, p = _SCRYPT
     salt = os.urandom(16)
-    dk = hashlib.pbkdf2_hmac("sha256", secret.encode(), salt, _PBKDF2_ITERS)
-    return f"pbkdf2-sha256${_PBKDF2_ITERS}${salt.hex()}${dk.hex()}"
+    dk = hashlib.scrypt(secret.encode(), salt=salt, n=n, r=r, p=p, maxmem=64 * 1024 * 1024, dklen=32)
+    return f"scrypt${n}${r}${p}${salt.hex()}${dk.hex()}"
 
 
 def verify_secret(secret: str, stored: str) -> bool:
+    parts = stored.split("$")
     try:
-        scheme, iters, salt, want = stored.split("$")
+        if parts[0] == "scrypt" and len(parts) == 6:
+            n, r, p = (int(x) for x in parts[1:4])
+            if not (2 <= n <= 2**20 and 1 <= r <= 32 and 1 <= p <= 16):
+                return False
+            dk = hashlib.scrypt(secret.encode(), salt=bytes.fromhex(parts[4]), n=n, r=r, p=p,
+                                maxmem=256 * 1024 * 1024, dklen=32)
+            return hmac.compare_digest(dk.hex(), parts[5])
+        if parts[0] == "pbkdf2-sha256" and len(parts) == 4:
+            iters = int(parts[1])
+            if not _PBKDF2_MIN_ITERS <= iters <= 10_000_000:
+                return False
+            dk = hashlib.pbkdf2_hmac("sha256", secret.encode(), bytes.fromhex(parts[2]), iters)
+            return hmac.compare_digest(dk.hex(), parts[3])
     except ValueError:
         return False
-    if scheme != "pbkdf2-sha256":
-        return False
-    dk = hashlib.pbkdf2_hmac("sha256", secret.encode(), bytes.fromhex(salt), int(iters))
-    return hmac.compare_digest(dk.hex(), want)
+    return False

@@ -61,10 +61,19 @@ def _enrol_nonce(conn: Connection) -> None:
         conn.execute(text("CREATE INDEX IF NOT EXISTS ix_pfl_devices_enrol_nonce ON pfl_devices (enrol_nonce)"))
 
 
+def _trust(conn: Connection) -> None:
+    for column, ddl in (("mqtt_hash", "VARCHAR(200)"), ("revoked_at", "FLOAT"), ("token_expires", "FLOAT"),
+                        ("declared_samples", "INTEGER"), ("uploaded_bytes", "BIGINT NOT NULL DEFAULT 0")):
+        _add_column("pfl_devices", column, ddl)(conn)
+    _add_column("pfl_federations", "aggregation", "JSON")(conn)
+
+
 #: every upgrade since version 1, in order; the types are frozen here (the models may change later)
 STEPS: tuple[Step, ...] = (
     Step(2, "pfl_federations.min_devices (late joiners)", _add_column("pfl_federations", "min_devices", "INTEGER")),
     Step(3, "pfl_devices.enrol_nonce and its index (idempotent enrolment)", _enrol_nonce),
+    Step(4, "per-device MQTT credentials, revocation, token expiry, declared samples, upload quota; "
+            "federations' aggregation rule", _trust),
 )
 SCHEMA_VERSION = STEPS[-1].version
 
