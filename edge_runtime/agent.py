@@ -361,6 +361,7 @@ class Agent:
             prog.posted, prog.abandoned, prog.pending_metrics = True, prog.round, []
             self.store.save_progress(prog)
             return
+        self.store.append_ledger(prog.round, prog.digest, upd.n_samples)
         prog.posted = True
         prog.bytes_up += len(payload)
         prog.stat(prog.round).bytes_up = len(payload)

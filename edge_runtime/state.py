@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -160,6 +161,28 @@ class StateDir:
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, p)
+
+    # --- the ledger: one JSON line per update the server accepted (appended, fsynced; a repeat after a restart
+    # may appear twice with the same digest). ``bench/soak.py`` holds the server's database to it.
+    def append_ledger(self, t: int, digest: str, n_samples: int) -> None:
+        line = json.dumps({"round": t, "digest": digest, "n_samples": n_samples, "time": time.time()}) + "\n"
+        fd = os.open(self.root / "ledger.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, line.encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def read_ledger(self) -> list[dict[str, Any]]:
+        """The ledger's entries (a line cut short by a kill mid-write is skipped)."""
+        p = self.root / "ledger.jsonl"
+        out: list[dict[str, Any]] = []
+        for line in p.read_text().splitlines() if p.exists() else []:
+            try:
+                out.append(dict(json.loads(line)))
+            except (ValueError, TypeError):
+                continue
+        return out
 
     # --- the payload of the round in flight
     def save_upload(self, data: bytes) -> None:
