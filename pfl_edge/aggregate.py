@@ -1,16 +1,43 @@
-"""Aggregation rules as pure functions over named tensors."""
+"""Aggregation rules as pure functions over named tensors.
+
+Robust aggregation (a server's round, or anyone holding a round's updates): every update's difference from the
+round's start model is first clipped to a norm bound (``AggregationRule.bound``: an absolute ``max_update_norm``,
+or by default ``norm_multiple`` (3) times the median update norm of the round -- a relative bound needs no tuning
+per model or learning rate, and one attacker of n >= 3 cannot move the median), then combined by the rule:
+``mean`` (weighted by training samples, streamable), ``clipped-mean`` (equal weights: a device's weight is a
+number it reports), ``median`` (coordinate-wise) or ``trimmed-mean`` (coordinate-wise, ``trim`` of the updates
+dropped from each end). The last two ignore weights too.
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+import statistics
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from .errors import ConfigError
 
-__all__ = ["PartialAverage", "RunningAverage", "masked_average", "neighbourhood_average", "weighted_average"]
+__all__ = [
+    "RULES",
+    "AggregationRule",
+    "PartialAverage",
+    "RunningAverage",
+    "clip_update",
+    "clipped",
+    "coordinate_median",
+    "masked_average",
+    "neighbourhood_average",
+    "robust_aggregate",
+    "trimmed_mean",
+    "update_norm",
+    "weighted_average",
+]
+
+RULES = ("mean", "clipped-mean", "median", "trimmed-mean")
 
 
 class PartialAverage:
@@ -118,3 +145,133 @@ def neighbourhood_average(stack: Mapping[str, Tensor], mixing: Tensor,
             avg = torch.sparse.mm(a, flat) / counts
         out[k] = (avg if w.is_floating_point() else avg.round()).to(w.dtype).view(mixing.shape[0], *w.shape[1:])
     return out
+
+
+# ------------------------------------------------------------------------------------------- robust rules
+
+@dataclass(frozen=True)
+class AggregationRule:
+    """How a round's updates are bounded and combined (module docstring). ``max_update_norm`` (absolute) wins over
+    ``norm_multiple`` (relative to the round's median update norm); both None: no norm bound."""
+
+    rule: str = "mean"
+    max_update_norm: float | None = None
+    norm_multiple: float | None = 3.0
+    trim: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.rule not in RULES:
+            raise ConfigError(f"aggregation rule must be one of {', '.join(RULES)}, got {self.rule!r}")
+        if self.max_update_norm is not None and not (math.isfinite(self.max_update_norm) and self.max_update_norm > 0):
+            raise ConfigError(f"max_update_norm must be finite and > 0, got {self.max_update_norm}")
+        if self.norm_multiple is not None and not (math.isfinite(self.norm_multiple) and self.norm_multiple >= 1):
+            raise ConfigError(f"norm_multiple must be finite and >= 1, got {self.norm_multiple}")
+        if not 0 <= self.trim < 0.5:
+            raise ConfigError(f"trim must be in [0, 0.5), got {self.trim}")
+
+    @property
+    def relative(self) -> bool:
+        """Does the bound depend on the round's norms (so they must be known before averaging)?"""
+        return self.max_update_norm is None and self.norm_multiple is not None
+
+    def bound(self, norms: Sequence[float]) -> float | None:
+        """The round's bound on an update's norm, from every update's norm (``update_norm``); None: no bound."""
+        if self.max_update_norm is not None:
+            return self.max_update_norm
+        if self.norm_multiple is None or not norms:
+            return None
+        return self.norm_multiple * statistics.median(norms)
+
+
+def update_norm(prev: Mapping[str, Tensor], state: Mapping[str, Tensor]) -> float:
+    """||state - prev||_2 in float64 over the tensors ``state`` holds (integer buffers included)."""
+    sq = 0.0
+    for k, v in state.items():
+        if k not in prev:
+            raise ConfigError(f"update holds tensor {k!r} that the model does not")
+        sq += float((v.detach().to(torch.float64) - prev[k].to(torch.float64)).square().sum())
+    return math.sqrt(sq)
+
+
+def clip_update(prev: Mapping[str, Tensor], state: Mapping[str, Tensor], bound: float | None,
+                norm: float | None = None) -> Mapping[str, Tensor]:
+    """``prev + (state - prev) * min(1, bound / ||state - prev||)``; ``state`` itself (the same object, the same
+    bits) where it is within the bound. Integer buffers are rounded after scaling."""
+    n = update_norm(prev, state) if norm is None else norm
+    if bound is None or n <= bound:
+        return state
+    scale = bound / n
+    out: dict[str, Tensor] = {}
+    for k, v in state.items():
+        p = prev[k].to(torch.float64)
+        x = p + (v.detach().to(torch.float64) - p) * scale
+        out[k] = (x if v.dtype.is_floating_point else x.round()).to(v.dtype)
+    return out
+
+
+def clipped(prev: Mapping[str, Tensor], updates: Iterable[tuple[Mapping[str, Tensor], float]],
+            bound: float | None) -> Iterator[tuple[Mapping[str, Tensor], float]]:
+    """The updates (streamed) each clipped to ``bound``; weights unchanged."""
+    for state, w in updates:
+        yield clip_update(prev, state, bound), w
+
+
+def _per_key(prev: Mapping[str, Tensor], states: Sequence[Mapping[str, Tensor]],
+             combine: Callable[[Tensor], Tensor]) -> dict[str, Tensor]:
+    """``combine`` of the float64 stack ``(n, ...)`` of each tensor over the updates that hold it; ``prev``'s value
+    for a tensor nobody sent; ``prev``'s key order and dtypes."""
+    out: dict[str, Tensor] = {}
+    for k, p in prev.items():
+        held = [s[k].detach().to(torch.float64) for s in states if k in s]
+        if not held:
+            out[k] = p
+            continue
+        x = combine(torch.stack(held))
+        out[k] = (x if p.dtype.is_floating_point else x.round()).to(p.dtype)
+    return out
+
+
+def _median(stack: Tensor) -> Tensor:
+    srt = stack.sort(dim=0).values
+    n = srt.shape[0]
+    return srt[n // 2] if n % 2 else (srt[n // 2 - 1] + srt[n // 2]) / 2
+
+
+def coordinate_median(prev: Mapping[str, Tensor], states: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
+    """Per coordinate, the median of the updates that hold the tensor (the mean of the two middle values for an
+    even count); unweighted."""
+    return _per_key(prev, states, _median)
+
+
+def trimmed_mean(prev: Mapping[str, Tensor], states: Sequence[Mapping[str, Tensor]], trim: float) -> dict[str, Tensor]:
+    """Per coordinate, the mean after dropping the ``floor(trim * n)`` smallest and largest values (at least one
+    value is kept); unweighted."""
+    if not 0 <= trim < 0.5:
+        raise ConfigError(f"trim must be in [0, 0.5), got {trim}")
+
+    def combine(stack: Tensor) -> Tensor:
+        n = stack.shape[0]
+        k = min(math.floor(trim * n + 1e-9), (n - 1) // 2)
+        return stack.sort(dim=0).values[k:n - k].mean(dim=0)
+
+    return _per_key(prev, states, combine)
+
+
+def robust_aggregate(prev: Mapping[str, Tensor], updates: Sequence[tuple[Mapping[str, Tensor], float]],
+                     rule: AggregationRule) -> dict[str, Tensor]:
+    """The round's new model under ``rule`` from all its updates ``(state, weight)`` (held in memory: n updates
+    of the shared part at once, plus one float64 stack of one tensor; ``mean`` alone can stream, see
+    ``clipped``). A tensor nobody sent keeps ``prev``'s value."""
+    if not updates:
+        raise ConfigError("cannot aggregate zero updates")
+    norms = [update_norm(prev, s) for s, _ in updates]
+    bound = rule.bound(norms)
+    states = [clip_update(prev, s, bound, n) for (s, _), n in zip(updates, norms, strict=True)]
+    if rule.rule == "median":
+        return coordinate_median(prev, states)
+    if rule.rule == "trimmed-mean":
+        return trimmed_mean(prev, states, rule.trim)
+    avg = PartialAverage()
+    for s, (_, w) in zip(states, updates, strict=True):
+        avg.add(s, 1.0 if rule.rule == "clipped-mean" else w)
+    return avg.result(prev)

@@ -1,7 +1,16 @@
 import pytest
 import torch
 
-from pfl_edge.aggregate import RunningAverage, weighted_average
+from pfl_edge.aggregate import (
+    AggregationRule,
+    RunningAverage,
+    clip_update,
+    coordinate_median,
+    robust_aggregate,
+    trimmed_mean,
+    update_norm,
+    weighted_average,
+)
 from pfl_edge.errors import ConfigError
 
 
@@ -52,3 +61,87 @@ def test_mismatched_updates() -> None:
         weighted_average([{"x": torch.zeros(2)}, {"y": torch.zeros(2)}], [1, 1])
     with pytest.raises(ConfigError, match="zero updates"):
         weighted_average([], [])
+
+
+# ------------------------------------------------------------------------------------------- robust rules
+# hand-worked in float64: start model 0, five updates of one 2-vector (the last an attacker's)
+
+def _ups(*rows: tuple[float, float]) -> list[dict[str, torch.Tensor]]:
+    return [{"w": torch.tensor(r, dtype=torch.float64)} for r in rows]
+
+
+ZERO = {"w": torch.zeros(2, dtype=torch.float64)}
+FIVE = _ups((1.0, 0.0), (2.0, 0.0), (3.0, 4.0), (0.0, 2.0), (300.0, 400.0))  # norms 1, 2, 5, 2, 500
+
+
+def test_update_norm_and_clip_by_hand() -> None:
+    assert update_norm(ZERO, FIVE[2]) == 5.0
+    assert clip_update(ZERO, FIVE[2], 5.0) is FIVE[2]  # within the bound: the very same tensors
+    half = clip_update(ZERO, FIVE[2], 2.5)
+    assert torch.equal(half["w"], torch.tensor([1.5, 2.0], dtype=torch.float64))
+    # around a non-zero start: only the difference is scaled
+    start = {"w": torch.tensor([10.0, 10.0], dtype=torch.float64)}
+    got = clip_update(start, {"w": torch.tensor([13.0, 14.0], dtype=torch.float64)}, 1.0)
+    assert torch.allclose(got["w"], torch.tensor([10.6, 10.8], dtype=torch.float64))
+
+
+def test_default_bound_is_three_medians() -> None:
+    rule = AggregationRule()
+    assert rule.relative and rule.bound([1.0, 2.0, 5.0, 2.0, 500.0]) == 6.0
+    assert AggregationRule(max_update_norm=4.0).bound([1.0, 500.0]) == 4.0
+    assert AggregationRule(norm_multiple=None).bound([1.0, 500.0]) is None
+
+
+def test_mean_with_the_default_bound_by_hand() -> None:
+    # bound 3 * median(1, 2, 5, 2, 500) = 6: the attacker's (300, 400) is clipped to (3.6, 4.8); weights 1,1,1,1,6
+    out = robust_aggregate(ZERO, list(zip(FIVE, [1.0, 1.0, 1.0, 1.0, 6.0], strict=True)), AggregationRule())
+    want = torch.tensor([(1 + 2 + 3 + 0 + 6 * 3.6) / 10, (0 + 0 + 4 + 2 + 6 * 4.8) / 10], dtype=torch.float64)
+    assert torch.allclose(out["w"], want, atol=1e-12)
+
+
+def test_clipped_mean_ignores_weights_by_hand() -> None:
+    rule = AggregationRule("clipped-mean", max_update_norm=2.0)
+    # clipped: (1,0), (2,0), (1.2,1.6), (0,2), (1.2,1.6); equal weights whatever was reported
+    out = robust_aggregate(ZERO, list(zip(FIVE, [1.0, 1.0, 1.0, 1.0, 1e9], strict=True)), rule)
+    assert torch.allclose(out["w"], torch.tensor([5.4 / 5, 5.2 / 5], dtype=torch.float64), atol=1e-12)
+
+
+def test_coordinate_median_by_hand() -> None:
+    rule = AggregationRule("median", norm_multiple=None)
+    out = robust_aggregate(ZERO, [(s, 1.0) for s in FIVE], rule)
+    assert torch.equal(out["w"], torch.tensor([2.0, 2.0], dtype=torch.float64))  # sorted x: 0 1 2 3 300
+    even = coordinate_median(ZERO, FIVE[:4])  # x: 0 1 2 3 -> 1.5; y: 0 0 2 4 -> 1
+    assert torch.equal(even["w"], torch.tensor([1.5, 1.0], dtype=torch.float64))
+
+
+def test_trimmed_mean_by_hand() -> None:
+    out = trimmed_mean(ZERO, FIVE, 0.2)  # one dropped per end: x 1 2 3 -> 2; y 0 2 4 -> 2
+    assert torch.equal(out["w"], torch.tensor([2.0, 2.0], dtype=torch.float64))
+    assert torch.equal(trimmed_mean(ZERO, FIVE, 0.0)["w"], torch.tensor([61.2, 81.2], dtype=torch.float64))
+    assert torch.equal(trimmed_mean(ZERO, FIVE[:2], 0.4)["w"], torch.tensor([1.5, 0.0], dtype=torch.float64))
+
+
+def test_robust_rules_keep_unsent_tensors_dtypes_and_partial_updates() -> None:
+    prev = {"a": torch.zeros(2), "b": torch.ones(1), "n": torch.tensor(0)}
+    states = [{"a": torch.tensor([1.0, 3.0]), "n": torch.tensor(3)}, {"a": torch.tensor([2.0, 5.0])},
+              {"a": torch.tensor([9.0, 4.0]), "n": torch.tensor(4)}]
+    out = coordinate_median(prev, states)
+    assert list(out) == ["a", "b", "n"] and out["b"] is prev["b"]
+    assert out["a"].dtype == torch.float32 and torch.equal(out["a"], torch.tensor([2.0, 4.0]))
+    assert out["n"].dtype == torch.int64 and int(out["n"]) == 4  # median of 3, 4 = 3.5 rounds to even
+
+
+def test_mean_rule_without_clipping_is_the_weighted_average() -> None:
+    g = torch.Generator().manual_seed(3)
+    states = [{"x": torch.randn(4, 3, generator=g)} for _ in range(4)]
+    prev = {"x": torch.zeros(4, 3)}
+    ups = list(zip(states, [1.0, 2.0, 3.0, 4.0], strict=True))
+    got = robust_aggregate(prev, ups, AggregationRule(norm_multiple=None))
+    assert torch.equal(got["x"], weighted_average(states, [1.0, 2.0, 3.0, 4.0])["x"])
+
+
+@pytest.mark.parametrize("kw", [dict(rule="mode"), dict(max_update_norm=0.0), dict(max_update_norm=float("inf")),
+                                dict(norm_multiple=0.5), dict(trim=0.5), dict(trim=-0.1)])
+def test_bad_rules(kw: dict[str, object]) -> None:
+    with pytest.raises(ConfigError):
+        AggregationRule(**kw)  # type: ignore[arg-type]
