@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 __all__ = [
     "API_PREFIX",
+    "AggregationSettings",
     "DIGEST_RE",
     "MAX_ROUND",
     "PROTOCOL_VERSION",
@@ -87,6 +88,20 @@ def _digest(v: str) -> str:
     return v
 
 
+class AggregationSettings(_Msg):
+    """How the server bounds and combines a round's updates (``pfl_edge.aggregate.AggregationRule``): each
+    update's difference from the round's start model is clipped to ``max_update_norm`` (absolute) or, unset, to
+    ``norm_multiple`` times the round's median update norm (both null: unclipped); then ``rule``. A device's
+    sample count (the mean's weight) is clamped to what it declared at enrolment and to ``max_samples`` (unset:
+    the largest training share the federation's data set deals a client)."""
+
+    rule: Literal["mean", "clipped-mean", "median", "trimmed-mean"] = "mean"
+    max_update_norm: float | None = Field(default=None, gt=0, le=1e12)
+    norm_multiple: float | None = Field(default=3.0, ge=1, le=1e6)
+    trim: float = Field(default=0.2, ge=0, lt=0.5)  # trimmed-mean: the fraction dropped from each end
+    max_samples: int | None = Field(default=None, ge=1, le=2**31 - 1)
+
+
 class FederationCreate(_Msg):
     """A federation from a config. ``config`` holds the simulator's config keys (``pfl_edge.sim.SimConfig``:
     algorithm, model, dataset, partition, clients, rounds, local epochs, lr, kp, density, topology, seed, ...);
@@ -102,6 +117,7 @@ class FederationCreate(_Msg):
     # later, into free slots, and take part from the round after they join
     min_devices: int | None = Field(default=None, ge=1)
     profile_capacity: bool = False  # density and K_P from each device's profile instead of the config
+    aggregation: AggregationSettings | None = None  # None: the weighted mean, the default norm bound
 
 
 class FederationInfo(_Msg):
@@ -124,6 +140,8 @@ class EnrolRequest(_Msg):
     # chosen by the device and kept before it asks: the same nonce again (a retry whose answer was lost) gets
     # the same device back, with a fresh token, instead of a second device in another slot
     nonce: str | None = Field(default=None, pattern=r"^[0-9a-f]{32}$")
+    # its training samples (FedPer's averaging weight is clamped to this and to the federation's maximum)
+    n_samples: int | None = Field(default=None, ge=1, le=2**31 - 1)
 
 
 class Enrolment(_Msg):

@@ -72,6 +72,7 @@ class EnrolmentService:
                 s.add(Federation(id=req.id, config=fm.cfg.to_dict(), enrol_secret_hash=hash_secret(req.enrol_secret),
                                  quorum=req.quorum, deadline_s=req.deadline_s, min_updates=req.min_updates,
                                  min_devices=req.min_devices, profile_capacity=req.profile_capacity,
+                                 aggregation=None if req.aggregation is None else req.aggregation.model_dump(),
                                  round=ENROLMENT_ROUND, state=RoundState.OPEN.value, init_digest=digest,
                                  base_digest=digest))
                 s.flush()
@@ -164,7 +165,7 @@ class EnrolmentService:
             dev_id = "dev-" + secrets.token_hex(8)
             s.add(Device(id=dev_id, federation=fed.id, token_hash=hash_token(token), profile=profile.name,
                          name=req.name, slot=slot, density=density, kp=kp, online=False, joined_round=fed.round,
-                         enrol_nonce=req.nonce))
+                         enrol_nonce=req.nonce, declared_samples=req.n_samples))
             return _Enrolled(dev_id, slot, density, kp, fed.round, fed.init_digest, fed.config)
 
     @staticmethod
