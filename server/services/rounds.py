@@ -1,20 +1,24 @@
 """The round machine: reads the facts of a federation, asks ``server.states.next_state`` which transition is due,
 and makes it. Every transition is committed before anything is published, so a server killed anywhere resumes
 from the database (``server.services.recovery``). The server's aggregation runs at close, streaming the accepted
-updates from the blob store one at a time, so nothing is held in memory between requests."""
+updates from the blob store one at a time, so nothing is held in memory between requests. The federation's
+aggregation rule (``pfl_edge.aggregate``) applies: every update is clipped to the round's norm bound (a bound
+relative to the round's median norm costs one more streamed pass over the updates to learn their norms), and
+the robust rules (median, trimmed or clipped mean) hold the round's updates in memory at once."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 from torch import Tensor
 
+from pfl_edge.aggregate import AggregationRule, clipped, robust_aggregate, update_norm
 from pfl_edge.codec import encode
 from pfl_edge.errors import InternalError
 
@@ -25,6 +29,7 @@ from .blob_access import BlobAccess
 from .planning import Planner
 from .publishing import Publisher
 from .store import Store
+from .updates import aggregation_rule
 
 __all__ = ["RoundMachine"]
 
@@ -135,14 +140,15 @@ class RoundMachine:
     def _close(self, fed_id: str, tr: Transition) -> None:
         t = tr.round
         with self.store.read() as s:
-            fm = self.store.model(self.store.existing(s, fed_id))
+            known = self.store.existing(s, fed_id)
+            fm, rule = self.store.model(known), aggregation_rule(known)
             start = self.store.round(s, fed_id, t).start_digest
             ups = [(u.digest, u.n_samples, kp) for u, kp in s.execute(
                 select(Update, Device.kp).join(Device, Device.id == Update.device)
                 .where(Update.federation == fed_id, Update.round == t).order_by(Device.slot))]
         result: str | None = None
         if start is not None:  # a server model to aggregate into (none where devices exchange models)
-            new = self.average(fm, start, ups)
+            new = self.average(fm, start, ups, rule)
             result = self.blobs.store_server_blob(fed_id, encode(new, model_id=fm.model_id, round=t))
         with self.store.write() as s:
             fed = self._advance(s, fed_id, tr)
@@ -154,13 +160,24 @@ class RoundMachine:
                 fed.base_digest = result
         log.info("federation %s: round %d closed with %d updates", fed_id, t, len(ups))
 
-    def average(self, fm: FedModel, start: str, ups: list[tuple[str, int, int]]) -> dict[str, Tensor]:
-        """The algorithm's aggregation of the uploads ``(digest, n_samples, kp)`` into the model ``start``,
-        streamed from the blob store one at a time in slot order (so the result does not depend on which device
-        finished first, and equals the simulator's)."""
+    def average(self, fm: FedModel, start: str, ups: list[tuple[str, int, int]],
+                rule: AggregationRule | None = None) -> dict[str, Tensor]:
+        """The aggregation of the uploads ``(digest, n_samples, kp)`` into the model ``start`` under ``rule``
+        (default: the weighted mean, each update clipped to 3x the round's median update norm), in slot order
+        (so the result does not depend on which device finished first). ``mean`` is the algorithm's own
+        aggregation (the simulator's), streamed from the blob store one update at a time; an update within the
+        bound is passed on untouched, so where none is clipped the result equals the simulator's to the bit."""
+        rule = rule or AggregationRule()
         prev = self.blobs.load(start, fm).tensors
-        new = fm.algorithm().aggregate(prev, ((self.blobs.load(digest, fm, fm.expected(kp)).tensors, float(n))
-                                              for digest, n, kp in ups))
+
+        def stream() -> Iterator[tuple[dict[str, Tensor], float]]:
+            for digest, n, kp in ups:
+                yield self.blobs.load(digest, fm, fm.expected(kp)).tensors, float(n)
+
+        if rule.rule != "mean":
+            return robust_aggregate(prev, list(stream()), rule)
+        bound = rule.bound([update_norm(prev, x) for x, _ in stream()] if rule.relative else [])
+        new = fm.algorithm().aggregate(prev, clipped(prev, stream(), bound))
         if new is None:
             raise InternalError(f"algorithm {fm.cfg.algorithm!r} has a server model but aggregates nothing")
         return new

@@ -1,15 +1,24 @@
 """Updates: a device's upload for a round, checked (its round, its blob, exactly the tensors it may send) and
-counted exactly once (``UNIQUE(federation, round, device)``; a retry of the same update is answered again)."""
+counted exactly once (``UNIQUE(federation, round, device)``; a retry of the same update is answered again).
+
+A device's sample count is its averaging weight, and a number it reports about itself: the server counts
+``min(reported, declared at enrolment, the federation's cap)`` (``counted_samples``) and keeps that in
+``Update.n_samples``. The cap is the federation's ``aggregation.max_samples``, else ``SAMPLE_FACTOR`` times the
+largest training share its data set deals a client (slack for devices with their own data)."""
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Callable
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from pfl_edge.aggregate import AggregationRule
 from pfl_edge.errors import CodecError
-from pfl_edge.protocol import UpdateAccepted, UpdateRequest
+from pfl_edge.federation import deal
+from pfl_edge.protocol import AggregationSettings, UpdateAccepted, UpdateRequest
 
 from ..db import BlobRef, Device, Federation, Update
 from ..errors import Conflict, Unprocessable
@@ -18,7 +27,39 @@ from ..states import ENROLMENT_ROUND, RoundState
 from .blob_access import BlobAccess
 from .store import Store
 
-__all__ = ["Updates"]
+__all__ = ["SAMPLE_FACTOR", "Updates", "aggregation_rule", "counted_samples", "sample_cap"]
+
+SAMPLE_FACTOR = 2
+_DEALT: weakref.WeakKeyDictionary[FedModel, int] = weakref.WeakKeyDictionary()
+_DEALT_LOCK = threading.Lock()
+
+
+def _settings(fed: Federation) -> AggregationSettings:
+    return AggregationSettings.model_validate(fed.aggregation or {})
+
+
+def aggregation_rule(fed: Federation) -> AggregationRule:
+    """The federation's rule for combining a round's updates (its stored settings, else the defaults)."""
+    a = _settings(fed)
+    return AggregationRule(a.rule, a.max_update_norm, a.norm_multiple, a.trim)
+
+
+def sample_cap(fed: Federation, fm: FedModel) -> int:
+    """The most samples one update counts for in ``fed`` (module docstring)."""
+    cap = _settings(fed).max_samples
+    if cap is not None:
+        return cap
+    with _DEALT_LOCK:
+        hit = _DEALT.get(fm)
+        if hit is None:  # dealt once per config, as fed_model deals it
+            _, part, _ = deal(fm.cfg)
+            hit = _DEALT[fm] = SAMPLE_FACTOR * max(len(c.train_idx) for c in part.clients)
+    return hit
+
+
+def counted_samples(reported: int, declared: int | None, cap: int) -> int:
+    """What an update's sample count counts for: never more than declared at enrolment nor the cap."""
+    return max(1, min(reported, cap, reported if declared is None else declared))
 
 
 class Updates:
@@ -39,13 +80,14 @@ class Updates:
                 raise Unprocessable(f"blob {req.digest} was not uploaded by this device: PUT /v1/blobs/{req.digest} "
                                     "first")
         self._check_payload(fm, dev, t, req.digest)  # decoded outside the lock
+        counted = counted_samples(req.n_samples, dev.declared_samples, sample_cap(fed, fm))
         with self.store.write() as s:
             fed = self.store.locked(s, dev.federation)
             dup = self._previous(s, fed.id, t, dev.id)
             if dup is not None:  # a concurrent retry won the race
                 return self._duplicate(s, dup, t, req)
             self._check_round(s, fed, fm, dev, t)  # the round may have closed meanwhile
-            s.add(Update(federation=fed.id, round=t, device=dev.id, digest=req.digest, n_samples=req.n_samples,
+            s.add(Update(federation=fed.id, round=t, device=dev.id, digest=req.digest, n_samples=counted,
                          train_loss=req.train_loss, train_s=req.train_s, bytes_down=req.bytes_down))
             s.flush()
             n = self.store.count_updates(s, fed.id, t)
