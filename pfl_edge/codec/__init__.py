@@ -27,7 +27,12 @@ where its mask is 1. ``coding`` says how the mask is sent:
 The encoder picks whichever of these is smallest (exact sizes), which stays within a few percent of the entropy of
 the mask at any density. ``ones`` is the number of ones in the mask and must equal the number of values sent.
 
-Decoding trusts nothing: every refusal is a :class:`~pfl_edge.errors.CodecError` saying what was wrong.
+Decoding trusts nothing: every refusal is a :class:`~pfl_edge.errors.CodecError` saying what was wrong. What it
+may cost is bounded before anything is allocated: the header is at most ``MAX_HEADER_BYTES`` (1 MiB), or what the
+expected tensors' entries can take, and lists no more tensors than expected; a bitmap is exactly ``ceil(n / 8)``
+bytes; a Rice stream of ``c`` codewords has ``k <= floor(log2(n / c)) + 2`` and at most
+``ceil((c (k + 1) + ((n - c) >> k)) / 8)`` bytes, never more than the bitmap (the encoder sends it only when it
+is shorter); so decoding allocates about 24 bytes per declared element at most, whatever the payload.
 """
 
 from __future__ import annotations

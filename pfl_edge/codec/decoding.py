@@ -10,7 +10,7 @@ import torch
 
 from pfl_edge.errors import CodecError
 
-from .header import _Entry, _parse_header
+from .header import _Entry, _header_limit, _parse_header
 from .layout import _PREFIX, _SHA_LEN, DEFAULT_MAX_BYTES, FORMAT_VERSION, MAGIC, Decoded, NDArray
 from .masks import _read_mask
 
@@ -45,10 +45,14 @@ def decode(
     data_start = _PREFIX.size + head_len
     if data_start + _SHA_LEN > size:
         raise CodecError(f"payload truncated: header of {head_len} bytes does not fit in {size} bytes")
+    head_limit = _header_limit(expected)
+    if head_len > head_limit:
+        raise CodecError(f"malformed header: {head_len} bytes, over the limit of {head_limit} for "
+                         f"{'the expected tensors' if expected is not None else 'any payload'}")
     if hashlib.sha256(buf[: size - _SHA_LEN]).digest() != bytes(buf[size - _SHA_LEN :]):
         raise CodecError("payload corrupt or truncated: sha256 does not match")
 
-    header = _parse_header(buf[_PREFIX.size : data_start], max_bytes)
+    header = _parse_header(buf[_PREFIX.size : data_start], max_bytes, expected)
     data = buf[data_start : size - _SHA_LEN]
     end = header.entries[-1].end if header.entries else 0
     if end != data.nbytes:

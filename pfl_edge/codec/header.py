@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,7 +12,17 @@ import numpy as np
 
 from pfl_edge.errors import CodecError
 
-from .layout import _CODINGS, _DENSE_LEN, _DTYPES, _MAX_K, _MAX_NDIM, _SPARSE_LEN
+from .layout import (
+    _CODINGS,
+    _DENSE_LEN,
+    _DIM_BYTES,
+    _DTYPES,
+    _ENTRY_BYTES,
+    _MAX_K,
+    _MAX_NDIM,
+    _SPARSE_LEN,
+    MAX_HEADER_BYTES,
+)
 
 
 @dataclass(frozen=True)
@@ -58,7 +69,16 @@ def _no_constant(name: str) -> None:
     raise _bad(f"{name} is not valid here")
 
 
-def _parse_header(raw: memoryview, max_bytes: int) -> _Header:
+def _header_limit(expected: Mapping[str, Sequence[int]] | None) -> int:
+    """The most header bytes a payload may have: what the expected tensors' entries can take (names escaped at
+    up to 6 bytes a character), else :data:`MAX_HEADER_BYTES`."""
+    if expected is None:
+        return MAX_HEADER_BYTES
+    return 4096 + sum(_ENTRY_BYTES + 6 * len(name) + _DIM_BYTES * len(shape) for name, shape in expected.items())
+
+
+def _parse_header(raw: memoryview, max_bytes: int, expected: Mapping[str, Sequence[int]] | None = None) -> _Header:
+    """The header, checked; with ``expected``, it may list no more tensors than that (checked before any entry)."""
     try:
         obj = json.loads(str(raw, "utf-8"), object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
     except CodecError:
@@ -74,6 +94,10 @@ def _parse_header(raw: memoryview, max_bytes: int) -> _Header:
         raise _bad(f"round {rnd!r} is not a non-negative integer")
     if not isinstance(items, list):
         raise _bad("tensors is not a list")
+    if expected is not None and len(items) > len(expected):
+        names = {it[0] for it in items if isinstance(it, list) and it and isinstance(it[0], str)}
+        raise CodecError(f"payload holds unexpected tensors {sorted(names - set(expected))[:20]!r:.2000} "
+                         f"({len(items)} listed, {len(expected)} expected)")
     entries: list[_Entry] = []
     names: set[str] = set()
     end = 0
@@ -133,4 +157,35 @@ def _parse_entry(item: object, max_bytes: int) -> _Entry:
         raise _bad(f"tensor {name!r} has {ones} ones in its mask but {nbytes} bytes of {dtype} values")
     if not _is_int(mask_nbytes) or mask_nbytes < 0:
         raise _bad(f"tensor {name!r} has an invalid mask length {mask_nbytes!r:.100}")
+    _check_mask_size(name, numel, coding, k, ones, mask_nbytes)
     return _Entry(name, tuple(shape), numel, dt, offset, nbytes, coding, k, ones, mask_nbytes)
+
+
+def _check_mask_size(name: str, n: int, coding: str, k: int, ones: int, nbytes: int) -> None:
+    """A mask's byte length against what its coding can take for a tensor of ``n`` elements, checked before
+    anything is allocated (decoding costs several times a mask's length). Bitmap: exactly ``ceil(n / 8)``.
+    Rice with ``c`` codewords and parameter ``k``: each codeword takes ``k`` remainder bits and ``q + 1``
+    quotient bits, and the gaps sum to at most ``n - c``, so ``ceil(c (k + 1) / 8)`` to
+    ``ceil((c (k + 1) + ((n - c) >> k)) / 8)`` bytes; ``k`` is at most one above the encoder's choice for the
+    mean gap (``floor(log2(n / c)) + 1``), which bounds the remainders too; and no Rice stream is longer than
+    the bitmap would be."""
+    if coding == "bitmap":
+        if nbytes != (n + 7) // 8:
+            raise _bad(f"tensor {name!r} of {n} elements has a bitmap of {nbytes} bytes, expected {(n + 7) // 8}")
+        return
+    c = ones if coding == "rice1" else n - ones
+    if c == 0:
+        if nbytes:
+            raise _bad(f"tensor {name!r} has a mask stream of {nbytes} bytes where no codeword is expected")
+        return
+    k_max = (n // c).bit_length() + 1
+    if k > k_max:
+        raise _bad(f"tensor {name!r}: Rice parameter {k} for {c} codewords over {n} elements; at most {k_max}")
+    lo = (c * (k + 1) + 7) // 8
+    # and never longer than the bitmap: the encoder sends a Rice code only where it is the shorter one
+    hi = min((c * (k + 1) + ((n - c) >> k) + 7) // 8, (n + 7) // 8)
+    if nbytes < lo:
+        raise _bad(f"tensor {name!r}: a mask stream of {nbytes} bytes is too short for {c} codewords with k={k}")
+    if nbytes > hi:
+        raise _bad(f"tensor {name!r}: a mask stream of {nbytes} bytes for {c} codewords with k={k} over {n} "
+                   f"elements; at most {hi} bytes fit, more would point past the end of the tensor")

@@ -21,6 +21,11 @@ _CODINGS = ("bitmap", "rice1", "rice0")
 _MAX_NDIM = 64  # torch's own limit on dimensions
 _MAX_K = 62  # a Rice remainder must fit an int64 with room for the quotient
 _DENSE_LEN, _SPARSE_LEN = 5, 9
+# JSON parsing allocates up to ~30x its input (an empty list per 3 bytes), so the header is bounded before it is
+# parsed: at most this, and (when the tensors to expect are known) what their entries can take
+MAX_HEADER_BYTES = 1 << 20
+_ENTRY_BYTES = 256  # an entry's fields but name and shape: brackets, dtype, coding and five integers
+_DIM_BYTES = 21  # a dimension: up to 20 digits and a comma
 
 NDArray = np.ndarray[Any, Any]
 

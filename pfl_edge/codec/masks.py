@@ -141,7 +141,7 @@ def _rice_decode(name: str, raw: NDArray, count: int, k: int, n: int) -> NDArray
     rem_len = count * k
     if rem_len > bits.size:
         raise CodecError(f"tensor {name!r}: mask stream too short for {count} Rice codewords with k={k}")
-    stops = np.flatnonzero(bits[rem_len:] == 0)
+    stops = np.flatnonzero(bits[rem_len:] == 0)  # the comparison's bools are freed at once
     if stops.size < count:
         raise CodecError(f"tensor {name!r}: mask stream holds fewer than the {count} codewords the values need")
     stops = stops[:count]
@@ -149,18 +149,25 @@ def _rice_decode(name: str, raw: NDArray, count: int, k: int, n: int) -> NDArray
     # one-bits pad the stream (zeros would read as more codewords), so any extra codeword shows up here
     if (used + 7) // 8 != raw.size or not bits[used:].all():
         raise CodecError(f"tensor {name!r}: mask stream holds more than the {count} codewords the values need")
-    q = _gaps(stops)
-    if int(q.max()) > (n - 1) >> k:  # checked before shifting, so the shift cannot overflow
+    # in place from here on: a stream of c codewords costs a few int64 arrays of c, not one per step
+    d = _gaps(stops)
+    del stops
+    if int(d.max()) > (n - 1) >> k:  # checked before shifting, so the shift cannot overflow
         raise CodecError(f"tensor {name!r}: mask stream points past the end of the tensor")
-    d = q << k
+    d <<= k
     if k:
         rem = bits[:rem_len].reshape(count, k)
+        column = np.empty(count, dtype=np.int64)
         for j in range(k):  # a loop over the k bit columns, each one vectorised over every codeword
-            d |= rem[:, j].astype(np.int64) << (k - 1 - j)
+            np.left_shift(rem[:, j], np.int64(k - 1 - j), out=column)
+            d |= column
+        del column
     # each gap is < 2n, so the float sum is accurate enough to rule out int64 overflow in the cumsum below
     if float(np.sum(d, dtype=np.float64)) + count > 2.0 * n:
         raise CodecError(f"tensor {name!r}: mask stream points past the end of the tensor")
-    at = np.cumsum(d + 1) - 1
+    d += 1
+    at = np.cumsum(d, out=d)
+    at -= 1
     if int(at[-1]) >= n:
         raise CodecError(f"tensor {name!r}: mask stream points past the end of the tensor")
     return at
