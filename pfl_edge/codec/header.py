@@ -95,8 +95,8 @@ def _parse_header(raw: memoryview, max_bytes: int, expected: Mapping[str, Sequen
     if not isinstance(items, list):
         raise _bad("tensors is not a list")
     if expected is not None and len(items) > len(expected):
-        names = {it[0] for it in items if isinstance(it, list) and it and isinstance(it[0], str)}
-        raise CodecError(f"payload holds unexpected tensors {sorted(names - set(expected))[:20]!r:.2000} "
+        listed = {it[0] for it in items if isinstance(it, list) and it and isinstance(it[0], str)}
+        raise CodecError(f"payload holds unexpected tensors {sorted(listed - set(expected))[:20]!r:.2000} "
                          f"({len(items)} listed, {len(expected)} expected)")
     entries: list[_Entry] = []
     names: set[str] = set()
