@@ -1,0 +1,121 @@
+"""One malicious device of five cannot steer a FedPer federation: whatever update and sample count it sends, the
+published base stays within the round's norm bound of the honest devices' average (clipped mean, coordinate
+median, trimmed mean, and the plain weighted mean with its default bound), and an update's weight is clamped to
+what the device declared at enrolment and to the federation's cap."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import statistics
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from server_testkit import FEDPER, SECRET, bearer, create, fed_state, perturbed, wait_for
+from sqlalchemy import select
+
+from pfl_edge.codec import decode, encode
+from server.app import create_app
+from server.db import Federation, Update
+from server.fedmodel import FedModel, fed_model
+from server.settings import Settings
+
+ADMIN = "admin-token-for-robust-tests"
+CONFIG: dict[str, Any] = {**FEDPER, "clients": 5, "rounds": 1}
+HONEST_N = 48  # every slot is dealt samples_per_client = 48
+HUGE = 2**31 - 1
+
+
+@pytest.fixture
+def client(tmp_path: Path, broker_url: str) -> Iterator[TestClient]:
+    settings = Settings(data_dir=tmp_path / "data", database_url=f"sqlite:///{tmp_path / 'state.db'}",
+                        broker_url=broker_url, admin_token=ADMIN, tick_s=0.05)  # type: ignore[arg-type]
+    with TestClient(create_app(settings)) as c:
+        yield c
+
+
+class _Device:
+    def __init__(self, c: TestClient, fed: str, index: int, declared: int | None) -> None:
+        body: dict[str, Any] = {"federation": fed, "enrol_secret": SECRET, "profile": "phone-mid", "index": index}
+        if declared is not None:
+            body["n_samples"] = declared
+        r = c.post("/v1/devices", json=body)
+        assert r.status_code == 201, r.text
+        self.c, self.e, self.h = c, r.json(), bearer(r.json()["token"])
+        self.fm: FedModel = fed_model(self.e["config"])
+
+    def send(self, t: int, tensors: dict[str, torch.Tensor], n: int) -> None:
+        payload = encode(tensors, model_id=self.fm.model_id, round=t)
+        dg = hashlib.sha256(payload).hexdigest()
+        assert self.c.put(f"/v1/blobs/{dg}", content=payload, headers=self.h).status_code in (200, 201)
+        r = self.c.post(f"/v1/rounds/{t}/updates", json={"digest": dg, "n_samples": n}, headers=self.h)
+        assert r.status_code == 200, r.text
+
+
+def _norm(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return math.sqrt(sum(float((a[k].double() - b[k].double()).square().sum()) for k in a))
+
+
+def _round_with_an_attacker(c: TestClient, fed: str, aggregation: dict[str, Any] | None) -> dict[str, Any]:
+    """Round 1 of a five-device FedPer federation whose slot 4 sends base + 1000 with 2^31-1 samples."""
+    create(c, ADMIN, fed, CONFIG, **({} if aggregation is None else {"aggregation": aggregation}))
+    # slots 0-3 declare their 48 samples; slot 0 then reports more than it declared; the attacker declares nothing
+    devs = [_Device(c, fed, i, HONEST_N if i < 4 else None) for i in range(5)]
+    wait_for(lambda: fed_state(c, ADMIN, fed) == (1, "collecting"), what="round 1 collecting")
+    r = c.get(f"/v1/blobs/{devs[0].e['init_digest']}", headers=devs[0].h)
+    base = {k: v.double() for k, v in decode(r.content).tensors.items()}
+    honest = [perturbed(base, i) for i in range(4)]
+    for d, up in zip(devs[:4], honest, strict=True):
+        d.send(1, {k: v.float() for k, v in up.items()}, HONEST_N + 50 if d is devs[0] else HONEST_N)
+    attack = {k: v + 1000.0 for k, v in base.items()}
+    devs[4].send(1, {k: v.float() for k, v in attack.items()}, HUGE)
+    wait_for(lambda: fed_state(c, ADMIN, fed)[1] == "finished", what="round 1 closed")
+    engine = c.app.state.pfl.engine  # type: ignore[attr-defined]
+    with engine.connect() as conn:
+        digest = conn.execute(select(Federation.base_digest).where(Federation.id == fed)).scalar_one()
+        counted = dict(conn.execute(select(Update.device, Update.n_samples).where(Update.federation == fed)).all())
+    whole = decode(c.get(f"/v1/blobs/{digest}", headers=bearer(ADMIN)).content).tensors
+    ups = [{k: v.float().double() for k, v in u.items()} for u in [*honest, attack]]
+    return dict(base=base, honest=ups[:4], attack=ups[4], published={k: whole[k].double() for k in base},
+                counted=[counted[d.e["device_id"]] for d in devs])
+
+
+@pytest.mark.parametrize("rule", ["clipped-mean", "median", "trimmed-mean"])
+def test_one_attacker_of_five_stays_within_the_bound(client: TestClient, rule: str) -> None:
+    got = _round_with_an_attacker(client, "rb", {"rule": rule})
+    base, honest = got["base"], got["honest"]
+    honest_avg = {k: sum(u[k] for u in honest) / 4 for k in base}
+    norms = [_norm(u, base) for u in [*honest, got["attack"]]]
+    bound = 3 * statistics.median(norms)
+    moved = _norm(got["published"], honest_avg)
+    assert moved <= bound, (rule, moved, bound)
+    assert _norm(got["attack"], honest_avg) > 1e4 * bound  # the attack itself is far beyond it
+
+
+def test_plain_mean_with_the_default_bound_and_clamped_weights(client: TestClient) -> None:
+    got = _round_with_an_attacker(client, "rm", None)
+    base, honest, attack = got["base"], got["honest"], got["attack"]
+    # weights: declared 48 (slot 0 reported 98), the attacker's 2^31-1 clamped to 2 x the largest dealt share
+    assert got["counted"] == [48, 48, 48, 48, 96]
+    norms = [_norm(u, base) for u in [*honest, attack]]
+    bound = 3 * statistics.median(norms)
+    clipped = {k: base[k] + (attack[k] - base[k]) * (bound / norms[4]) for k in base}
+    want = {k: (48 * sum(u[k] for u in honest) + 96 * clipped[k]) / (4 * 48 + 96) for k in base}
+    for k in base:
+        assert torch.allclose(got["published"][k], want[k], atol=1e-5), k
+    honest_avg = {k: sum(u[k] for u in honest) / 4 for k in base}
+    # the attacker's weight is 96 / 288 and its difference from the start is clipped to the bound
+    moved = _norm(got["published"], honest_avg)
+    assert moved <= (bound + _norm(honest_avg, base)) / 3 + 1e-4 and moved <= bound
+
+
+@pytest.mark.parametrize("bad", [{"rule": "mode"}, {"trim": 0.5}, {"max_update_norm": 0}, {"norm_multiple": 0.5},
+                                 {"max_samples": 0}, {"max_update_norm": 1e300}])
+def test_bad_aggregation_settings_are_refused(client: TestClient, bad: dict[str, Any]) -> None:
+    r = client.post("/v1/federations", json={"id": "bad", "enrol_secret": SECRET, "config": CONFIG,
+                                             "aggregation": bad}, headers=bearer(ADMIN))
+    assert r.status_code == 422, r.text
