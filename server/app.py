@@ -26,8 +26,9 @@ from .coordinator import Coordinator
 from .db import make_engine, make_sessionmaker
 from .errors import ApiError
 from .mqtt import MqttLink
+from .ratelimit import enrol_gate
 from .routers import api, health
-from .settings import Settings, ensure_admin_token
+from .settings import Settings, ensure_admin_token, secure_data_dir
 
 __all__ = ["AppState", "create_app"]
 
@@ -93,7 +94,7 @@ def _embedded_port(data_dir: pathlib.Path) -> int | None:
 
 
 def _start(settings: Settings) -> AppState:
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    secure_data_dir(settings)  # 0700, and state.db 0600
     engine = make_engine(settings.resolved_database_url)
     try:
         sessions = make_sessionmaker(engine)  # refuses a database of a newer schema before anything starts
@@ -116,7 +117,8 @@ def _start(settings: Settings) -> AppState:
     coordinator = Coordinator(
         sessions, blobs, link, device_broker_url=settings.public_broker_url or broker_url,
         device_mqtt_password=settings.device_mqtt_password.get_secret_value() if settings.device_mqtt_password
-        else "", max_blob_bytes=settings.max_blob_bytes, tick_s=settings.tick_s)
+        else "", max_blob_bytes=settings.max_blob_bytes, tick_s=settings.tick_s, token_ttl_s=settings.token_ttl_s,
+        gate=enrol_gate(settings), upload_quota=settings.upload_quota_pending, gc_keep_rounds=settings.gc_keep_rounds)
     holder.append(coordinator)
     link.start()
     coordinator.start()

@@ -44,6 +44,10 @@ class BlobStore(Protocol):
         """Its size in bytes; KeyError if unknown."""
         ...
 
+    def delete(self, digest: str) -> bool:
+        """Remove the blob (garbage collection: ``server.services.gc``); True if it was there."""
+        ...
+
 
 def _check_digest(digest: str) -> None:
     if not DIGEST_RE.match(digest):
@@ -99,6 +103,14 @@ class DirBlobStore:
             return self._path(digest).stat().st_size
         except FileNotFoundError:
             raise KeyError(digest) from None
+
+
+    def delete(self, digest: str) -> bool:
+        try:
+            self._path(digest).unlink()
+        except FileNotFoundError:
+            return False
+        return True
 
 
 def _fsync_dir(d: Path) -> None:

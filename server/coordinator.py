@@ -7,6 +7,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from .blobs import BlobStore
 from .mqtt import MqttLink
+from .ratelimit import EnrolGate
 from .services import (
     BlobAccess,
     EnrolmentService,
@@ -19,6 +20,7 @@ from .services import (
     Store,
     Updates,
 )
+from .services.gc import BlobGC
 
 __all__ = ["Coordinator"]
 
@@ -26,10 +28,12 @@ __all__ = ["Coordinator"]
 class Coordinator:
     def __init__(self, sessions: sessionmaker[Session], blobs: BlobStore, link: MqttLink | None, *,
                  device_broker_url: str, device_mqtt_password: str = "", max_blob_bytes: int = 64 << 20,
-                 tick_s: float = 1.0) -> None:
+                 tick_s: float = 1.0, token_ttl_s: float = 30 * 86400.0, gate: EnrolGate | None = None,
+                 upload_quota: int = 4, gc_keep_rounds: int = 2) -> None:
         self.blobs = blobs
         self.store = Store(sessions, max_blob_bytes)
         self.blob_access = BlobAccess(self.store, blobs)
+        self.blob_access.upload_quota = upload_quota
         self.publisher = Publisher(self.store, link)
         self.planner = Planner(self.store, self.blob_access)
         self.rounds = RoundMachine(self.store, self.blob_access, self.planner, self.publisher)
@@ -39,7 +43,16 @@ class Coordinator:
         self.metrics = Metrics(self.store)
         self.enrolment = EnrolmentService(self.store, self.blob_access, device_broker_url=device_broker_url,
                                           device_mqtt_password=device_mqtt_password, on_enrolled=self.worker.kick,
-                                          on_created=self.publisher.announce)
+                                          on_created=self.publisher.announce, token_ttl_s=token_ttl_s, gate=gate,
+                                          on_revoked=self._revoked)
+        self.gc = BlobGC(self.store, self.blob_access, blobs, keep_rounds=gc_keep_rounds)
+        self.worker.after_step = self.gc.after_step
+
+    def _revoked(self, dev_id: str) -> None:
+        """A revoked device loses its broker access at once (where the broker provisioning offers it)."""
+        remove = getattr(getattr(self, "broker_access", None), "remove_device", None)
+        if callable(remove):
+            remove(dev_id)
 
     def start(self) -> None:
         self.worker.start()

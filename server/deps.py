@@ -1,9 +1,9 @@
 """What the routers depend on, injected with FastAPI's ``Depends``: the app's services, and who is calling.
 
 Every call but enrolment and ``/healthz`` carries ``Authorization: Bearer <token>``: a device token, or the admin
-token (federation creation; it may also read everything). ``AdminAuth`` yields the admin principal,
-``DeviceAuth`` the calling device, ``FederationReader`` either of them for the federation in the path and
-``BlobReader`` either of them for a blob.
+token (federation creation, revocation, rotation; it may also read everything). ``AdminAuth`` yields the admin
+principal, ``DeviceAuth`` the calling device, ``FederationReader`` either of them for the federation in the path
+and ``BlobReader`` either of them for a blob.
 """
 
 from __future__ import annotations
@@ -91,9 +91,10 @@ MaybeAdmin = Annotated[Admin | None, Depends(admin_principal)]
 
 async def require_admin(tok: Token, admin: MaybeAdmin) -> Admin:
     if tok is None:
-        raise Unauthorized("missing bearer token: creating a federation needs the admin token")
+        raise Unauthorized("missing bearer token: this call (creating a federation, revoking a device, rotating "
+                           "a token or secret) needs the admin token")
     if admin is None:
-        raise Unauthorized("creating a federation needs the admin token (PFL_ADMIN_TOKEN)")
+        raise Unauthorized("this call needs the admin token (PFL_ADMIN_TOKEN)")
     return admin
 
 

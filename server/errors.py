@@ -4,12 +4,14 @@ with that status (401s also carry ``WWW-Authenticate: Bearer``). A broken invari
 
 from __future__ import annotations
 
+import math
 from http import HTTPStatus
 from typing import ClassVar
 
 from pfl_edge.errors import PflEdgeError
 
-__all__ = ["ApiError", "Conflict", "Forbidden", "NotFound", "TooLarge", "Unauthorized", "Unprocessable"]
+__all__ = ["ApiError", "Conflict", "Forbidden", "NotFound", "TooLarge", "TooManyRequests", "Unauthorized",
+           "Unprocessable"]
 
 
 class ApiError(PflEdgeError):
@@ -54,6 +56,20 @@ class Conflict(ApiError):
 
 class TooLarge(ApiError):
     status = HTTPStatus.REQUEST_ENTITY_TOO_LARGE
+
+
+class TooManyRequests(ApiError):
+    """Over a rate limit or a quota; ``retry_after`` (seconds, rounded up) goes out as ``Retry-After``."""
+
+    status = HTTPStatus.TOO_MANY_REQUESTS
+
+    def __init__(self, detail: str, retry_after: float | None = None) -> None:
+        super().__init__(detail)
+        self.retry_after = retry_after
+
+    @property
+    def headers(self) -> dict[str, str] | None:
+        return None if self.retry_after is None else {"Retry-After": str(max(1, math.ceil(self.retry_after)))}
 
 
 class Unprocessable(ApiError):

@@ -5,13 +5,14 @@ Precedence, highest first: keyword arguments, environment, the file, the default
 
 from __future__ import annotations
 
+import os
 import secrets
 import sys
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -19,7 +20,9 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-__all__ = ["Settings", "ensure_admin_token", "load_settings"]
+from pfl_edge.errors import ConfigError
+
+__all__ = ["Settings", "ensure_admin_token", "load_settings", "read_secret_file", "secure_data_dir"]
 
 _TOML: ContextVar[Path | None] = ContextVar("pfl_settings_toml", default=None)
 
@@ -39,15 +42,58 @@ class Settings(BaseSettings):
     max_blob_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
     mqtt_username: str | None = None  # the server's own credentials on an external broker
     mqtt_password: SecretStr | None = None
-    device_mqtt_password: SecretStr | None = None  # told to devices, whose MQTT username is their device id
+    device_mqtt_password: SecretStr | None = None  # shared mode only: told to every device (see broker_dynsec)
+    # MQTT (server.services.broker_access): the embedded broker gives every device its own password and topics.
+    # On an external broker, broker_dynsec provisions each device the same way through Mosquitto's
+    # dynamic-security plugin (mqtt_username/mqtt_password: a dynsec admin whose role may also publish pfl/#);
+    # without it every device gets device_mqtt_password and the broker's own configuration rules.
+    broker_dynsec: bool = False
+    embedded_broker_host: str = "127.0.0.1"  # where the embedded broker listens; 0.0.0.0 for devices elsewhere
+    embedded_broker_port: int | None = Field(default=None, ge=1, le=65535)  # None: last run's port, else free one
+    # the embedded broker listens with TLS (mqtts://) with this certificate chain and key (both or neither)
+    broker_tls_cert: Path | None = None
+    broker_tls_key: Path | None = None
+    mqtt_ca_file: Path | None = None  # the CA the server trusts for an mqtts:// broker (None: the system's CAs)
     tick_s: float = Field(default=1.0, gt=0)  # how often deadlines and round transitions are checked
+    admin_token_file: Path | None = None  # the admin token read from this file (first line) when admin_token is unset
+    # device tokens: a device rotates its own (POST /v1/devices/me/token) before they expire
+    token_ttl_s: float = Field(default=30 * 86400.0, ge=60, le=10 * 365 * 86400.0)
+    # enrolment attempts: a token bucket per client address and per federation, in memory; a refused attempt
+    # (wrong secret, unknown federation) spends a token, an accepted one gives it back; an empty bucket: 429
+    enrol_rate_per_address: float = Field(default=1.0, gt=0, le=1e6)  # refills per second
+    enrol_burst_per_address: int = Field(default=20, ge=1, le=1_000_000)
+    enrol_rate_per_federation: float = Field(default=5.0, gt=0, le=1e6)
+    enrol_burst_per_federation: int = Field(default=100, ge=1, le=1_000_000)
+    # disk: uploads a device holds that no update of it names yet (a round's upload waits for its update)
+    upload_quota_pending: int = Field(default=4, ge=1, le=1000)
+    gc_keep_rounds: int = Field(default=2, ge=1, le=1_000_000)  # blobs of the current and last K rounds are kept
+    # HTTPS (both or neither) and the HTTP server's limits (uvicorn)
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    http_limit_concurrency: int = Field(default=4096, ge=16, le=1_000_000)  # more connections or tasks: 503
+    http_backlog: int = Field(default=2048, ge=16, le=65535)
+    http_keep_alive_s: float = Field(default=15.0, gt=0, le=3600)  # an idle kept-alive connection is closed
+    http_header_timeout_s: float = Field(default=10.0, gt=0, le=3600)  # a connection without a whole request header
+    http_max_header_bytes: int = Field(default=16 * 1024, ge=1024, le=1 << 20)
 
     @field_validator("broker_url")
     @classmethod
     def _broker(cls, v: str) -> str:
-        if v != "embedded" and not v.startswith(("mqtt://", "tcp://")):
-            raise ValueError("broker_url must be 'embedded' or mqtt://host:port")
+        if v != "embedded" and not v.startswith(("mqtt://", "tcp://", "mqtts://", "ssl://")):
+            raise ValueError("broker_url must be 'embedded', mqtt://host:port or mqtts://host:port")
         return v
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> Settings:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: set both (HTTPS) or neither (HTTP)")
+        if (self.broker_tls_cert is None) != (self.broker_tls_key is None):
+            raise ValueError("broker_tls_cert and broker_tls_key go together: set both (mqtts://) or neither")
+        return self
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls_cert is not None else "http"
 
     @classmethod
     def settings_customise_sources(
@@ -98,7 +144,36 @@ def ensure_admin_token(settings: Settings, *, announce: bool = True) -> Settings
     operator can create federations (the only time a token is ever shown)."""
     if settings.admin_token is not None and settings.admin_token.get_secret_value():
         return settings
+    if settings.admin_token_file is not None:
+        return settings.model_copy(update={"admin_token": SecretStr(read_secret_file(settings.admin_token_file))})
     token = secrets.token_urlsafe(32)
     if announce:
         print(f"pfl-edge server: no PFL_ADMIN_TOKEN set; generated admin token: {token}", file=sys.stderr)
     return settings.model_copy(update={"admin_token": SecretStr(token)})
+
+
+def read_secret_file(path: str | Path) -> str:
+    """A secret kept in a file (its first line, stripped): a token or an enrolment secret that should not sit on
+    a command line, where every local user can read it. ConfigError if it is missing or empty."""
+    p = Path(path)
+    try:
+        text = p.read_text().strip().splitlines()
+    except OSError as e:
+        raise ConfigError(f"cannot read the secret file {p}: {e}") from None
+    if not text or not text[0].strip():
+        raise ConfigError(f"the secret file {p} is empty")
+    return text[0].strip()
+
+
+def secure_data_dir(settings: Settings) -> None:
+    """The data dir and blob dir private to the server's user (0700), and SQLite's ``state.db`` created 0600
+    (SQLite gives its -wal and -shm files the database file's mode)."""
+    for d in (settings.data_dir, settings.resolved_blob_dir):
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(d, 0o700)
+    url = settings.resolved_database_url
+    if url.startswith("sqlite:///"):
+        db = Path(url[len("sqlite:///"):])
+        if db.parent.is_dir():
+            os.close(os.open(db, os.O_WRONLY | os.O_CREAT, 0o600))
+            os.chmod(db, 0o600)

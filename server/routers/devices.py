@@ -1,18 +1,40 @@
-"""Enrolment: a device joins a federation with its secret (no token yet: the answer holds its token)."""
+"""Enrolment: a device joins a federation with its secret (no token yet: the answer holds its token); a device
+rotates its own token before it expires."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict
 
 from pfl_edge.protocol import Enrolment, EnrolRequest
 
-from ..deps import Enrol
+from ..deps import DeviceAuth, Enrol
 
-__all__ = ["router"]
+__all__ = ["TokenIssued", "router"]
 
 router = APIRouter(prefix="/devices", tags=["devices"])
 
 
+class TokenIssued(BaseModel):
+    """A device's new token (the one it held before is refused from now on) and when it expires (unix time)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    device_id: str
+    token: str
+    expires: float
+
+
 @router.post("", response_model=Enrolment, status_code=201)
-def enrol(body: EnrolRequest, enrol: Enrol) -> Enrolment:
-    return enrol.enrol(body)
+def enrol(body: EnrolRequest, enrol: Enrol, request: Request) -> Enrolment:
+    """Rate-limited per client address and per federation (429 with Retry-After); a wrong secret and an unknown
+    federation get the same 403."""
+    return enrol.enrol(body, address=request.client.host if request.client else "")
+
+
+@router.post("/me/token", response_model=TokenIssued)
+def rotate_own_token(dev: DeviceAuth, enrol: Enrol) -> TokenIssued:
+    """A fresh token for the calling device; its current one is dead once this answers. The device saves the
+    new one before it uses it (a device that lost it enrols again with its nonce)."""
+    token, expires = enrol.rotate_token(dev.id)
+    return TokenIssued(device_id=dev.id, token=token, expires=expires)

@@ -5,10 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter
+from pydantic import BaseModel, ConfigDict, Field
 
 from pfl_edge.protocol import FederationCreate, FederationInfo
 
 from ..deps import AdminAuth, Enrol, FederationReader, MetricsDep
+from .devices import TokenIssued
 
 __all__ = ["router"]
 
@@ -35,3 +37,35 @@ def get_metrics(fed: str, _reader: FederationReader, metrics: MetricsDep) -> dic
 def get_devices(fed: str, _reader: FederationReader, metrics: MetricsDep) -> list[dict[str, Any]]:
     """Enrolled devices: profile, index, density, K_P, online, last round, bytes."""
     return metrics.devices(fed)
+
+
+class EnrolSecret(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    enrol_secret: str = Field(min_length=8, max_length=256)
+
+
+class Revoked(BaseModel):
+    device_id: str
+    revoked_at: float
+
+
+@router.post("/{fed}/enrol-secret", status_code=204)
+def rotate_enrol_secret(fed: str, body: EnrolSecret, _admin: AdminAuth, enrol: Enrol) -> None:
+    """A new enrolment secret (admin): the old one is refused from now on; enrolled devices keep their tokens."""
+    enrol.set_enrol_secret(fed, body.enrol_secret)
+
+
+@router.post("/{fed}/devices/{dev}/revoke", response_model=Revoked)
+def revoke_device(fed: str, dev: str, _admin: AdminAuth, enrol: Enrol) -> Revoked:
+    """Revoke a device (admin): its token is refused at once, it loses its broker access and takes no part in
+    later rounds; it cannot enrol again with its nonce (rotate the enrolment secret too if it knew it)."""
+    return Revoked(device_id=dev, revoked_at=enrol.revoke(fed, dev))
+
+
+@router.post("/{fed}/devices/{dev}/token", response_model=TokenIssued)
+def rotate_device_token(fed: str, dev: str, _admin: AdminAuth, enrol: Enrol) -> TokenIssued:
+    """A new token for a device (admin), e.g. one whose token leaked: the old one is dead at once."""
+    enrol.device_of(fed, dev)
+    token, expires = enrol.rotate_token(dev)
+    return TokenIssued(device_id=dev, token=token, expires=expires)

@@ -3,7 +3,7 @@ who may read what, the blobs the server makes itself, and the base part of a mod
 
 from __future__ import annotations
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from pfl_edge.codec import DEFAULT_MAX_BYTES, Decoded, decode, encode
@@ -11,8 +11,8 @@ from pfl_edge.errors import CodecError
 from pfl_edge.split import take
 
 from ..blobs import BlobError, BlobStore, BlobTooLarge, sha256_hex
-from ..db import SERVER, Blob, BlobRef, Device
-from ..errors import Forbidden, NotFound, TooLarge, Unprocessable
+from ..db import SERVER, Blob, BlobRef, Device, Update
+from ..errors import Forbidden, NotFound, TooLarge, TooManyRequests, Unprocessable
 from ..fedmodel import FedModel
 from .store import Store
 
@@ -25,6 +25,7 @@ class BlobAccess:
         self.blobs = blobs
         # (federation, whole-model digest, kp) -> digest of its base part
         self._base_cache: dict[tuple[str, str, int], str] = {}
+        self.upload_quota = 4  # uploads a device may hold that no update of it names (settings.upload_quota_pending)
 
     @staticmethod
     def add_ref(s: Session, digest: str, size: int, fed_id: str, uploader: str) -> bool:
@@ -49,6 +50,7 @@ class BlobAccess:
         with self.store.read() as s:
             if s.get(BlobRef, (digest, dev.federation, dev.id)) is not None:
                 return False  # the very same bytes, already checked and stored
+            self._check_quota(s, dev)
             fm = self.store.model(self.store.existing(s, dev.federation))
         try:
             decode(data, expected=fm.shapes, model_id=fm.model_id, max_bytes=self.store.decode_limit(fm),
@@ -62,7 +64,24 @@ class BlobAccess:
         except BlobError as e:
             raise Unprocessable(str(e)) from None
         with self.store.write() as s:
-            return self.add_ref(s, digest, len(data), dev.federation, dev.id)
+            self._check_quota(s, dev)  # again: uploads racing each other
+            if not self.blobs.exists(digest):  # collected meanwhile (server.services.gc): store it again
+                self.blobs.put(digest, data)
+            new = self.add_ref(s, digest, len(data), dev.federation, dev.id)
+            row = s.get(Device, dev.id)
+            if new and row is not None:
+                row.uploaded_bytes = (row.uploaded_bytes or 0) + len(data)
+            return new
+
+    def _check_quota(self, s: Session, dev: Device) -> None:
+        """A device holds at most ``upload_quota`` uploads that none of its updates names yet (an upload waits
+        for its update; the collector drops those a round older than its window): 429 beyond."""
+        named = select(Update.digest).where(Update.federation == dev.federation, Update.device == dev.id)
+        pending = s.scalar(select(func.count()).select_from(BlobRef).where(
+            BlobRef.federation == dev.federation, BlobRef.uploader == dev.id, BlobRef.digest.not_in(named))) or 0
+        if pending >= self.upload_quota:
+            raise TooManyRequests(f"device {dev.id} already holds {pending} uploads that no update of it names "
+                                  f"(the quota is {self.upload_quota}): post an update for one of them first")
 
     def get(self, fed_id: str | None, digest: str, reader: Device | None = None) -> bytes:
         """The blob, if ``reader`` (a device of ``fed_id``; None with ``fed_id`` None: the admin) may read it: what

@@ -18,9 +18,10 @@ from pfl_edge.errors import PflEdgeError, UnknownNameError
 from pfl_edge.federation import device_capacity
 from pfl_edge.protocol import Enrolment, EnrolRequest, FederationCreate, FederationInfo
 
-from ..db import SERVER, Device, Federation, hash_secret, hash_token, verify_secret
-from ..errors import Conflict, Forbidden, Unauthorized, Unprocessable
+from ..db import SERVER, Device, Federation, hash_secret, hash_token, now
+from ..errors import Conflict, Forbidden, NotFound, Unauthorized, Unprocessable
 from ..fedmodel import fed_model
+from ..ratelimit import Buckets, EnrolGate
 from ..states import ENROLMENT_ROUND, RoundState
 from .blob_access import BlobAccess
 from .store import Store
@@ -45,8 +46,12 @@ class _Enrolled:
 
 class EnrolmentService:
     def __init__(self, store: Store, blobs: BlobAccess, *, device_broker_url: str, device_mqtt_password: str,
-                 on_enrolled: Callable[[], None], on_created: Callable[[str], None]) -> None:
+                 on_enrolled: Callable[[], None], on_created: Callable[[str], None], token_ttl_s: float = 30 * 86400.0,
+                 gate: EnrolGate | None = None, on_revoked: Callable[[str], None] | None = None) -> None:
         self.store = store
+        self.token_ttl_s = token_ttl_s  # a device token's lifetime; the agent rotates its own before the end
+        self.gate = gate or EnrolGate(Buckets(1.0, 20), Buckets(5.0, 100))
+        self.on_revoked = on_revoked or (lambda dev_id: None)  # the broker forgets the device's credentials
         self.blobs = blobs
         self.device_broker_url = device_broker_url
         self.device_mqtt_password = device_mqtt_password
@@ -101,10 +106,16 @@ class EnrolmentService:
             dev = s.scalar(select(Device).where(Device.token_hash == hash_token(token)))
         if dev is None:
             raise Unauthorized("unknown or revoked device token")
+        if dev.revoked_at is not None:
+            raise Unauthorized(f"device {dev.id} was revoked by the operator")
+        if dev.token_expires is not None and dev.token_expires <= now():
+            raise Unauthorized(f"the token of device {dev.id} expired; a device rotates its token before it "
+                               "expires (POST /v1/devices/me/token), or enrols again with its nonce")
         return dev
 
-    def enrol(self, req: EnrolRequest) -> Enrolment:
-        profile = self._admit(req)
+    def enrol(self, req: EnrolRequest, address: str = "") -> Enrolment:
+        """Enrol a device (``address``: the client's, for the rate limit)."""
+        profile = self._admit(req, address)
         token = secrets.token_urlsafe(32)
         got = self._again(req, token)
         if got is not None:
@@ -120,12 +131,13 @@ class EnrolmentService:
                          mqtt_username=got.device_id, mqtt_password=self.device_mqtt_password, round=got.round,
                          init_digest=self.blobs.base_for(req.federation, fm, got.init_digest, got.kp))
 
-    def _admit(self, req: EnrolRequest) -> Profile:
-        """The device's profile, once its federation exists and its secret is right."""
+    def _admit(self, req: EnrolRequest, address: str) -> Profile:
+        """The device's profile, once its federation exists and its secret is right (an unknown federation is
+        refused as a wrong secret is; rate limits and the verify cache: ``server.ratelimit.EnrolGate``)."""
         with self.store.read() as s:
-            secret_hash = self.store.federation(s, req.federation).enrol_secret_hash
-        if not verify_secret(req.enrol_secret, secret_hash):
-            raise Forbidden(f"wrong enrol secret for federation {req.federation!r}")
+            fed = s.get(Federation, req.federation)
+            secret_hash = None if fed is None else fed.enrol_secret_hash
+        self.gate.check(req.federation, req.enrol_secret, secret_hash, address)
         try:
             return get_profile(req.profile)
         except UnknownNameError:
@@ -141,7 +153,9 @@ class EnrolmentService:
             if again is None:
                 self._check_open(fed)
                 return None
-            again.token_hash = hash_token(token)
+            if again.revoked_at is not None:
+                raise Forbidden(f"device {again.id} was revoked by the operator; it cannot enrol again")
+            again.token_hash, again.token_expires = hash_token(token), now() + self.token_ttl_s
             return _Enrolled(again.id, again.slot, again.density, again.kp, again.joined_round, fed.init_digest,
                              fed.config)
 
@@ -165,7 +179,8 @@ class EnrolmentService:
             dev_id = "dev-" + secrets.token_hex(8)
             s.add(Device(id=dev_id, federation=fed.id, token_hash=hash_token(token), profile=profile.name,
                          name=req.name, slot=slot, density=density, kp=kp, online=False, joined_round=fed.round,
-                         enrol_nonce=req.nonce, declared_samples=req.n_samples))
+                         enrol_nonce=req.nonce, declared_samples=req.n_samples,
+                         token_expires=now() + self.token_ttl_s))
             return _Enrolled(dev_id, slot, density, kp, fed.round, fed.init_digest, fed.config)
 
     @staticmethod
@@ -179,3 +194,48 @@ class EnrolmentService:
         if asked is not None and asked >= clients:
             raise Unprocessable(f"index {asked} out of range: the federation has slots 0..{clients - 1}")
         return asked if asked is not None and asked in free else free[0]
+
+    # ------------------------------------------------------------------------ rotation and revocation
+
+    def rotate_token(self, dev_id: str) -> tuple[str, float]:
+        """A fresh token for the device (the old one is dead at once) and when it expires."""
+        token, expires = secrets.token_urlsafe(32), now() + self.token_ttl_s
+        with self.store.write() as s:
+            dev = s.get(Device, dev_id, with_for_update=True)
+            if dev is None or dev.revoked_at is not None:
+                raise Unauthorized(f"device {dev_id} is unknown or revoked")
+            dev.token_hash, dev.token_expires = hash_token(token), expires
+        log.info("device %s: token rotated", dev_id)
+        return token, expires
+
+    def device_of(self, fed_id: str, dev_id: str) -> Device:
+        """A device of the federation; NotFound otherwise."""
+        with self.store.read() as s:
+            self.store.federation(s, fed_id)
+            dev = s.get(Device, dev_id)
+        if dev is None or dev.federation != fed_id:
+            raise NotFound(f"no device {dev_id!r} in federation {fed_id!r}")
+        return dev
+
+    def revoke(self, fed_id: str, dev_id: str) -> float:
+        """Revoke a device: its token is refused from now on, it takes no part in later rounds, and the broker
+        drops its credentials. Idempotent; returns when it was revoked."""
+        self.device_of(fed_id, dev_id)
+        with self.store.write() as s:
+            dev = s.get(Device, dev_id, with_for_update=True)
+            if dev is None:
+                raise NotFound(f"no device {dev_id!r} in federation {fed_id!r}")
+            if dev.revoked_at is None:
+                dev.revoked_at = now()
+            at = dev.revoked_at
+        self.on_revoked(dev_id)
+        log.warning("federation %s: device %s revoked", fed_id, dev_id)
+        return at
+
+    def set_enrol_secret(self, fed_id: str, secret: str) -> None:
+        """A new enrolment secret (the old one is refused from now on; enrolled devices keep their tokens)."""
+        new_hash = hash_secret(secret)
+        with self.store.write() as s:
+            self.store.locked(s, fed_id).enrol_secret_hash = new_hash
+        self.gate.forget(fed_id)
+        log.warning("federation %s: enrolment secret rotated", fed_id)

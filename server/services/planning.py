@@ -27,7 +27,8 @@ class Planner:
     def active(s: Session, fed: Federation, fm: FedModel, t: int) -> list[Device]:
         """Devices that take part in round ``t``: enrolled before it opened (and, where the algorithm asks for
         one, with their initial model sent)."""
-        devs = list(s.scalars(select(Device).where(Device.federation == fed.id, Device.joined_round < t)
+        devs = list(s.scalars(select(Device).where(Device.federation == fed.id, Device.joined_round < t,
+                                                  Device.revoked_at.is_(None))
                               .order_by(Device.slot)))
         if fm.algorithm().sends_initial_model:
             have = set(s.scalars(select(Update.device).where(Update.federation == fed.id,

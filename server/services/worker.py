@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 from sqlalchemy import select
 
@@ -29,6 +30,7 @@ class RoundWorker:
         self._stop = threading.Event()
         self._republish = False
         self._thread: threading.Thread | None = None
+        self.after_step: Callable[[str], object] = lambda fed_id: None  # the blob collector (server.services.gc)
 
     def start(self) -> None:
         """Resume every unfinished federation, then run the worker (transitions and deadlines)."""
@@ -73,5 +75,6 @@ class RoundWorker:
         for fed_id in ids:
             try:
                 self.machine.step(fed_id)
+                self.after_step(fed_id)
             except Exception:
                 log.exception("federation %s: transition failed; will retry", fed_id)

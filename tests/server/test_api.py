@@ -86,7 +86,8 @@ def test_enrolment(client: TestClient) -> None:
     ok = {"federation": "f", "enrol_secret": SECRET, "profile": "phone-mid"}
     refused(client, lambda: client.post("/v1/devices", json={**ok, "enrol_secret": "wrong-secret"}), 403,
             "wrong enrol secret")
-    refused(client, lambda: client.post("/v1/devices", json={**ok, "federation": "nope"}), 404, "unknown federation")
+    # an unknown federation is refused as a wrong secret is (names cannot be enumerated)
+    refused(client, lambda: client.post("/v1/devices", json={**ok, "federation": "nope"}), 403, "wrong enrol secret")
     d = refused(client, lambda: client.post("/v1/devices", json={**ok, "profile": "toaster"}), 422, "toaster")
     assert all(p in d["detail"] for p in list_profiles())
     refused(client, lambda: client.post("/v1/devices", json={**ok, "index": 3}), 422, "slots 0..2")
