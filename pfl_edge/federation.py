@@ -21,6 +21,7 @@ from torch import Tensor
 from .checkpoint import ModelSpec, build_model
 from .data import Dataset, Partition, get_dataset, partition
 from .errors import ConfigError
+from .protocol import MAX_CLIENTS, MAX_ROUND
 from .seeding import derive_seed, generator, numpy_rng
 from .train import TrainConfig
 
@@ -87,6 +88,7 @@ class FederationConfig:
 
     def __post_init__(self) -> None:
         _check_types(self)
+        _check_bounds(self)  # before anything sized by a field (clients, rounds, samples) is built
         if self.algorithm not in ALGORITHMS:
             raise ConfigError(f"unknown algorithm {self.algorithm!r}; valid algorithms: {', '.join(ALGORITHMS)}")
         for name in ("clients", "rounds", "local_epochs", "batch_size"):
@@ -254,6 +256,34 @@ def device_capacity(cfg: FederationConfig, slot: int, *, profile_density: float 
     elif cfg.base == "linear":
         kp = cfg.kp
     return density, kp
+
+
+# The most each field may be: a federation's config arrives from the network (an admin's request), and a field
+# that sizes something (clients, rounds, samples) must be refused before anything that size is allocated.
+BOUNDS: dict[str, int | float] = {
+    "clients": MAX_CLIENTS, "rounds": MAX_ROUND, "local_epochs": 1_000, "ft_epochs": 1_000, "batch_size": 65_536,
+    "kp": 1_000, "samples_per_client": 10_000_000, "test_per_client": 10_000_000, "workers": 1_024,
+    "seed": 2**63 - 1, "lr": 1e6, "momentum": 1.0, "weight_decay": 1e6, "clip_norm": 1e12,
+}
+_MAX_TEXT = 4_096  # characters of a name, spec or path
+
+
+def _check_bounds(cfg: FederationConfig) -> None:
+    for name, most in BOUNDS.items():
+        v = getattr(cfg, name)
+        if v is not None and not (math.isfinite(v) and v <= most):
+            raise ConfigError(f"{name} must be at most {most:,}, got {v!r:.40}")
+    if cfg.seed < -(2**63):
+        raise ConfigError(f"seed must be at least {-(2**63):,}, got {cfg.seed!r:.40}")
+    for f in fields(cfg):
+        v = getattr(cfg, f.name)
+        if isinstance(v, str) and len(v) > _MAX_TEXT:
+            raise ConfigError(f"{f.name} must be at most {_MAX_TEXT} characters, got {len(v)}")
+    if cfg.densities is not None and len(cfg.densities) > MAX_CLIENTS:
+        raise ConfigError(f"densities must list at most {MAX_CLIENTS:,} values, got {len(cfg.densities):,}")
+    for name in ("lr_decay", "alpha0", "participation", "density"):
+        if not math.isfinite(getattr(cfg, name)):
+            raise ConfigError(f"{name} must be finite, got {getattr(cfg, name)}")
 
 
 def _check_types(cfg: FederationConfig) -> None:

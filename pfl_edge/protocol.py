@@ -25,17 +25,20 @@ HTTP (JSON unless said; every call but enrolment and the health check carries ``
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
     "API_PREFIX",
-    "AggregationSettings",
     "DIGEST_RE",
+    "MAX_CLIENTS",
+    "MAX_DEADLINE_S",
     "MAX_ROUND",
     "PROTOCOL_VERSION",
+    "AggregationSettings",
     "DeviceStatus",
     "EnrolRequest",
     "Enrolment",
@@ -75,6 +78,13 @@ def status_topic(fed: str, device: str) -> str:
 
 MAX_ROUND = 1_000_000
 MAX_COUNT = 2**53  # byte and sample counts: what JSON numbers carry exactly
+MAX_CLIENTS = 100_000  # slots (devices) of one federation; pfl_edge.federation bounds its config by it too
+MAX_DEADLINE_S = 7 * 86_400  # a round's deadline
+MAX_SECONDS = 1e9  # a duration a device measured (train_s), or a unix time (deadlines): finite and sane
+_MAX_KP = 1_000  # personal blocks
+_NAME = 256  # a label, profile, algorithm or credential
+_MAX_CONFIG_KEYS, _MAX_CONFIG_DEPTH, _MAX_CONFIG_TEXT = 64, 4, 4_096
+_CONFIG_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$")
 
 
 class _Msg(BaseModel):
@@ -86,6 +96,37 @@ def _digest(v: str) -> str:
     if not DIGEST_RE.match(v):
         raise ValueError("must be a sha256 digest: 64 lowercase hex characters")
     return v
+
+
+def _bounded_config(v: dict[str, object]) -> dict[str, object]:
+    """A federation's config as it travels: at most 64 keys named like identifiers, values nested at most 4 deep,
+    strings of at most 4,096 characters, lists of at most MAX_CLIENTS items, finite numbers. What the keys mean
+    is ``pfl_edge.federation.FederationConfig``'s to check."""
+    if len(v) > _MAX_CONFIG_KEYS:
+        raise ValueError(f"config has {len(v)} keys; at most {_MAX_CONFIG_KEYS}")
+    for key in v:
+        if not _CONFIG_KEY_RE.match(key):
+            raise ValueError(f"config key {key!r:.80} is not a name (letters, digits, _ and -; at most 64)")
+    _check_json(v, _MAX_CONFIG_DEPTH)
+    return v
+
+
+def _check_json(x: object, depth: int) -> None:
+    if isinstance(x, str):
+        if len(x) > _MAX_CONFIG_TEXT:
+            raise ValueError(f"config holds a string of {len(x)} characters; at most {_MAX_CONFIG_TEXT}")
+    elif isinstance(x, float):
+        if not math.isfinite(x):
+            raise ValueError("config holds NaN or Infinity; numbers must be finite")
+    elif isinstance(x, list | tuple | dict):
+        if depth <= 0:
+            raise ValueError(f"config is nested more than {_MAX_CONFIG_DEPTH} levels deep")
+        if len(x) > MAX_CLIENTS:
+            raise ValueError(f"config holds a collection of {len(x)} items; at most {MAX_CLIENTS}")
+        for item in x.values() if isinstance(x, dict) else x:
+            _check_json(item, depth - 1)
+    elif not (x is None or isinstance(x, bool | int)):
+        raise ValueError(f"config holds a {type(x).__name__}; only JSON values are allowed")
 
 
 class AggregationSettings(_Msg):
@@ -111,23 +152,36 @@ class FederationCreate(_Msg):
     enrol_secret: str = Field(min_length=8, max_length=256)
     config: dict[str, object]
     quorum: float = Field(default=1.0, gt=0, le=1)  # fraction of enrolled devices that closes a round early
-    deadline_s: float = Field(default=600.0, gt=0)  # after this, a round closes with whatever quorum it has
-    min_updates: int = Field(default=1, ge=1)  # a round past its deadline with fewer updates stays open
+    # after this, a round closes with whatever quorum it has
+    deadline_s: float = Field(default=600.0, gt=0, le=MAX_DEADLINE_S)
+    min_updates: int = Field(default=1, ge=1, le=MAX_CLIENTS)  # a round past its deadline with fewer stays open
     # round 1 opens once this many devices have enrolled (None: all ``clients`` slots); the others may join
     # later, into free slots, and take part from the round after they join
-    min_devices: int | None = Field(default=None, ge=1)
+    min_devices: int | None = Field(default=None, ge=1, le=MAX_CLIENTS)
     profile_capacity: bool = False  # density and K_P from each device's profile instead of the config
     aggregation: AggregationSettings | None = None  # None: the weighted mean, the default norm bound
 
+    _config = field_validator("config")(_bounded_config)
+
+    @model_validator(mode="after")
+    def _within_clients(self) -> FederationCreate:
+        clients = self.config.get("clients")
+        if isinstance(clients, int) and not isinstance(clients, bool):
+            for name in ("min_updates", "min_devices"):
+                v = getattr(self, name)
+                if v is not None and v > clients:
+                    raise ValueError(f"{name} ({v}) is more than the config's clients ({clients})")
+        return self
+
 
 class FederationInfo(_Msg):
-    id: str
+    id: str = Field(pattern=_ID_RE)
     config: dict[str, object]
-    round: int
+    round: int = Field(ge=0, le=MAX_ROUND)
     state: RoundState
-    devices: int
+    devices: int = Field(ge=0, le=MAX_CLIENTS)
     quorum: float
-    deadline_s: float
+    deadline_s: float  # not bounded here: a row written before the bounds existed must still be readable
     profile_capacity: bool
 
 
@@ -136,7 +190,7 @@ class EnrolRequest(_Msg):
     enrol_secret: str = Field(max_length=256)
     profile: str = Field(max_length=64)
     name: str = Field(default="", max_length=64)  # a label for tables; not an identity
-    index: int | None = Field(default=None, ge=0)  # the data partition it holds, if it wants that slot
+    index: int | None = Field(default=None, ge=0, lt=MAX_CLIENTS)  # the data partition it holds, if it wants it
     # chosen by the device and kept before it asks: the same nonce again (a retry whose answer was lost) gets
     # the same device back, with a fresh token, instead of a second device in another slot
     nonce: str | None = Field(default=None, pattern=r"^[0-9a-f]{32}$")
@@ -145,23 +199,26 @@ class EnrolRequest(_Msg):
 
 
 class Enrolment(_Msg):
-    device_id: str
-    token: str
-    index: int  # its slot in the federation: seeds, partition, topology
-    federation: str
+    device_id: str = Field(pattern=_ID_RE)
+    token: str = Field(max_length=_NAME)
+    index: int = Field(ge=0, lt=MAX_CLIENTS)  # its slot in the federation: seeds, partition, topology
+    federation: str = Field(pattern=_ID_RE)
     config: dict[str, object]
-    density: float
-    kp: int
-    broker_url: str
-    mqtt_username: str
-    mqtt_password: str
-    round: int  # the round the federation is in; a device joining late takes part from the next one
+    density: float = Field(gt=0, le=1)
+    kp: int = Field(ge=0, le=_MAX_KP)
+    broker_url: str = Field(max_length=2_048)
+    mqtt_username: str = Field(max_length=_NAME)
+    mqtt_password: str = Field(max_length=_NAME)
+    round: int = Field(ge=0, le=MAX_ROUND)  # the federation's round; a device joining late takes part from the next
     init_digest: str  # the model every device starts from (FedPer: its base; DisPFL: the dense init)
+
+    _config = field_validator("config")(_bounded_config)
+    _check = field_validator("init_digest")(_digest)
 
 
 class Neighbour(_Msg):
-    index: int
-    device_id: str
+    index: int = Field(ge=0, lt=MAX_CLIENTS)
+    device_id: str = Field(pattern=_ID_RE)
     digest: str
 
     _check = field_validator("digest")(_digest)
@@ -172,12 +229,12 @@ class Task(_Msg):
     base part. DisPFL: average ``neighbours``' latest sparse models with its own, train, prune and regrow,
     upload its sparse model. ``final``: no training; evaluate on ``base`` and report (FedPer's last step)."""
 
-    federation: str
+    federation: str = Field(pattern=_ID_RE)
     round: int = Field(ge=0, le=MAX_ROUND)
-    algorithm: str
+    algorithm: str = Field(max_length=_NAME)
     base: str | None = None
-    neighbours: list[Neighbour] = Field(default_factory=list)
-    deadline: float  # unix time
+    neighbours: list[Neighbour] = Field(default_factory=list, max_length=MAX_CLIENTS)
+    deadline: float = Field(ge=0, le=1e11)  # unix time
     final: bool = False
 
     @field_validator("base")
@@ -187,15 +244,20 @@ class Task(_Msg):
 
 
 class RoundAnnouncement(_Msg):
-    federation: str
-    round: int
+    federation: str = Field(pattern=_ID_RE)
+    round: int = Field(ge=0, le=MAX_ROUND)
     state: RoundState
     base: str | None = None
-    deadline: float | None = None
+    deadline: float | None = Field(default=None, ge=0, le=1e11)  # unix time
+
+    @field_validator("base")
+    @classmethod
+    def _base(cls, v: str | None) -> str | None:
+        return None if v is None else _digest(v)
 
 
 class DeviceStatus(_Msg):
-    device_id: str
+    device_id: str = Field(pattern=_ID_RE)
     state: Literal["online", "offline"]
 
 
@@ -205,26 +267,26 @@ class UpdateRequest(_Msg):
 
     digest: str
     n_samples: int = Field(ge=1, le=2**31 - 1)
-    train_loss: float | None = None
-    train_s: float | None = Field(default=None, ge=0)
+    train_loss: float | None = None  # finite, as every float here
+    train_s: float | None = Field(default=None, ge=0, le=MAX_SECONDS)
     bytes_down: int = Field(default=0, ge=0, le=MAX_COUNT)
 
     _check = field_validator("digest")(_digest)
 
 
 class UpdateAccepted(_Msg):
-    round: int
+    round: int = Field(ge=0, le=MAX_ROUND)
     accepted: bool  # False: an identical update was already accepted (idempotent retry)
-    updates: int  # accepted so far this round
+    updates: int = Field(ge=0, le=MAX_CLIENTS)  # accepted so far this round
 
 
 class MetricsReport(_Msg):
     """Evaluation of the model a device deploys after round ``t`` on its own test data."""
 
     accuracy: float = Field(ge=0, le=1)
-    loss: float
+    loss: float  # finite (no upper bound: a diverged model's loss is still worth reporting)
     n_test: int = Field(ge=0, le=2**31 - 1)
     bytes_up: int = Field(default=0, ge=0, le=MAX_COUNT)
     bytes_down: int = Field(default=0, ge=0, le=MAX_COUNT)
-    step_ms: float | None = Field(default=None, ge=0)
-    train_s: float | None = Field(default=None, ge=0)
+    step_ms: float | None = Field(default=None, ge=0, le=MAX_SECONDS)
+    train_s: float | None = Field(default=None, ge=0, le=MAX_SECONDS)

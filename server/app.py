@@ -25,6 +25,7 @@ from .broker import EmbeddedBroker
 from .coordinator import Coordinator
 from .db import make_engine, make_sessionmaker
 from .errors import ApiError
+from .limits import install as install_limits
 from .mqtt import MqttLink
 from .ratelimit import enrol_gate
 from .routers import api, health
@@ -65,6 +66,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                               "the HTTP half of pfl_edge.protocol. Control messages travel over MQTT.")
     app.state.admin_token = settings.admin_token.get_secret_value() if settings.admin_token else ""
     app.add_exception_handler(ApiError, _api_error)  # type: ignore[arg-type]  # narrower than Exception
+    install_limits(app)  # body, header and JSON bounds before parsing; 422s that never echo the input
     app.include_router(health.router)
     app.include_router(api)
     return app

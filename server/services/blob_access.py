@@ -52,11 +52,14 @@ class BlobAccess:
                 return False  # the very same bytes, already checked and stored
             self._check_quota(s, dev)
             fm = self.store.model(self.store.existing(s, dev.federation))
+        # only what this device may send: FedPer/FedAvg its base part (never its personal blocks, which must not
+        # even be stored), DisPFL its whole sparse model; a part of it may arrive (the update checks it is whole)
         try:
-            decode(data, expected=fm.shapes, model_id=fm.model_id, max_bytes=self.store.decode_limit(fm),
+            decode(data, expected=fm.expected(dev.kp), model_id=fm.model_id, max_bytes=self.store.decode_limit(fm),
                    allow_missing=True)
         except CodecError as e:
-            raise Unprocessable(f"payload refused: {e}") from None
+            what = "its sparse model" if fm.decentral else f"its base part only (kp={dev.kp})"
+            raise Unprocessable(f"payload refused: a {fm.cfg.algorithm} device sends {what}: {e}") from None
         try:
             self.blobs.put(digest, data)
         except BlobTooLarge as e:
@@ -101,9 +104,7 @@ class BlobAccess:
     def _check_reader(self, s: Session, fed_id: str, digest: str, reader: Device | None) -> None:
         uploaders = set(s.scalars(select(BlobRef.uploader).where(BlobRef.digest == digest,
                                                                   BlobRef.federation == fed_id)))
-        if not uploaders:
-            if s.get(Blob, digest) is not None:
-                raise Forbidden(f"blob {digest} belongs to another federation")
+        if not uploaders:  # another federation's blob is answered exactly as one that does not exist
             raise NotFound(f"no blob {digest}")
         if reader is not None and not (SERVER in uploaders or reader.id in uploaders
                                        or self._neighbour_blob(s, fed_id, reader, uploaders)):

@@ -21,11 +21,16 @@ class Metrics:
         self.store = store
 
     def report(self, dev: Device, t: int, req: MetricsReport) -> None:
+        """Metrics of a round that exists and this device was part of: from the round it joined in (a late
+        joiner evaluates what it starts from) to the federation's current one; never a future round."""
         with self.store.write() as s:
             fed = self.store.locked(s, dev.federation)
-            if not 0 <= t <= fed.round:
+            if t > fed.round:
                 raise Conflict(f"metrics for round {t}: the federation is in round {fed.round}; report rounds "
-                               f"0..{fed.round}")
+                               f"{dev.joined_round}..{fed.round}")
+            if t < dev.joined_round:
+                raise Conflict(f"metrics for round {t}: this device joined in round {dev.joined_round} and took no "
+                               f"part in earlier rounds; report rounds {dev.joined_round}..{fed.round}")
             row = s.get(Metric, (fed.id, t, dev.id))
             values = req.model_dump()
             if row is None:

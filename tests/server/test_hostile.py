@@ -1,0 +1,235 @@
+"""The issue's attacker, kept as regression tests (issue 10 items 1, 2, 9, 11): bodies over their route's limit,
+NaN and Infinity, 422s that echoed their input, absurd federation configs, metrics for rounds that do not exist,
+personal layers in a FedPer upload, and a blob endpoint that told whether a digest exists in another federation.
+Each refusal is a JSON ``{"detail": ...}`` with its status and changes nothing (SQLite: the rules are the
+server's, not the database's)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import tracemalloc
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from server_testkit import DISPFL, FEDPER, SECRET, Dev, bearer, create, fed_state, perturbed, sha, snapshot, wait_for
+
+from pfl_edge.codec import encode
+from pfl_edge.protocol import MAX_CLIENTS, MAX_DEADLINE_S, MAX_ROUND
+from pfl_edge.split import take
+from server.app import create_app
+from server.limits import JSON_BODY_LIMIT, MAX_HEADERS
+from server.settings import Settings
+
+ADMIN = "admin-token-for-hostile-tests"
+ROUTES = ["/v1/federations", "/v1/devices", "/v1/rounds/1/updates", "/v1/rounds/1/metrics"]
+
+
+def _settings(tmp_path: Path, broker_url: str) -> Settings:
+    return Settings(data_dir=tmp_path / "data", database_url=f"sqlite:///{tmp_path / 'state.db'}",
+                    broker_url=broker_url, admin_token=ADMIN, max_blob_bytes=4 << 20, tick_s=0.05)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def client(tmp_path: Path, broker_url: str) -> Iterator[TestClient]:
+    with TestClient(create_app(_settings(tmp_path, broker_url))) as c:
+        yield c
+
+
+def refused(c: TestClient, call: Any, status: int, match: str = "") -> dict[str, Any]:
+    """``call()`` is refused with ``status``, a JSON detail containing ``match``, and nothing changed."""
+    engine = c.app.state.pfl.engine  # type: ignore[attr-defined]
+    before = snapshot(engine)
+    r = call()
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json") and set(r.json()) == {"detail"}, r.text
+    assert match in json.dumps(r.json()["detail"]), r.text
+    assert snapshot(engine) == before
+    return dict(r.json())
+
+
+def post_raw(c: TestClient, path: str, body: bytes, token: str | None = None) -> httpx.Response:
+    headers = {"content-type": "application/json", **(bearer(token) if token else {})}
+    return c.post(path, content=body, headers=headers)
+
+
+# ------------------------------------------------------------------------------------------------ body limits
+
+
+def test_an_oversized_body_is_refused_before_parsing_without_a_token(client: TestClient) -> None:
+    big = b'{"federation":"f","enrol_secret":"' + b"x" * (32 << 20) + b'","profile":"phone-mid"}'
+    t0 = time.perf_counter()
+    refused(client, lambda: post_raw(client, "/v1/devices", big), 413, "limit of 65536 bytes")
+    assert time.perf_counter() - t0 < 2.0
+    for path in ROUTES[1:]:
+        refused(client, lambda p=path: post_raw(client, p, b" " * (JSON_BODY_LIMIT + 1)), 413, "limit")
+    # without a Content-Length (chunked): counted while it streams
+    chunks = (b" " * 4096 for _ in range(JSON_BODY_LIMIT // 4096 + 2))
+    refused(client, lambda: client.post("/v1/rounds/1/updates", content=chunks), 413, "over this route's limit")
+    # the admin's federation creation may be larger (1 MiB), but not without bound
+    refused(client, lambda: post_raw(client, "/v1/federations", b" " * (2 << 20), ADMIN), 413, "1048576")
+    body = json.dumps({"id": "f", "enrol_secret": SECRET, "config": FEDPER, "padding": " " * (200 << 10)}).encode()
+    refused(client, lambda: post_raw(client, "/v1/federations", body, ADMIN), 422, "padding")
+    refused(client, lambda: client.post("/v1/devices", content=b"{}", headers={"content-length": "x1"}), 400,
+            "Content-Length")
+
+
+def test_too_many_headers_are_refused(client: TestClient) -> None:
+    headers = {f"x-h{i}": "v" for i in range(MAX_HEADERS + 1)}
+    refused(client, lambda: client.get("/healthz", headers=headers), 431, "headers")
+    assert client.get("/healthz", headers=dict(list(headers.items())[:10])).status_code == 200
+
+
+def test_over_a_real_socket_the_body_is_never_read(tmp_path: Path, broker_url: str) -> None:
+    from server.launch import start_background
+
+    with start_background(_settings(tmp_path, broker_url)) as srv:
+        host, port = srv.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(b"POST /v1/devices HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000000000\r\n\r\n" + b"x" * 65536)
+            answer = sock.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+        assert httpx.get(f"{srv.url}/healthz", timeout=5).status_code == 200
+
+
+# -------------------------------------------------------------------------------------------- NaN, Infinity
+
+
+@pytest.mark.parametrize("bad", ["NaN", "Infinity", "-Infinity", "1e400", "-1e999", "1" * 50])
+def test_non_finite_numbers_anywhere_are_422_with_or_without_a_token(client: TestClient, bad: str) -> None:
+    fed = {"id": "f", "enrol_secret": SECRET, "config": FEDPER}
+    bodies = {
+        "/v1/federations": [json.dumps({**fed, "quorum": "@"}), json.dumps({**fed, "config": {**FEDPER, "lr": "@"}}),
+                            json.dumps({**fed, "config": {**FEDPER, "densities": [0.5, "@"]}})],
+        "/v1/devices": ['{"federation": "f", "enrol_secret": "x", "profile": "p", "index": @}'],
+        "/v1/rounds/1/updates": [f'{{"digest": "{"0" * 64}", "n_samples": 1, "train_loss": @}}'],
+        "/v1/rounds/1/metrics": ['{"accuracy": 0.5, "loss": @, "n_test": 1}', '{"accuracy": @, "loss": 1, "n_test": 1}'],
+    }
+    for path, texts in bodies.items():
+        for text in texts:
+            body = text.replace('"@"', bad).replace("@", bad).encode()
+            for token in (None, ADMIN):
+                d = refused(client, lambda p=path, b=body, t=token: post_raw(client, p, b, t), 422)
+                assert any(w in d["detail"] for w in ("NaN", "Infinity", "not finite", "digits")), d
+
+
+def test_json_the_parser_chokes_on_is_422(client: TestClient) -> None:
+    refused(client, lambda: post_raw(client, "/v1/devices", b"[" * 5000 + b"]" * 5000), 422, "nested too deeply")
+    refused(client, lambda: post_raw(client, "/v1/devices", b'{"a": "\xff"}'), 422, "not valid JSON")
+    refused(client, lambda: post_raw(client, "/v1/devices", b'{"a": '), 422, "not valid JSON")
+
+
+def test_a_422_never_echoes_the_input(client: TestClient) -> None:
+    marker = "Q" * 60_000
+    for body in ({"federation": "f", "enrol_secret": SECRET, "profile": marker},
+                 {"federation": marker[:1000], "enrol_secret": SECRET, "profile": "p", marker[:5000]: 1},
+                 [marker[:30_000]] * 2):
+        r = client.post("/v1/devices", json=body)
+        assert r.status_code == 422 and len(r.content) < 3000, r.text[:500]
+        assert "Q" * 250 not in r.text and '"input"' not in r.text
+        assert all({"loc", "msg", "type"} == set(e) for e in r.json()["detail"])
+    r = client.post("/v1/devices", json={f"k{i}": i for i in range(500)})
+    assert r.status_code == 422 and len(r.json()["detail"]) == 17 and "more errors" in r.text
+
+
+# ------------------------------------------------------------------------------------------ federation bounds
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    ({"config": {**FEDPER, "clients": 10**9}}, "clients must be at most 100,000"),
+    ({"config": {**FEDPER, "clients": 1e9}}, "clients must be an integer"),
+    ({"config": {**FEDPER, "rounds": 1e308}}, "rounds must be an integer"),
+    ({"config": {**FEDPER, "rounds": MAX_ROUND + 1}}, "rounds must be at most"),
+    ({"config": {**FEDPER, "samples_per_client": 10**12}}, "samples_per_client must be at most"),
+    ({"config": {**FEDPER, "local_epochs": 10**6}}, "local_epochs must be at most"),
+    ({"config": {**FEDPER, "batch_size": 10**7}}, "batch_size must be at most"),
+    ({"config": {**FEDPER, "lr": 1e300}}, "lr must be at most"),
+    ({"config": {**FEDPER, "model": "m" * 5000}}, "a string of 5000 characters; at most 4096"),
+    ({"config": {**FEDPER, "x" * 100: 1}}, "is not a name"),
+    ({"config": {**FEDPER, "a": [[[[[1]]]]]}}, "nested more than 4"),
+    ({"deadline_s": 1e308}, "deadline_s"),
+    ({"deadline_s": MAX_DEADLINE_S + 1}, "deadline_s"),
+    ({"min_devices": 4}, "more than the config's clients (3)"),
+    ({"min_updates": MAX_CLIENTS + 1}, "min_updates"),
+    ({"quorum": 0}, "quorum"),
+])
+def test_absurd_federations_are_refused_at_once(client: TestClient, change: dict[str, Any], match: str) -> None:
+    body = {"id": "f", "enrol_secret": SECRET, "config": FEDPER, **change}
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    try:
+        refused(client, lambda: client.post("/v1/federations", json=body, headers=bearer(ADMIN)), 422, match)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert time.perf_counter() - t0 < 5.0 and peak < 64 << 20, (time.perf_counter() - t0, peak)
+
+
+# ------------------------------------------------------------------------------------------------- metrics
+
+
+def test_metrics_only_for_rounds_the_device_was_part_of(client: TestClient) -> None:
+    create(client, ADMIN, "f", FEDPER, min_devices=2)
+    a, _ = Dev(client, "f"), Dev(client, "f")
+    wait_for(lambda: fed_state(client, ADMIN, "f") == (1, "collecting"), what="round 1")
+    late = Dev(client, "f")  # joins during round 1: takes part from round 2
+    m = {"accuracy": 0.5, "loss": 1.0, "n_test": 8}
+    refused(client, lambda: client.post("/v1/rounds/2/metrics", json=m, headers=a.h), 409, "rounds 0..1")
+    refused(client, lambda: client.post(f"/v1/rounds/{MAX_ROUND}/metrics", json=m, headers=a.h), 409, "round 1")
+    refused(client, lambda: client.post(f"/v1/rounds/{MAX_ROUND + 1}/metrics", json=m, headers=a.h), 422, "t")
+    refused(client, lambda: client.post("/v1/rounds/0/metrics", json=m, headers=late.h), 409, "joined in round 1")
+    assert client.post("/v1/rounds/1/metrics", json=m, headers=late.h).status_code == 200
+    assert client.post("/v1/rounds/0/metrics", json=m, headers=a.h).status_code == 200
+
+
+# --------------------------------------------------------------------------------------------------- blobs
+
+
+def test_a_fedper_device_may_upload_its_base_part_only(client: TestClient) -> None:
+    create(client, ADMIN, "f", FEDPER)
+    a = Dev(client, "f")
+    fm = a.fm
+    init = fm.init_state()
+    base = take(init, fm.base_keys(2))
+    whole = encode(perturbed(init, 1), model_id=fm.model_id, round=1)
+    files = sorted(p.name for p in Path(client.app.state.pfl.settings.resolved_blob_dir).rglob("*"))  # type: ignore[attr-defined]
+    d = refused(client, lambda: client.put(f"/v1/blobs/{sha(whole)}", content=whole, headers=a.h), 422,
+                "base part only (kp=2)")
+    assert "unexpected tensors" in d["detail"]
+    assert sorted(p.name for p in Path(client.app.state.pfl.settings.resolved_blob_dir).rglob("*")) == files  # type: ignore[attr-defined]
+    one_personal = encode({**base, "fc2.0.bias": init["fc2.0.bias"]}, model_id=fm.model_id, round=1)
+    refused(client, lambda: client.put(f"/v1/blobs/{sha(one_personal)}", content=one_personal, headers=a.h), 422,
+            "fc2.0.bias")
+    assert a.put(encode(perturbed(base, 2), model_id=fm.model_id, round=1))
+
+
+def test_a_dispfl_device_uploads_its_whole_sparse_model(client: TestClient) -> None:
+    create(client, ADMIN, "d", DISPFL)
+    a = Dev(client, "d")
+    init = a.fm.init_state()
+    masks = {k: torch.rand(v.shape, generator=torch.Generator().manual_seed(1)) < 0.3 for k, v in init.items()
+             if v.dim() > 1}
+    digest = a.put(encode(init, model_id=a.fm.model_id, round=0, masks=masks))
+    r = a.update(0, digest)
+    assert r.status_code == 200 and r.json()["accepted"], r.text
+
+
+def test_another_federations_blob_is_answered_as_a_missing_one(client: TestClient) -> None:
+    create(client, ADMIN, "f", FEDPER)
+    create(client, ADMIN, "g", {**FEDPER, "seed": 4})
+    a, b = Dev(client, "f"), Dev(client, "g")
+    mine = a.put(encode(perturbed(take(a.fm.init_state(), a.fm.base_keys(2)), 1), model_id=a.fm.model_id,
+                        round=1))
+    for digest in (mine, a.e["init_digest"]):  # a device's upload, and a model the server made
+        foreign = client.get(f"/v1/blobs/{digest}", headers=b.h)
+        missing = client.get(f"/v1/blobs/{'0' * 64}", headers=b.h)
+        assert (foreign.status_code, missing.status_code) == (404, 404)
+        assert foreign.json()["detail"].replace(digest, "D") == missing.json()["detail"].replace("0" * 64, "D")
+        assert dict(foreign.headers) == dict(missing.headers) | {"content-length": foreign.headers["content-length"]}
