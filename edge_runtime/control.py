@@ -1,4 +1,5 @@
-"""The device's control plane: one MQTT connection to its broker."""
+"""The device's control plane: one MQTT connection to its broker, with its own identity and, for ``mqtts://``
+brokers, TLS that verifies the broker's certificate (against ``ca_file``, else the system's CAs)."""
 
 from __future__ import annotations
 
@@ -6,60 +7,94 @@ import contextlib
 import json
 import logging
 import queue
+import ssl
+import sys
 import threading
+import time
 from typing import Any
 from urllib.parse import urlparse
 
 from pfl_edge.errors import ConfigError
-from pfl_edge.protocol import Enrolment, round_topic, status_topic, task_topic
+from pfl_edge.protocol import Enrolment, mqtt_client_id, round_topic, status_topic, task_topic
 
 __all__ = ["Control"]
 
 log = logging.getLogger("pfl_edge.client")
 
+_TLS = ("mqtts", "ssl")
+
 
 class Control:
-    """The MQTT side: a persistent session (clean_session False, client id = device id) subscribed at QoS 1 to
-    the device's task topic and the federation's round topic; ``online`` on connect, ``offline`` as the last
-    will. paho reconnects by itself with back-off (1 s to 30 s) when the broker goes away."""
+    """The MQTT side: a persistent session (clean_session False, client id ``pfl-<device id>``) subscribed at
+    QoS 1 to the device's task topic and the federation's round topic; ``online`` on connect, ``offline`` as the
+    last will. paho reconnects by itself with back-off (1 s to 30 s) when the broker goes away. A broker it
+    cannot reach or that refuses it is logged at WARNING with its URL and the reason at the first failure, and
+    again every ``warn_every_s`` while it lasts."""
 
-    def __init__(self, enr: Enrolment, inbox: queue.Queue[tuple[str, bytes]]) -> None:
+    def __init__(self, enr: Enrolment, inbox: queue.Queue[tuple[str, bytes]], *, ca_file: str | None = None,
+                 keepalive: int = 30, warn_every_s: float = 60.0) -> None:
         import paho.mqtt.client as mqtt
 
         url = urlparse(enr.broker_url)
-        if url.scheme not in ("mqtt", "tcp", ""):
-            raise ConfigError(f"unsupported broker URL {enr.broker_url!r}: use mqtt://host:port")
+        if url.scheme not in ("mqtt", "tcp", *_TLS) or not url.hostname:
+            raise ConfigError(f"unsupported broker URL {enr.broker_url!r}: use mqtt://host:port or mqtts://host:port")
+        self.url = enr.broker_url
         self.fed, self.dev = enr.federation, enr.device_id
         self.inbox = inbox
         self.connected = threading.Event()
-        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"pfl-{enr.device_id}", clean_session=False,
-                        protocol=mqtt.MQTTv311)
+        self.last_error: str | None = None
+        self._warn_every_s, self._warned_at = warn_every_s, -1e9
+        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=mqtt_client_id(enr.device_id),
+                        clean_session=False, protocol=mqtt.MQTTv311)
+        if url.scheme in _TLS:
+            c.tls_set(ca_certs=ca_file, cert_reqs=ssl.CERT_REQUIRED, tls_version=ssl.PROTOCOL_TLS_CLIENT)
         if enr.mqtt_username:
             c.username_pw_set(enr.mqtt_username, enr.mqtt_password)
         c.will_set(status_topic(self.fed, self.dev), json.dumps({"device_id": self.dev, "state": "offline"}),
                    qos=1, retain=True)
         c.reconnect_delay_set(min_delay=1, max_delay=30)
         c.on_connect = self._on_connect
+        c.on_connect_fail = self._on_connect_fail
         c.on_disconnect = self._on_disconnect
+        c.on_subscribe = self._on_subscribe
         c.on_message = self._on_message
         self.client = c
-        c.connect_async(url.hostname or "127.0.0.1", url.port or 1883, keepalive=30)
+        c.connect_async(url.hostname, url.port or (8883 if url.scheme in _TLS else 1883), keepalive=keepalive)
         c.loop_start()
+
+    def _failed(self, reason: str) -> None:
+        """A failure to reach or enter the broker: WARNING at once, then at most every ``warn_every_s``."""
+        self.last_error = reason
+        now = time.monotonic()
+        if now - self._warned_at >= self._warn_every_s:
+            self._warned_at = now
+            log.warning("cannot use the MQTT broker %s: %s; retrying", self.url, reason)
 
     def _on_connect(self, client: Any, userdata: Any, flags: Any, reason: Any, props: Any) -> None:
         if getattr(reason, "is_failure", False):
-            log.warning("broker refused the connection: %s", reason)
+            self._failed(f"it refused the connection ({reason}): are this device's MQTT credentials still valid?")
             return
-        log.info("connected to the broker")
+        log.info("connected to the broker %s", self.url)
+        self.last_error, self._warned_at = None, -1e9
         # subscribe on every connect: a restarted broker may have lost the persistent session
         client.subscribe([(task_topic(self.fed, self.dev), 1), (round_topic(self.fed), 1)])
         client.publish(status_topic(self.fed, self.dev), json.dumps({"device_id": self.dev, "state": "online"}),
                        qos=1, retain=True)
-        self.connected.set()
+
+    def _on_subscribe(self, client: Any, userdata: Any, mid: Any, codes: Any, props: Any) -> None:
+        if any(getattr(c, "is_failure", False) for c in codes):
+            self._failed(f"it refused this device's subscriptions ({', '.join(str(c) for c in codes)})")
+            return
+        self.connected.set()  # connected and subscribed: nothing published from now on is missed
+
+    def _on_connect_fail(self, client: Any, userdata: Any) -> None:
+        err = sys.exc_info()[1]  # paho calls this from inside its ``except OSError``
+        self._failed(f"{type(err).__name__}: {err}" if err is not None else "the connection failed")
 
     def _on_disconnect(self, client: Any, userdata: Any, flags: Any, reason: Any, props: Any) -> None:
+        if self.connected.is_set():
+            log.warning("connection to the MQTT broker %s lost (%s); reconnecting", self.url, reason)
         self.connected.clear()
-        log.warning("broker connection lost (%s); reconnecting", reason)
 
     def _on_message(self, client: Any, userdata: Any, msg: Any) -> None:
         self.inbox.put((msg.topic, bytes(msg.payload)))

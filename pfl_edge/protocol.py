@@ -51,6 +51,7 @@ __all__ = [
     "Task",
     "UpdateAccepted",
     "UpdateRequest",
+    "mqtt_client_id",
     "round_topic",
     "status_topic",
     "task_topic",
@@ -74,6 +75,11 @@ def task_topic(fed: str, device: str) -> str:
 
 def status_topic(fed: str, device: str) -> str:
     return f"pfl/{fed}/device/{device}/status"
+
+
+def mqtt_client_id(device: str) -> str:
+    """A device's MQTT client id: its broker identity may connect with no other (``pfl-<device id>``)."""
+    return f"pfl-{device}"
 
 
 MAX_ROUND = 1_000_000

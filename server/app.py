@@ -8,7 +8,6 @@ and what is valid. Nothing unauthenticated changes state.
 from __future__ import annotations
 
 import logging
-import pathlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from pfl_edge.protocol import PROTOCOL_VERSION
 
 from .blobs import DirBlobStore
 from .broker import EmbeddedBroker
+from .broker_setup import start_mqtt
 from .coordinator import Coordinator
 from .db import make_engine, make_sessionmaker
 from .errors import ApiError
@@ -76,25 +76,6 @@ async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
     return JSONResponse({"detail": exc.detail}, status_code=int(exc.status), headers=exc.headers)
 
 
-def _embedded_port(data_dir: pathlib.Path) -> int | None:
-    """The embedded broker's port of this data dir's last run, when it is free again: enrolled devices know
-    the broker by that URL and reconnect to it after a server restart. None: any free port."""
-    import socket
-
-    try:
-        port = int((data_dir / "broker-port").read_text())
-    except (OSError, ValueError):
-        return None
-    with socket.socket() as sock:
-        # as the broker binds it: connections of the killed run linger in TIME_WAIT on this port
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return None
-    return port
-
-
 def _start(settings: Settings) -> AppState:
     secure_data_dir(settings)  # 0700, and state.db 0600
     engine = make_engine(settings.resolved_database_url)
@@ -104,27 +85,21 @@ def _start(settings: Settings) -> AppState:
         engine.dispose()
         raise
     blobs = DirBlobStore(settings.resolved_blob_dir, settings.max_blob_bytes)
-    broker: EmbeddedBroker | None = None
-    if settings.broker_url == "embedded":
-        broker = EmbeddedBroker(port=_embedded_port(settings.data_dir))
-        broker_url = broker.start()
-        (settings.data_dir / "broker-port").write_text(str(broker.port))
-    else:
-        broker_url = settings.broker_url
-    holder: list[Coordinator] = []  # the link's callbacks need the coordinator, which needs the link
-    link = MqttLink(broker_url, lambda topic, payload: holder[0].on_status(topic, payload) if holder else None,
-                    on_reconnect=lambda: holder[0].request_republish() if holder else None,
-                    username=settings.mqtt_username,
-                    password=settings.mqtt_password.get_secret_value() if settings.mqtt_password else None)
+    holder: list[Coordinator] = []  # the broker's and link's callbacks need the coordinator, which needs the link
+    mq = start_mqtt(settings, lambda cid, user, pw: holder[0].broker_access.authenticate(cid, user, pw)
+                    if holder else None)
+    link = mq.link(lambda topic, payload: holder[0].on_status(topic, payload) if holder else None,
+                   on_reconnect=lambda: holder[0].request_republish() if holder else None)
     coordinator = Coordinator(
-        sessions, blobs, link, device_broker_url=settings.public_broker_url or broker_url,
+        sessions, blobs, link, device_broker_url=mq.device_url, broker_mode=mq.mode, embedded_broker=mq.broker,
+        server_mqtt=mq.server_credentials,
         device_mqtt_password=settings.device_mqtt_password.get_secret_value() if settings.device_mqtt_password
         else "", max_blob_bytes=settings.max_blob_bytes, tick_s=settings.tick_s, token_ttl_s=settings.token_ttl_s,
         gate=enrol_gate(settings), upload_quota=settings.upload_quota_pending, gc_keep_rounds=settings.gc_keep_rounds)
     holder.append(coordinator)
     link.start()
     coordinator.start()
-    return AppState(settings, engine, coordinator, broker, broker_url, link)
+    return AppState(settings, engine, coordinator, mq.broker, mq.url, link)
 
 
 def _stop(st: AppState) -> None:

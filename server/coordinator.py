@@ -6,6 +6,7 @@ from __future__ import annotations
 from sqlalchemy.orm import Session, sessionmaker
 
 from .blobs import BlobStore
+from .broker import EmbeddedBroker
 from .mqtt import MqttLink
 from .ratelimit import EnrolGate
 from .services import (
@@ -20,6 +21,7 @@ from .services import (
     Store,
     Updates,
 )
+from .services.broker_access import BrokerAccess, Mode
 from .services.gc import BlobGC
 
 __all__ = ["Coordinator"]
@@ -29,7 +31,8 @@ class Coordinator:
     def __init__(self, sessions: sessionmaker[Session], blobs: BlobStore, link: MqttLink | None, *,
                  device_broker_url: str, device_mqtt_password: str = "", max_blob_bytes: int = 64 << 20,
                  tick_s: float = 1.0, token_ttl_s: float = 30 * 86400.0, gate: EnrolGate | None = None,
-                 upload_quota: int = 4, gc_keep_rounds: int = 2) -> None:
+                 upload_quota: int = 4, gc_keep_rounds: int = 2, broker_mode: Mode = "shared",
+                 embedded_broker: EmbeddedBroker | None = None, server_mqtt: tuple[str, str] = ("", "")) -> None:
         self.blobs = blobs
         self.store = Store(sessions, max_blob_bytes)
         self.blob_access = BlobAccess(self.store, blobs)
@@ -45,6 +48,11 @@ class Coordinator:
                                           device_mqtt_password=device_mqtt_password, on_enrolled=self.worker.kick,
                                           on_created=self.publisher.announce, token_ttl_s=token_ttl_s, gate=gate,
                                           on_revoked=self._revoked)
+        # who may use the broker: per-device credentials and topics (server.services.broker_access)
+        self.broker_access = BrokerAccess(self.store, broker_mode, server_username=server_mqtt[0],
+                                          server_password=server_mqtt[1], broker=embedded_broker, link=link,
+                                          shared_password=device_mqtt_password)
+        self.enrolment.mqtt_credentials = self.broker_access.credentials
         self.gc = BlobGC(self.store, self.blob_access, blobs, keep_rounds=gc_keep_rounds)
         self.worker.after_step = self.gc.after_step
 

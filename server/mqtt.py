@@ -1,9 +1,11 @@
 """The server's MQTT client: publishes round announcements and per-device tasks (retained, QoS 1) and listens
-to the devices' status topics. Small JSON only; weights never travel over MQTT."""
+to the devices' status topics (and, on Mosquitto with dynamic security, to the plugin's answers). Small JSON
+only; weights never travel over MQTT. ``mqtts://`` URLs connect with TLS and verify the broker's certificate."""
 
 from __future__ import annotations
 
 import logging
+import ssl
 import threading
 import uuid
 from collections.abc import Callable
@@ -13,34 +15,46 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 from pydantic import BaseModel
 
-__all__ = ["STATUS_FILTER", "MqttLink", "parse_broker_url"]
+__all__ = ["STATUS_FILTER", "MqttLink", "broker_tls", "parse_broker_url"]
 
 log = logging.getLogger(__name__)
 
 STATUS_FILTER = "pfl/+/device/+/status"
+_TLS_SCHEMES = ("mqtts", "ssl")
 
 
 def parse_broker_url(url: str) -> tuple[str, int]:
+    """(host, port) of ``mqtt://host[:1883]`` or ``mqtts://host[:8883]``."""
     u = urlparse(url)
-    if u.scheme not in ("mqtt", "tcp") or not u.hostname:
-        raise ValueError(f"broker URL must be mqtt://host:port, got {url!r}")
-    return u.hostname, u.port or 1883
+    if u.scheme not in ("mqtt", "tcp", *_TLS_SCHEMES) or not u.hostname:
+        raise ValueError(f"broker URL must be mqtt://host:port or mqtts://host:port, got {url!r}")
+    return u.hostname, u.port or (8883 if u.scheme in _TLS_SCHEMES else 1883)
+
+
+def broker_tls(url: str) -> bool:
+    return urlparse(url).scheme in _TLS_SCHEMES
 
 
 class MqttLink:
     """One paho client in its own network thread; reconnects by itself. ``on_status(topic, payload)`` is called
-    from that thread for every status message."""
+    from that thread for every status message. ``tls``: how an ``mqtts://`` broker is verified (None: the
+    system's CAs and its host name; ``server.broker_setup`` builds it from the settings)."""
 
     def __init__(self, url: str, on_status: Callable[[str, bytes], None], *, username: str | None = None,
-                 password: str | None = None, on_reconnect: Callable[[], None] | None = None) -> None:
+                 password: str | None = None, on_reconnect: Callable[[], None] | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
+        self.url = url
         self.host, self.port = parse_broker_url(url)
         self._on_status = on_status
         self._on_reconnect = on_reconnect
+        self._handlers: dict[str, Callable[[str, bytes], None]] = {}
         self._ever_connected = False
         self._connected = threading.Event()
         # clean session: the server re-publishes every current task when it (re)starts, so it needs no backlog
         self.client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"pfl-server-{uuid.uuid4().hex[:12]}",
                                   clean_session=True)
+        if broker_tls(url):
+            self.client.tls_set_context(tls if tls is not None else ssl.create_default_context())
         if username is not None:
             self.client.username_pw_set(username, password)
         self.client.on_connect = self._connected_cb
@@ -53,7 +67,7 @@ class MqttLink:
         self.client.loop_start()
         if not self._connected.wait(timeout):
             # not fatal: paho keeps trying, and QoS 1 messages wait in its queue
-            log.warning("MQTT broker %s:%d not reachable yet; retrying in the background", self.host, self.port)
+            log.warning("MQTT broker %s not reachable yet; retrying in the background", self.url)
 
     def stop(self) -> None:
         try:
@@ -65,29 +79,43 @@ class MqttLink:
     def connected(self) -> bool:
         return self._connected.is_set()
 
+    def listen(self, topic_filter: str, handler: Callable[[str, bytes], None]) -> None:
+        """Also subscribe to ``topic_filter`` (now and after every reconnect); its messages go to ``handler``."""
+        self._handlers[topic_filter] = handler
+        if self.connected:
+            self.client.subscribe(topic_filter, qos=1)
+
     def publish(self, topic: str, msg: BaseModel | None, *, retain: bool = True) -> None:
         """QoS 1; ``None`` clears a retained message."""
-        payload = b"" if msg is None else msg.model_dump_json().encode()
+        self.publish_raw(topic, b"" if msg is None else msg.model_dump_json().encode(), retain=retain)
+
+    def publish_raw(self, topic: str, payload: bytes, *, retain: bool = False) -> None:
         info = self.client.publish(topic, payload, qos=1, retain=retain)
         if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):  # NO_CONN: queued, sent on reconnect
             log.warning("MQTT publish to %s failed: %s", topic, mqtt.error_string(info.rc))
 
     def _connected_cb(self, client: mqtt.Client, _u: object, _f: object, rc: object, _p: object) -> None:
         if getattr(rc, "is_failure", False):
-            log.warning("MQTT connection refused: %s", rc)
+            log.warning("MQTT broker %s refused the server's connection: %s", self.url, rc)
             return
-        client.subscribe(STATUS_FILTER, qos=1)
+        client.subscribe([(STATUS_FILTER, 1), *((f, 1) for f in self._handlers)])
         self._connected.set()
         if self._ever_connected and self._on_reconnect is not None:
             # a broker that restarted without persistence lost every retained task: publish them again
             self._on_reconnect()
         self._ever_connected = True
 
-    def _disconnected_cb(self, _c: mqtt.Client, _u: object, _f: object, _rc: object, _p: object) -> None:
+    def _disconnected_cb(self, _c: mqtt.Client, _u: object, _f: object, rc: object, _p: object) -> None:
+        if self._connected.is_set():
+            log.warning("MQTT broker %s: connection lost (%s); reconnecting", self.url, rc)
         self._connected.clear()
 
     def _message_cb(self, _c: mqtt.Client, _u: object, msg: mqtt.MQTTMessage) -> None:
         try:
+            for f, handler in list(self._handlers.items()):
+                if mqtt.topic_matches_sub(f, msg.topic):
+                    handler(msg.topic, bytes(msg.payload))
+                    return
             self._on_status(msg.topic, bytes(msg.payload))
-        except Exception:  # a bad status message must not kill the network thread
-            log.exception("status message on %s", msg.topic)
+        except Exception:  # a bad message must not kill the network thread
+            log.exception("MQTT message on %s", msg.topic)

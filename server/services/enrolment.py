@@ -55,6 +55,8 @@ class EnrolmentService:
         self.blobs = blobs
         self.device_broker_url = device_broker_url
         self.device_mqtt_password = device_mqtt_password
+        # (username, password) of a device that has just enrolled; the coordinator sets BrokerAccess.credentials
+        self.mqtt_credentials: Callable[[str, str], tuple[str, str]] = lambda _fed, dev: (dev, device_mqtt_password)
         self.on_enrolled = on_enrolled  # wakes the round worker: enrolment may open round 1
         self.on_created = on_created  # announces a new federation
 
@@ -126,9 +128,10 @@ class EnrolmentService:
             log.info("federation %s: device %s enrolled in slot %d (%s)", req.federation, got.device_id, got.slot,
                      profile.name)
         fm = fed_model(got.config)
+        mqtt_user, mqtt_password = self.mqtt_credentials(req.federation, got.device_id)  # fresh at every enrolment
         return Enrolment(device_id=got.device_id, token=token, index=got.slot, federation=req.federation,
                          config=got.config, density=got.density, kp=got.kp, broker_url=self.device_broker_url,
-                         mqtt_username=got.device_id, mqtt_password=self.device_mqtt_password, round=got.round,
+                         mqtt_username=mqtt_user, mqtt_password=mqtt_password, round=got.round,
                          init_digest=self.blobs.base_for(req.federation, fm, got.init_digest, got.kp))
 
     def _admit(self, req: EnrolRequest, address: str) -> Profile:

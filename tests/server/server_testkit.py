@@ -152,7 +152,8 @@ class Mqtt:
     """A device-like paho client: keeps the latest message per topic."""
 
     def __init__(self, url: str, topics: list[str], *, client_id: str = "", clean: bool = True,
-                 will: tuple[str, bytes] | None = None) -> None:
+                 will: tuple[str, bytes] | None = None, username: str | None = None, password: str | None = None,
+                 keepalive: int = 10) -> None:
         import threading
 
         import paho.mqtt.client as mqtt
@@ -167,6 +168,8 @@ class Mqtt:
         self.c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=clean)
         if will is not None:
             self.c.will_set(will[0], will[1], qos=1, retain=True)
+        if username is not None:
+            self.c.username_pw_set(username, password)
         connected = threading.Event()
 
         def on_connect(c: Any, _u: Any, _f: Any, _rc: Any, _p: Any) -> None:
@@ -182,7 +185,7 @@ class Mqtt:
 
         self.c.on_connect = on_connect
         self.c.on_message = on_message
-        self.c.connect(host, port, keepalive=10)
+        self.c.connect(host, port, keepalive=keepalive)
         self.c.loop_start()
         assert connected.wait(10), "MQTT connect timed out"
 

@@ -1,0 +1,325 @@
+"""The embedded broker's MQTT 3.1.1 logic in asyncio: sessions, subscriptions, retained messages, wills, client-id
+takeover, keepalive, and identities with topic access rules. ``server.broker`` runs it in its own thread.
+
+What it implements (what pfl-edge's server and devices use): QoS 0 and 1 (QoS 2 publishes close the connection,
+QoS 2 subscriptions are granted QoS 1), retained messages delivered by topic filter only, last wills, persistent
+sessions (clean_session False) whose QoS 1 messages wait while the client is away and are sent again on
+reconnect, client-id takeover (a second connection with a client id closes the first, without its will, and gets
+the session), keepalive (a connection silent for 1.5 x its keepalive is closed and its will published; keepalive
+0 gets ``idle_s``), and bounded memory per connection (packet size, per-session queue, write buffer: a client that
+stops reading is disconnected instead of buffered forever).
+
+Access: ``authenticate(client_id, username, password)`` (called in a worker thread: it may query a database)
+answers an :class:`Identity` or None (refused). An identity reads (subscribes to, receives, gets retained) only
+its ``read`` topics and publishes (its will included) only to its ``write`` topics; ``None`` means every topic.
+A refused subscription gets SUBACK 0x80; a refused publish is acknowledged and dropped, as Mosquitto does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from . import broker_wire as w
+
+__all__ = ["ANYONE", "Authenticator", "BrokerCore", "Identity"]
+
+log = logging.getLogger("server.broker")
+
+
+@dataclass(frozen=True)
+class Identity:
+    username: str
+    read: frozenset[str] | None = None  # exact topics it may subscribe to and receive; None: any
+    write: frozenset[str] | None = None  # topics it may publish to (its will included); None: any
+    client_id: str | None = None  # the one client id it may connect with; None: any
+
+    def may_read(self, topic: str) -> bool:
+        return self.read is None or topic in self.read
+
+    def may_subscribe(self, a_filter: str) -> bool:
+        return self.read is None or a_filter in self.read
+
+    def may_write(self, topic: str) -> bool:
+        return self.write is None or topic in self.write
+
+
+ANYONE = Identity("")  # what every client is when the broker has no authenticator (tests only)
+Authenticator = Callable[[str, str | None, bytes | None], Identity | None]
+
+
+@dataclass(eq=False)
+class _Session:
+    client_id: str
+    identity: Identity
+    clean: bool
+    subs: dict[str, int] = field(default_factory=dict)
+    queue: deque[w.Publish] = field(default_factory=deque)  # QoS 1 messages not yet sent
+    inflight: dict[int, w.Publish] = field(default_factory=dict)  # sent, not yet acknowledged
+    conn: _Conn | None = None
+    last_pid: int = 0
+
+    def new_pid(self) -> int:
+        for _ in range(65535):
+            self.last_pid = self.last_pid % 65535 + 1
+            if self.last_pid not in self.inflight:
+                return self.last_pid
+        raise w.WireError("no free packet identifier")
+
+
+@dataclass(eq=False)
+class _Conn:
+    writer: asyncio.StreamWriter
+    session: _Session
+    will: w.Publish | None
+    dead: bool = False
+
+
+class BrokerCore:
+    def __init__(self, authenticate: Authenticator | None = None, *, max_packet: int = 256 * 1024,
+                 max_queue: int = 1000, max_inflight: int = 100, max_buffer: int = 4 << 20,
+                 connect_timeout_s: float = 10.0, idle_s: float = 600.0) -> None:
+        self.authenticate = authenticate
+        self.max_packet, self.max_queue, self.max_inflight, self.max_buffer = max_packet, max_queue, max_inflight, \
+            max_buffer
+        self.connect_timeout_s, self.idle_s = connect_timeout_s, idle_s
+        self.sessions: dict[str, _Session] = {}
+        self.retained: dict[str, w.Publish] = {}
+        self._subs: dict[str, dict[str, int]] = {}  # filter -> {client id: QoS}
+        self._wild: set[str] = set()  # the filters in _subs with a wildcard
+
+    # ------------------------------------------------------------------------------------------ connections
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One client connection, from CONNECT to its end."""
+        conn: _Conn | None = None
+        try:
+            kind, _flags, body = await asyncio.wait_for(w.read_packet(reader, self.max_packet),
+                                                        self.connect_timeout_s)
+            if kind != w.CONNECT:
+                raise w.WireError("the first packet is not CONNECT")
+            c = w.parse_connect(body)
+            conn = await self._connect(c, writer)
+            if conn is None:
+                return
+            idle = c.keepalive * 1.5 if c.keepalive else self.idle_s
+            while not conn.dead:
+                kind, flags, body = await asyncio.wait_for(w.read_packet(reader, self.max_packet), idle)
+                if kind == w.DISCONNECT:
+                    conn.will = None
+                    break
+                if not conn.dead:
+                    self._packet(conn, kind, flags, body)
+        except TimeoutError:
+            log.info("MQTT client %s silent past its keepalive: closed", conn.session.client_id if conn else "?")
+        except (w.WireError, UnicodeError) as e:
+            log.warning("MQTT connection from %s closed: %s", writer.get_extra_info("peername"), e)
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            pass
+        except asyncio.CancelledError:  # the broker stops: end quietly (asyncio's stream callback would log it)
+            pass
+        finally:
+            if conn is not None:
+                self._drop(conn, will=True)
+            writer.close()
+
+    async def _connect(self, c: w.Connect, writer: asyncio.StreamWriter) -> _Conn | None:
+        """The client's connection once CONNACK accepted it; None after a refusal (CONNACK sent)."""
+        if c.level != 4:
+            writer.write(w.connack(False, 1))  # unacceptable protocol version
+            return None
+        client_id = c.client_id
+        if not client_id:
+            if not c.clean:
+                writer.write(w.connack(False, 2))
+                return None
+            client_id = "auto-" + secrets.token_hex(8)
+        ident = ANYONE
+        if self.authenticate is not None:
+            got = await asyncio.get_running_loop().run_in_executor(None, self.authenticate, client_id,
+                                                                     c.username, c.password)
+            if got is None:
+                log.warning("MQTT client %r (user %r) refused: unknown user or wrong password", client_id, c.username)
+                writer.write(w.connack(False, 4 if c.username else 5))
+                return None
+            ident = got
+        if ident.client_id is not None and ident.client_id != client_id:
+            log.warning("MQTT user %r refused: client id %r is not its own", ident.username, client_id)
+            writer.write(w.connack(False, 2))
+            return None
+        if c.will is not None and (c.will.qos == 2 or not ident.may_write(c.will.topic)):
+            log.warning("MQTT user %r refused: may not leave a will on %r", ident.username, c.will.topic)
+            writer.write(w.connack(False, 5))
+            return None
+        return self._attach(client_id, ident, c, writer)
+
+    def _attach(self, client_id: str, ident: Identity, c: w.Connect, writer: asyncio.StreamWriter) -> _Conn:
+        old = self.sessions.get(client_id)
+        if old is not None and old.conn is not None:
+            log.info("MQTT client %r connected again: the old connection is closed (takeover)", client_id)
+            self._drop(old.conn, will=False)
+        if old is not None and (c.clean or old.clean or old.identity.username != ident.username):
+            self._forget(old)
+            old = None
+        sess = old if old is not None else _Session(client_id, ident, c.clean)
+        sess.identity = ident
+        self.sessions[client_id] = sess
+        conn = _Conn(writer, sess, c.will)
+        sess.conn = conn
+        self._send(conn, w.connack(old is not None, 0))
+        for p in list(sess.inflight.values()):
+            self._send(conn, w.publish(replace(p, dup=True)))
+        self._flush_queue(sess)
+        return conn
+
+    def _drop(self, conn: _Conn, *, will: bool) -> None:
+        """The end of a connection: its session stays (persistent) or goes (clean); its will is published."""
+        if conn.dead:
+            return
+        conn.dead = True
+        with contextlib.suppress(Exception):
+            conn.writer.transport.abort()
+        sess = conn.session
+        if sess.conn is conn:
+            sess.conn = None
+            if sess.clean:
+                self._forget(sess)
+        if will and conn.will is not None:
+            self._route(conn.will)
+
+    def _forget(self, sess: _Session) -> None:
+        if self.sessions.get(sess.client_id) is sess:
+            del self.sessions[sess.client_id]
+        for f in list(sess.subs):
+            self._unsubscribe(sess, f)
+
+    def _send(self, conn: _Conn, data: bytes) -> None:
+        if conn.dead:
+            return
+        conn.writer.write(data)
+        if conn.writer.transport.get_write_buffer_size() > self.max_buffer:
+            log.warning("MQTT client %r does not read: disconnected", conn.session.client_id)
+            self._drop(conn, will=True)
+
+    # ---------------------------------------------------------------------------------------------- packets
+    def _packet(self, conn: _Conn, kind: int, flags: int, body: bytes) -> None:
+        sess = conn.session
+        if kind == w.PUBLISH:
+            self._publish(conn, w.parse_publish(flags, body))
+        elif kind == w.PUBACK:
+            if len(body) != 2:
+                raise w.WireError("malformed PUBACK")
+            sess.inflight.pop(int.from_bytes(body, "big"), None)
+            self._flush_queue(sess)
+        elif kind == w.SUBSCRIBE:
+            if flags != 2:
+                raise w.WireError("malformed SUBSCRIBE")
+            self._subscribe(conn, *w.parse_subscribe(body))
+        elif kind == w.UNSUBSCRIBE:
+            if flags != 2:
+                raise w.WireError("malformed UNSUBSCRIBE")
+            pid, filters = w.parse_unsubscribe(body)
+            for f in filters:
+                self._unsubscribe(sess, f)
+            self._send(conn, w.unsuback(pid))
+        elif kind == w.PINGREQ:
+            self._send(conn, w.PINGRESP_BYTES)
+        else:
+            raise w.WireError(f"unexpected packet type {kind}")
+
+    def _publish(self, conn: _Conn, p: w.Publish) -> None:
+        if p.qos == 2:
+            raise w.WireError("QoS 2 is not supported by this broker")
+        ident = conn.session.identity
+        if ident.may_write(p.topic):
+            self._route(p)
+        else:
+            log.warning("MQTT user %r may not publish to %r: dropped", ident.username, p.topic)
+        if p.qos == 1:
+            self._send(conn, w.puback(p.pid))
+
+    def _subscribe(self, conn: _Conn, pid: int, subs: list[tuple[str, int]]) -> None:
+        sess, codes, granted = conn.session, [], []
+        for f, qos in subs:
+            if not w.valid_filter(f) or not sess.identity.may_subscribe(f):
+                log.warning("MQTT user %r may not subscribe to %r: refused", sess.identity.username, f)
+                codes.append(0x80)
+                continue
+            qos = min(qos, 1)
+            sess.subs[f] = qos
+            self._subs.setdefault(f, {})[sess.client_id] = qos
+            if "+" in f or "#" in f:
+                self._wild.add(f)
+            codes.append(qos)
+            granted.append((f, qos))
+        self._send(conn, w.suback(pid, codes))
+        for f, qos in granted:  # retained messages by filter, and only those it may read
+            topics = self.retained if f in self._wild else ([f] if f in self.retained else [])
+            for topic in list(topics):
+                r = self.retained[topic]
+                if w.matches(f, topic) and sess.identity.may_read(topic):
+                    self._deliver(sess, replace(r, qos=min(qos, r.qos), retain=True, dup=False, pid=0))
+
+    def _unsubscribe(self, sess: _Session, f: str) -> None:
+        sess.subs.pop(f, None)
+        subs = self._subs.get(f)
+        if subs is not None:
+            subs.pop(sess.client_id, None)
+            if not subs:
+                del self._subs[f]
+                self._wild.discard(f)
+
+    # ---------------------------------------------------------------------------------------------- routing
+    def _route(self, p: w.Publish) -> None:
+        """A message someone may publish: kept if retained, delivered to every session whose filter matches
+        and that may read it."""
+        if p.retain:
+            if p.payload:
+                self.retained[p.topic] = replace(p, dup=False, pid=0)
+            else:
+                self.retained.pop(p.topic, None)
+        targets: dict[str, int] = {}
+        for f in (p.topic, *self._wild):
+            for cid, qos in self._subs.get(f, {}).items():
+                if f == p.topic or w.matches(f, p.topic):
+                    targets[cid] = max(targets.get(cid, 0), qos)
+        for cid, qos in targets.items():
+            sess = self.sessions.get(cid)
+            if sess is not None and sess.identity.may_read(p.topic):
+                self._deliver(sess, w.Publish(p.topic, p.payload, qos=min(qos, p.qos)))
+
+    def _deliver(self, sess: _Session, p: w.Publish) -> None:
+        if p.qos == 0:
+            if sess.conn is not None:
+                self._send(sess.conn, w.publish(p))
+            return
+        sess.queue.append(p)
+        if len(sess.queue) > self.max_queue:
+            sess.queue.popleft()
+            log.warning("MQTT client %r has %d messages waiting: the oldest dropped", sess.client_id, self.max_queue)
+        self._flush_queue(sess)
+
+    def _flush_queue(self, sess: _Session) -> None:
+        while sess.conn is not None and sess.queue and len(sess.inflight) < self.max_inflight:
+            p = replace(sess.queue.popleft(), pid=sess.new_pid())
+            sess.inflight[p.pid] = p
+            self._send(sess.conn, w.publish(p))
+
+    # ---------------------------------------------------------------------------------------------- control
+    def kick(self, username: str) -> int:
+        """Close every connection of ``username`` (no will) and forget its sessions; how many sessions."""
+        gone = [s for s in self.sessions.values() if s.identity.username == username]
+        for sess in gone:
+            if sess.conn is not None:
+                self._drop(sess.conn, will=False)
+            self._forget(sess)
+        return len(gone)
+
+    def close_all(self) -> None:
+        for sess in list(self.sessions.values()):
+            if sess.conn is not None:
+                self._drop(sess.conn, will=False)

@@ -1,0 +1,187 @@
+"""Who may use the MQTT broker and for what: every device its own credentials and topics, the server its own
+identity.
+
+A device's MQTT username is its device id and its client id ``pfl-<device id>``; its password is random, fresh at
+every enrolment (a re-enrolment by nonce gets a new one), and only its sha256 is kept (``Device.mqtt_hash``).
+It may subscribe to its federation's round topic and its own task topic and publish only its own status (its
+last will is there too). Three modes, by the server's settings:
+
+- ``embedded``: the embedded broker asks :meth:`BrokerAccess.authenticate` at every CONNECT (the database's
+  hash; a revoked device is refused) and enforces the topics; :meth:`remove_device` closes its connection at once.
+- ``dynsec``: an external Mosquitto with its dynamic-security plugin. The server (the configured admin
+  credentials, whose role must allow ``$CONTROL/dynamic-security/#`` and publishing ``pfl/#``) creates a client
+  and a role per device through the control topic ``$CONTROL/dynamic-security/v1`` and waits for the plugin's
+  answer; removal deletes the client, which Mosquitto disconnects at once.
+- ``shared``: an external broker the server does not manage (the old mode): every device is told
+  ``device_mqtt_password``, and the broker's own configuration decides what it may do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import secrets
+import threading
+import uuid
+from http import HTTPStatus
+from typing import Any, Literal, Protocol
+
+from sqlalchemy import update
+
+from pfl_edge.protocol import mqtt_client_id, round_topic, status_topic, task_topic
+
+from ..broker_core import Identity
+from ..db import Device
+from ..errors import ApiError
+from .store import Store
+
+__all__ = ["DYNSEC_TOPIC", "BrokerAccess", "BrokerUnavailable", "Mode", "device_identity", "mqtt_hash"]
+
+log = logging.getLogger(__name__)
+
+DYNSEC_TOPIC = "$CONTROL/dynamic-security/v1"
+Mode = Literal["embedded", "dynsec", "shared"]
+
+
+class BrokerUnavailable(ApiError):
+    """The broker could not be told about a device (503: try again)."""
+
+    status = HTTPStatus.SERVICE_UNAVAILABLE
+
+
+class _Kicker(Protocol):
+    def kick(self, username: str) -> int: ...
+
+
+class _Link(Protocol):
+    def publish_raw(self, topic: str, payload: bytes, *, retain: bool = False) -> None: ...
+    def listen(self, topic_filter: str, handler: Any) -> None: ...
+
+
+def mqtt_hash(password: str | bytes) -> str:
+    """What the server keeps of a device's MQTT password (random, 32 bytes of entropy: no slow KDF needed)."""
+    return hashlib.sha256(password.encode() if isinstance(password, str) else password).hexdigest()
+
+
+def device_identity(fed_id: str, device_id: str) -> Identity:
+    """The one definition of what a device may do on the broker (the embedded broker's rules and Mosquitto's
+    role are both built from it)."""
+    return Identity(device_id, read=frozenset({round_topic(fed_id), task_topic(fed_id, device_id)}),
+                    write=frozenset({status_topic(fed_id, device_id)}), client_id=mqtt_client_id(device_id))
+
+
+class BrokerAccess:
+    def __init__(self, store: Store, mode: Mode, *, server_username: str = "", server_password: str = "",
+                 broker: _Kicker | None = None, link: _Link | None = None, shared_password: str = "",
+                 timeout_s: float = 10.0) -> None:
+        if mode == "embedded" and broker is None:
+            raise ValueError("embedded broker access needs the broker")
+        if mode == "dynsec" and link is None:
+            raise ValueError("dynamic-security access needs the server's MQTT link")
+        self.store, self.mode = store, mode
+        self.server_username, self._server_password = server_username, server_password.encode()
+        self.broker, self.link = broker, link
+        self.shared_password, self.timeout_s = shared_password, timeout_s
+        self._pending: dict[str, tuple[dict[str, dict[str, Any]], int, threading.Event]] = {}
+        self._lock = threading.Lock()
+        if link is not None and mode == "dynsec":
+            link.listen(DYNSEC_TOPIC + "/response", self._on_response)
+
+    # ------------------------------------------------------------------------------------------- devices
+    def credentials(self, fed_id: str, device_id: str) -> tuple[str, str]:
+        """(username, password) for a device that has just enrolled: a fresh password, provisioned."""
+        if self.mode == "shared":
+            return device_id, self.shared_password
+        password = secrets.token_urlsafe(32)
+        self.add_device(fed_id, device_id, password)
+        return device_id, password
+
+    def add_device(self, fed_id: str, device_id: str, password: str) -> None:
+        """Let ``device_id`` in with ``password`` (replacing any earlier one) and its federation's topics."""
+        with self.store.write() as s:
+            s.execute(update(Device).where(Device.id == device_id).values(mqtt_hash=mqtt_hash(password)))
+        if self.mode == "dynsec":
+            ident = device_identity(fed_id, device_id)
+            role = f"pfl-{device_id}"
+            acls = [{"acltype": kind, "topic": t, "allow": True}
+                    for t in sorted(ident.read or ()) for kind in ("subscribePattern", "publishClientReceive")]
+            acls += [{"acltype": "publishClientSend", "topic": t, "allow": True} for t in sorted(ident.write or ())]
+            self._dynsec([{"command": "deleteClient", "username": device_id},
+                          {"command": "deleteRole", "rolename": role},
+                          {"command": "createRole", "rolename": role, "acls": acls},
+                          {"command": "createClient", "username": device_id, "password": password,
+                           "clientid": ident.client_id, "roles": [{"rolename": role}]}],
+                         tolerate={"deleteClient", "deleteRole"})
+
+    def remove_device(self, device_id: str) -> None:
+        """The device loses MQTT now: its password is forgotten and its live connection closed."""
+        with self.store.write() as s:
+            s.execute(update(Device).where(Device.id == device_id).values(mqtt_hash=None))
+        if self.mode == "embedded" and self.broker is not None:
+            self.broker.kick(device_id)
+        elif self.mode == "dynsec":
+            self._dynsec([{"command": "deleteClient", "username": device_id},
+                          {"command": "deleteRole", "rolename": f"pfl-{device_id}"}],
+                         tolerate={"deleteRole"})
+        log.info("device %s removed from the broker", device_id)
+
+    # ---------------------------------------------------------------------------------- embedded broker
+    def authenticate(self, client_id: str, username: str | None, password: bytes | None) -> Identity | None:
+        """The embedded broker's question at every CONNECT: who is this, and what may it do (None: refused)."""
+        if not username or password is None:
+            return None
+        if self.server_username and username == self.server_username:
+            return Identity(username) if hmac.compare_digest(password, self._server_password) else None
+        with self.store.read() as s:
+            dev = s.get(Device, username)
+            if dev is None or dev.revoked_at is not None or not dev.mqtt_hash:
+                return None
+            if not hmac.compare_digest(mqtt_hash(password), dev.mqtt_hash):
+                return None
+            return device_identity(dev.federation, dev.id)
+
+    # --------------------------------------------------------------------------------- dynamic security
+    def _dynsec(self, commands: list[dict[str, Any]], *, tolerate: set[str]) -> None:
+        """Send ``commands`` to Mosquitto's dynamic-security plugin and wait for its answers; an error that is
+        not one of the ``tolerate``d commands' (deleting what is not there) raises :class:`BrokerUnavailable`."""
+        if self.link is None:
+            raise BrokerUnavailable("the server has no link to the broker")
+        corr = uuid.uuid4().hex
+        for i, c in enumerate(commands):
+            c["correlationData"] = f"{corr}-{i}"
+        got: dict[str, dict[str, Any]] = {}
+        done = threading.Event()
+        with self._lock:
+            self._pending[corr] = (got, len(commands), done)
+        try:
+            self.link.publish_raw(DYNSEC_TOPIC, json.dumps({"commands": commands}).encode())
+            if not done.wait(self.timeout_s):
+                raise BrokerUnavailable(f"the broker's dynamic-security plugin did not answer within "
+                                        f"{self.timeout_s:g} s; try again")
+        finally:
+            with self._lock:
+                self._pending.pop(corr, None)
+        errors = [f"{r.get('command')}: {r['error']}" for r in got.values()
+                  if r.get("error") and r.get("command") not in tolerate]
+        if errors:
+            raise BrokerUnavailable(f"the broker refused to provision the device: {'; '.join(errors)}")
+
+    def _on_response(self, _topic: str, payload: bytes) -> None:
+        try:
+            responses = json.loads(payload).get("responses", [])
+        except (ValueError, AttributeError):
+            return
+        for r in responses if isinstance(responses, list) else []:
+            cd = r.get("correlationData") if isinstance(r, dict) else None
+            if not isinstance(cd, str) or "-" not in cd:
+                continue
+            with self._lock:
+                pending = self._pending.get(cd.split("-", 1)[0])
+                if pending is None:
+                    continue
+                got, n, done = pending
+                got[cd] = r
+                if len(got) >= n:
+                    done.set()
