@@ -25,8 +25,8 @@ import torch
 from torch import Tensor
 
 from device_profiles import get_profile
-from pfl_edge.algorithms import Algorithm, Metrics, Neighbour, Received, Upload, get_algorithm
-from pfl_edge.codec import Decoded, decode, encode
+from pfl_edge.algorithms import Algorithm, Metrics, Upload, get_algorithm
+from pfl_edge.codec import encode
 from pfl_edge.errors import CodecError, ConfigError
 from pfl_edge.federation import FederationConfig, check_device_config, init_state, model_id
 from pfl_edge.protocol import (
@@ -34,7 +34,6 @@ from pfl_edge.protocol import (
     Enrolment,
     EnrolRequest,
     MetricsReport,
-    RoundAnnouncement,
     Task,
     UpdateRequest,
     round_topic,
@@ -45,6 +44,7 @@ from .control import Control
 from .data import LocalData, load_image_folder, load_local_data
 from .http import Http, ServerError, ServerUnavailable
 from .state import Progress, RoundStats, StateDir
+from .tasks import Downloads, TaskSource, UnusableModel, all_finite, finite_metric, mismatch
 from .trainer import DeviceTrainer, device_clients
 from .training import BackendRequest, TrainingBackend, get_training_backend
 
@@ -95,6 +95,7 @@ class Agent:
         self._stop = threading.Event()
         self.done = False
 
+        self._skipped: set[int] = set()  # rounds sat out in this run (a bad model received, diverged training)
     # ------------------------------------------------------------------------------------------------ setup
     def enrol(self) -> Enrolment:
         saved = self.store.enrolment
@@ -132,8 +133,11 @@ class Agent:
         self.data = self._load_data(data_cfg, enr)
         self.algo: Algorithm = get_algorithm(self.fed, self.data.model, enr.kp)
         self.trainer = DeviceTrainer(self.data, self._training_backend())
+        self.tasks = TaskSource(self.http, enr.federation)
         self.dev = device_clients(self.fed, self.trainer, enr.index)
         if self.store.load_tensors("model.safetensors") is None:
+        self.downloads = Downloads(self.http, enr.device_id, self.data.model, model_id(self.data.spec),
+                                   self.cfg.max_blob_bytes)
             self._init_model(enr)
         prog = self.store.progress
         if self.algo.sends_initial_model and not prog.initial_sent:
@@ -166,7 +170,7 @@ class Agent:
     def _init_model(self, enr: Enrolment) -> None:
         # the server sends the initial model (FedPer: its base; the personal blocks start from the federation's
         # seeded initial model, built here: they never travel)
-        init = {**init_state(self.fed, self.data.spec), **self._fetch_model(enr.init_digest)}
+        init = {**init_state(self.fed, self.data.spec), **self.downloads.model(enr.init_digest)}
         if set(init) != set(self.data.model.state_dict()):
             raise ConfigError("the federation's initial model does not match this device's model")
         prog = self.store.progress
@@ -197,15 +201,14 @@ class Agent:
                 try:
                     batch = [self.inbox.get(timeout=0.5)]
                 except queue.Empty:
+            self._wake()  # the server's task now: a retained message may never come
                     continue
                 while True:  # a device back from an absence acts on its current task, not every one it missed
                     try:
                         batch.append(self.inbox.get_nowait())
                     except queue.Empty:
                         break
-                task_msgs = [m for m in batch if m[0] == task_topic(self.enr.federation, self.enr.device_id)]
-                for topic, payload in [m for m in batch if m not in task_msgs] + task_msgs[-1:]:
-                    self._handle(topic, payload)
+                self._handle(batch)
         finally:
             ctl.close()
             self.http.client.close()
@@ -214,32 +217,45 @@ class Agent:
     def stop(self) -> None:
         self._stop.set()
 
-    def _handle(self, topic: str, payload: bytes) -> None:
-        try:
-            msg = json.loads(payload)
-            if topic == round_topic(self.enr.federation):
-                ann = RoundAnnouncement.model_validate(msg)
-                if ann.state == "finished" and (not self.algo.final_evaluation or self.store.progress.final):
-                    self.done = self.cfg.exit_when_done
-                return
-            if topic != task_topic(self.enr.federation, self.enr.device_id):
-                return  # some brokers echo other topics of ours (our own status); only tasks are ours to act on
-            task = Task.model_validate(msg)
-        except ValueError as e:  # a malformed control message: log it, never act on it
-            log.error("ignored a malformed message on %s: %s", topic, e)
-            return
-        self._run_task(task)
+    def _handle(self, batch: list[tuple[str, bytes]]) -> None:
+        """MQTT rings the bell (module ``edge_runtime.tasks``): any task or round message of ours makes the device
+        ask the server for its task and act on that; the broker's last task is only compared, to log a mismatch."""
+        mine = (round_topic(self.enr.federation), task_topic(self.enr.federation, self.enr.device_id))
+        rang, hint = False, None
+        for topic, payload in batch:
+            if topic not in mine:
+                continue  # some brokers echo other topics of ours (our own status)
+            rang = True
+            if topic == mine[1]:
+                try:
+                    hint = Task.model_validate(json.loads(payload))
+                except ValueError as e:  # malformed: logged, and the server is asked all the same
+                    log.error("ignored a malformed message on %s: %s", topic, e)
+        if rang:
+            self._wake(hint)
+
+    def _wake(self, hint: Task | None = None) -> None:
+        """Act on the server's current task (a stale or forged message on the broker never moves the device);
+        end once the server says the federation finished (FedPer: after its final evaluation)."""
+        task = self.tasks.current()
+        why = None if hint is None else mismatch(hint, task)
+        if why is not None:
+            log.warning("acting on the server's task, not the broker's: %s", why)
+            self.on_event("task_mismatch", {"round": hint.round if hint else None, "why": why})
+        if task is not None:
+            self._run_task(task)
+        elif self.tasks.finished() and (not self.algo.final_evaluation or self.store.progress.final):
+            self.done = self.cfg.exit_when_done
 
     def _run_task(self, task: Task) -> None:
         prog = self.store.progress
         if task.final:
-            if not prog.final and self._current(task):
+            if not prog.final:
                 self._final(task, prog)
             return
-        if task.round < prog.round or (task.round == prog.round and prog.posted):
-            return  # done already (a retained task seen again after a restart)
-        if not self._current(task):
-            return
+        if task.round < prog.round or (task.round == prog.round and prog.posted) or task.round in self._skipped:
+            return  # done already (a retained task seen again after a restart), or skipped
+            self.done = self.cfg.exit_when_done
         self.on_event("task", {"round": task.round})
         try:
             if task.round == prog.round and not prog.posted:
@@ -247,22 +263,11 @@ class Agent:
             else:
                 self._round(task, prog)
         except CodecError as e:
-            # training diverged (NaN/Inf weights): never send them; sit this round out, try again next round
-            log.error("round %d: not sending an update: %s", task.round, e)
-            self.on_event("diverged", {"round": task.round, "error": str(e)})
-
-    def _current(self, task: Task) -> bool:
-        """Is ``task`` the federation's round now? Asked of the server over HTTP (authenticated), so a stale
-        retained message, or one forged on the broker, never makes the device train or move its progress."""
-        info = self.http.call("GET", f"{API_PREFIX}/federations/{self.enr.federation}").json()
-        if task.final:
-            ok = info["state"] in ("published", "finished") and info["round"] == task.round
-        else:
-            ok = info["round"] == task.round and info["state"] in ("open", "collecting")
-        if not ok:
-            log.info("ignoring a task of round %d: the federation is in round %s (%s)", task.round, info["round"],
-                     info["state"])
-        return bool(ok)
+            # a received model with NaN/Inf, or training diverged: never send or keep that; sit this round out
+            self._skipped.add(task.round)
+            kind = "bad_model" if isinstance(e, UnusableModel) else "diverged"
+            log.error("round %d: skipped (%s): %s", task.round, kind, e)
+            self.on_event(kind, {"round": task.round, "error": str(e)})
 
     # ------------------------------------------------------------------------------------------------ rounds
     def _round(self, task: Task, prog: Progress) -> None:
@@ -272,15 +277,17 @@ class Agent:
             self._stage_upload(prog, t, self.algo.device_upload(state), metrics=saved_metrics)
             self._flush_upload()
             return
-        received, down = self._receive(task)
+        received, down = self.downloads.received(task)
         trainer = self.trainer
         trainer.reset_clock()
         out = self.algo.device_round(self.dev, state, received, t, prev=prog.round, late=prog.late)
         st = prog.stat(t)
         st.bytes_down, st.train_s = down, trainer.train_s
         st.step_ms = 1e3 * trainer.train_s / max(out.steps, 1)
-        metrics = [_metric(m, self.data.n_test) for m in out.metrics]
+        metrics = self._metrics(out.metrics)
         self._save_model(out.state, t, metrics)
+        if not all_finite(out.state):  # kept as it was: the next round starts from the last good model
+            raise CodecError(f"training diverged: NaN/Inf in the model of round {t}; not keeping or sending it")
         if out.deployed is not None:  # what it deploys after this round
             self.store.save_tensors("final.safetensors", out.deployed, {"round": str(t)})
         if out.upload is None:
@@ -291,45 +298,32 @@ class Agent:
     def _final(self, task: Task, prog: Progress) -> None:
         """The federation's last step: evaluate on the last shared model and report; nothing to send."""
         state, _, _ = self._load_model()
-        received, _ = self._receive(task)
-        out = self.algo.device_round(self.dev, state, received, task.round, prev=prog.round, late=prog.late,
-                                     final=True)
-        if out.deployed is not None:
-            self.store.save_tensors("final.safetensors", out.deployed, {"round": str(prog.round)})
-        for m in out.metrics:
-            self._post_metrics(_metric(m, self.data.n_test), prog)
+        try:
+            received, _ = self.downloads.received(task)
+        except CodecError as e:  # nothing to evaluate on; the federation is over all the same
+            log.error("final step of round %d: skipped (bad_model): %s", task.round, e)
+            self.on_event("bad_model", {"round": task.round, "error": str(e)})
+            received = None
+        if received is not None:
+            out = self.algo.device_round(self.dev, state, received, task.round, prev=prog.round, late=prog.late,
+                                         final=True)
+            if out.deployed is not None and all_finite(out.deployed):
+                self.store.save_tensors("final.safetensors", out.deployed, {"round": str(prog.round)})
+            for m in self._metrics(out.metrics):
+                self._post_metrics(m, prog)
         prog.final = True
         self.store.save_progress(prog)
         self.on_event("final", {"round": prog.round})
         self.done = self.cfg.exit_when_done
 
-    def _receive(self, task: Task) -> tuple[Received, int]:
-        """What the task names, fetched and checked: the shared base, or the neighbours' models; bytes down."""
-        self._down = 0
-        base = None if task.base is None else self._fetch_model(task.base)
-        nbrs = []
-        for n in task.neighbours:
-            if n.device_id != self.enr.device_id:
-                d = self._decode(self._fetch(n.digest))
-                nbrs.append(Neighbour(n.index, d.tensors, d.masks))
-        return Received(base, nbrs), self._down
-
-    def _fetch(self, digest: str) -> bytes:
-        data = self.http.call("GET", f"{API_PREFIX}/blobs/{digest}").content
-        if hashlib.sha256(data).hexdigest() != digest:
-            raise ServerError(f"blob {digest} arrived with other content (sha256 mismatch); not using it")
-        self._down += len(data)
-        return data
-
-    def _decode(self, payload: bytes) -> Decoded:
-        """A model (or a part) checked against this device's model: names, shapes, model id."""
-        expected = {k: tuple(v.shape) for k, v in self.data.model.state_dict().items()}
-        return decode(payload, expected=expected, model_id=model_id(self.data.spec),
-                      max_bytes=self.cfg.max_blob_bytes, allow_missing=True)
-
-    def _fetch_model(self, digest: str) -> dict[str, Tensor]:
-        self._down = 0
-        return self._decode(self._fetch(digest)).tensors
+    def _metrics(self, ms: list[Metrics]) -> list[dict[str, Any]]:
+        """Metrics to report: a NaN or Inf (e.g. a loss on a model gone wrong) is logged, never sent."""
+        out = [_metric(m, self.data.n_test) for m in ms]
+        for m in out:
+            if not finite_metric(m):
+                log.error("round %s: not reporting non-finite metrics %s", m["round"], m)
+                self.on_event("bad_metrics", m)
+        return [m for m in out if finite_metric(m)]
 
     def _stage_upload(self, prog: Progress, t: int, up: Upload, *, metrics: list[dict[str, Any]] | None = None,
                       train_loss: float | None = None, train_s: float | None = None) -> None:

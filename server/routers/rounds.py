@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Path
+from fastapi import APIRouter, Depends, Path
 from pydantic import BaseModel
 
-from pfl_edge.protocol import MAX_ROUND, MetricsReport, UpdateAccepted, UpdateRequest
+from pfl_edge.protocol import MAX_ROUND, MetricsReport, Task, UpdateAccepted, UpdateRequest
 
-from ..deps import DeviceAuth, MetricsDep, UpdatesDep
+from ..coordinator import Coordinator
+from ..deps import DeviceAuth, MetricsDep, UpdatesDep, coordinator
+from ..errors import NotFound
 
 __all__ = ["MetricsStored", "router"]
 
@@ -21,6 +23,16 @@ RoundNo = Annotated[int, Path(ge=0, le=MAX_ROUND, description="the round")]
 class MetricsStored(BaseModel):
     round: int
     device_id: str
+
+
+@router.get("/current/task", response_model=Task, responses={404: {"description": "no task for this device now"}})
+def current_task(dev: DeviceAuth, coord: Annotated[Coordinator, Depends(coordinator)]) -> Task:
+    """The calling device's task now, exactly as published over MQTT: a device acts on this, never on its
+    broker's word alone (a retained or forged message there only rings the bell)."""
+    task = coord.planner.current(dev)
+    if task is None:
+        raise NotFound("no task for this device now (between rounds, before round 1, or not in this round)")
+    return task
 
 
 @router.post("/{t}/updates", response_model=UpdateAccepted)

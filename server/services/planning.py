@@ -11,7 +11,7 @@ from pfl_edge.protocol import Neighbour, Task
 
 from ..db import Device, Federation, Round, Update
 from ..fedmodel import FedModel
-from ..states import ENROLMENT_ROUND
+from ..states import ENROLMENT_ROUND, RoundState
 from .blob_access import BlobAccess
 from .store import Store
 
@@ -36,15 +36,42 @@ class Planner:
             devs = [d for d in devs if d.id in have]
         return devs
 
-    def tasks(self, fed_id: str, t: int, *, final: bool = False) -> list[tuple[str, Task]]:
-        """(device id, task) of round ``t`` for every device in it; ``final``: the federation's last step, for
-        every device (a late joiner of the last round too: each evaluates and stops)."""
+    @staticmethod
+    def takes_part(s: Session, fed: Federation, fm: FedModel, t: int, dev: Device) -> bool:
+        """``active``'s rule for one device (without loading the others)."""
+        if dev.federation != fed.id or dev.joined_round >= t or dev.revoked_at is not None:
+            return False
+        return not fm.algorithm().sends_initial_model or s.scalar(select(Update.id).where(
+            Update.federation == fed.id, Update.device == dev.id, Update.round == ENROLMENT_ROUND)) is not None
+
+    def current(self, dev: Device) -> Task | None:
+        """The task ``dev`` has now, exactly as the server publishes it (what a device acts on, whatever its
+        broker says): its round's while the round collects updates, the final one once a federation that ends
+        with an evaluation has finished; None otherwise (between rounds, before round 1, not in this round)."""
+        with self.store.read() as s:
+            fed = self.store.existing(s, dev.federation)
+            final = fed.state == RoundState.FINISHED and self.store.model(fed).algorithm().final_evaluation
+            if not final and (fed.state != RoundState.COLLECTING or fed.round == ENROLMENT_ROUND):
+                return None
+            t = fed.round
+        got = self.tasks(dev.federation, t, final=final, device=dev.id)
+        return got[0][1] if got else None
+
+    def tasks(self, fed_id: str, t: int, *, final: bool = False, device: str | None = None) -> list[tuple[str, Task]]:
+        """(device id, task) of round ``t`` for every device in it (``device``: for that one only, if it is in
+        it); ``final``: the federation's last step, for every device (a late joiner of the last round too: each
+        evaluates and stops)."""
         with self.store.read() as s:
             fed = self.store.existing(s, fed_id)
             r = self.store.round(s, fed_id, t)
             fm = self.store.model(fed)
-            devs = (list(s.scalars(select(Device).where(Device.federation == fed_id).order_by(Device.slot)))
-                    if final else self.active(s, fed, fm, t))
+            if device is not None:
+                one = s.get(Device, device)
+                devs = [] if one is None or not (one.federation == fed_id if final else
+                                                 self.takes_part(s, fed, fm, t, one)) else [one]
+            else:
+                devs = (list(s.scalars(select(Device).where(Device.federation == fed_id).order_by(Device.slot)))
+                        if final else self.active(s, fed, fm, t))
             graph = fm.algorithm().neighbours(t)
             if graph is not None:
                 return self._neighbour_tasks(s, fm, r, devs, graph)

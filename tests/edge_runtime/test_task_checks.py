@@ -1,0 +1,164 @@
+"""A device acts only on the server's word: a forged task (naming a base that does not exist) or a forged
+"finished" on its broker moves or ends nothing, and its real tasks still run; a model it receives with NaN in it
+makes it report and sit that round out, then go on with the next one. Agents run in threads against a real
+server (in-process, embedded broker), two devices of a tiny FedPer federation."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from edge_runtime.agent import Agent, AgentConfig
+from edge_runtime.http import Http
+from edge_runtime.tasks import Downloads, UnusableModel, mismatch
+from pfl_edge.checkpoint import ModelSpec, build_model
+from pfl_edge.codec import encode
+from pfl_edge.federation import model_id
+from pfl_edge.protocol import Task, round_topic, task_topic
+from server.launch import BackgroundServer, start_background
+from server.settings import Settings
+
+SECRET = "enrol-secret-tasks"
+CONFIG: dict[str, Any] = dict(algorithm="fedper", kp=2, clients=2, rounds=2, dataset="synthetic",
+                              partition="pathological:2", samples_per_client=48, test_per_client=32,
+                              local_epochs=1, batch_size=16, lr=0.05, workers=1, seed=3)
+FORGED = "f" * 64
+
+
+@pytest.fixture
+def srv(tmp_path: Path) -> Iterator[BackgroundServer]:
+    s = start_background(Settings(data_dir=tmp_path / "data", database_url=f"sqlite:///{tmp_path / 'state.db'}",
+                                  admin_token="admin-token-task-checks", tick_s=0.05))  # type: ignore[arg-type]
+    yield s
+    s.stop()
+
+
+def _create(srv: BackgroundServer, **options: Any) -> None:
+    r = httpx.post(f"{srv.url}/v1/federations", headers={"Authorization": f"Bearer {srv.admin_token}"},
+                   json={"id": "tc", "enrol_secret": SECRET, "config": CONFIG, **options}, timeout=30)
+    assert r.status_code == 201, r.text
+
+
+class _Run:
+    """An agent in a thread, its events and its exit."""
+
+    def __init__(self, srv: BackgroundServer, root: Path, slot: int) -> None:
+        self.events: list[tuple[str, dict[str, Any]]] = []
+        self.agent = Agent(AgentConfig(server=srv.url, federation="tc", enrol_secret=SECRET, profile="phone-mid",
+                                       state_dir=str(root / f"dev{slot}"), partition_id=slot, threads=1,
+                                       training_backend="torch", patience_s=30),
+                           on_event=lambda kind, data: self.events.append((kind, dict(data))))
+        self.rc: int | BaseException | None = None
+        self.thread = threading.Thread(target=self._main, daemon=True)
+        self.thread.start()
+
+    def _main(self) -> None:
+        try:
+            self.rc = self.agent.run()
+        except BaseException as e:  # the test reports it
+            self.rc = e
+
+    def kinds(self) -> list[str]:
+        return [k for k, _ in self.events]
+
+    def wait(self, cond: Callable[[], bool], timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            assert self.rc is None or self.rc == 0, f"agent stopped: {self.rc!r}"
+            assert time.monotonic() < deadline, f"timed out; events {self.kinds()}"
+            time.sleep(0.05)
+
+
+def _forged_task(t: int) -> bytes:
+    return json.dumps({"federation": "tc", "round": t, "algorithm": "fedper", "base": FORGED,
+                       "deadline": time.time() + 60}).encode()
+
+
+def test_forged_task_and_finished_move_nothing_and_real_tasks_run(srv: BackgroundServer, tmp_path: Path) -> None:
+    _create(srv)
+    a = _Run(srv, tmp_path, 0)  # alone: round 1 waits for the second device
+    a.wait(lambda: hasattr(a.agent, "downloads"))
+    dev = a.agent.enr.device_id
+    a.agent.inbox.put((task_topic("tc", dev), _forged_task(1)))
+    a.agent.inbox.put((round_topic("tc"), json.dumps({"federation": "tc", "round": 2, "state": "finished"}).encode()))
+    a.wait(lambda: "task_mismatch" in a.kinds())
+    time.sleep(1.0)
+    assert a.thread.is_alive() and not a.agent.done and a.rc is None  # the forged "finished" ended nothing
+    assert "task" not in a.kinds() and a.agent.store.progress.round == 0  # the forged task ran nothing
+    b = _Run(srv, tmp_path, 1)
+    for r in (a, b):
+        r.thread.join(120)
+        assert r.rc == 0, r.rc
+        assert [d["round"] for k, d in r.events if k == "update"] == [1, 2]
+        assert "final" in r.kinds()
+    assert a.agent.store.progress.final
+
+
+def _nan_payload(payload: bytes) -> bytes:
+    """``payload`` with its first float set to NaN (a valid sha256 trailer: only the NaN check can refuse it)."""
+    body = bytearray(payload[:-32])
+    head_len = struct.unpack_from("<I", body, 5)[0]
+    struct.pack_into("<f", body, 9 + head_len, float("nan"))
+    return bytes(body) + hashlib.sha256(body).digest()
+
+
+def test_a_nan_model_received_skips_the_round_and_the_next_one_runs(srv: BackgroundServer, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    _create(srv, deadline_s=5.0)  # round 1 closes at its deadline with the other device's update
+    real_fetch = Downloads.fetch
+    poisoned: list[str] = []
+
+    def fetch(self: Downloads, digest: str) -> bytes:
+        data = real_fetch(self, digest)
+        if self.device_id == first[0] and not poisoned and getattr(self, "_in_round", False):
+            poisoned.append(digest)
+            return _nan_payload(data)
+        return data
+
+    real_received = Downloads.received
+
+    def received(self: Downloads, task: Task) -> Any:
+        self._in_round = not task.final  # type: ignore[attr-defined]
+        return real_received(self, task)
+
+    first: list[str] = [""]
+    monkeypatch.setattr(Downloads, "fetch", fetch)
+    monkeypatch.setattr(Downloads, "received", received)
+    a = _Run(srv, tmp_path, 0)
+    a.wait(lambda: getattr(a.agent, "enr", None) is not None)
+    first[0] = a.agent.enr.device_id
+    b = _Run(srv, tmp_path, 1)
+    for r in (a, b):
+        r.thread.join(120)
+        assert r.rc == 0, r.rc
+    assert poisoned, "the poisoned fetch never happened"
+    bad = [d for k, d in a.events if k == "bad_model"]
+    assert [d["round"] for d in bad] == [1] and "NaN" in bad[0]["error"]
+    assert [d["round"] for k, d in a.events if k == "update"] == [2]  # sat round 1 out, took part in round 2
+    assert [d["round"] for k, d in b.events if k == "update"] == [1, 2]
+    assert "final" in a.kinds()
+
+
+def test_downloads_refuse_nan_and_mismatch_logs_only_forgeries() -> None:
+    spec = ModelSpec("cnn", 10, 1, 28)
+    model = build_model(spec)
+    good = {k: v.clone() for k, v in model.state_dict().items()}
+    dl = Downloads(Http("http://127.0.0.1:9", 1.0), "dev-x", model, model_id(spec), 1 << 26)
+    payload = encode(good, model_id=model_id(spec), round=1)
+    assert set(dl.decode(payload).tensors) == set(good)
+    with pytest.raises(UnusableModel, match="NaN"):
+        dl.decode(_nan_payload(payload))
+    real = Task(federation="tc", round=3, algorithm="fedper", base="a" * 64, deadline=0.0)
+    assert mismatch(real, real) is None
+    assert mismatch(real.model_copy(update={"round": 2}), real) is None  # stale, not forged
+    assert "base" in str(mismatch(real.model_copy(update={"base": FORGED}), real))
+    assert "no task" in str(mismatch(real, None))

@@ -1,0 +1,79 @@
+"""``GET /v1/rounds/current/task``: the calling device's task exactly as the server publishes it on MQTT (base,
+neighbours, deadline, final), 404 when it has none (before round 1, between rounds), 401 without a token."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from server_testkit import DISPFL, FEDPER, Dev, Mqtt, create, dispfl_initial, fed_state, perturbed, wait_for
+
+from edge_runtime.data import load_local_data
+from pfl_edge.codec import encode
+from pfl_edge.federation import FederationConfig
+from server.launch import BackgroundServer, start_background
+from server.settings import Settings
+
+ADMIN = "admin-token-for-task-tests"
+
+
+@pytest.fixture
+def srv(tmp_path: Path, broker_url: str) -> Iterator[BackgroundServer]:
+    s = start_background(Settings(data_dir=tmp_path / "data", database_url=f"sqlite:///{tmp_path / 'state.db'}",
+                                  broker_url=broker_url, admin_token=ADMIN, tick_s=0.05))  # type: ignore[arg-type]
+    yield s
+    s.stop()
+
+
+def _task(c: httpx.Client, d: Dev) -> httpx.Response:
+    return c.get("/v1/rounds/current/task", headers=d.h)
+
+
+def _published(watch: Mqtt, fed: str, d: Dev, t: int, final: bool = False) -> dict[str, Any]:
+    return watch.wait(f"pfl/{fed}/device/{d.id}/task", lambda m: m["round"] == t and m["final"] == final)
+
+
+def test_fedper_task_and_final_task_are_the_published_ones(srv: BackgroundServer) -> None:
+    c = httpx.Client(base_url=srv.url, timeout=30)
+    assert c.get("/v1/rounds/current/task").status_code == 401
+    create(c, ADMIN, "fp", {**FEDPER, "clients": 2, "rounds": 1})
+    watch = Mqtt(srv.broker_url, ["pfl/fp/device/+/task"])
+    a = Dev(c, "fp", index=0)
+    r = _task(c, a)
+    assert r.status_code == 404 and "no task" in r.json()["detail"]  # enrolment: round 1 has not opened
+    b = Dev(c, "fp", index=1)
+    wait_for(lambda: fed_state(c, ADMIN, "fp") == (1, "collecting"), what="round 1")
+    for d in (a, b):
+        got = _task(c, d)
+        assert got.status_code == 200 and got.json() == _published(watch, "fp", d, 1)
+        assert got.json()["base"] == d.e["init_digest"]  # its K_P's base part of the initial model
+    base = a.get(a.e["init_digest"]).tensors
+    for i, d in enumerate((a, b)):
+        d.send(1, perturbed(base, i))
+    wait_for(lambda: fed_state(c, ADMIN, "fp") == (1, "finished"), what="finished")
+    for d in (a, b):
+        got = _task(c, d).json()
+        assert got["final"] and got == _published(watch, "fp", d, 1, final=True)
+    watch.close()
+
+
+def test_dispfl_tasks_name_the_published_neighbours(srv: BackgroundServer) -> None:
+    c = httpx.Client(base_url=srv.url, timeout=30)
+    create(c, ADMIN, "dp", DISPFL)
+    cfg = FederationConfig.from_dict(dict(DISPFL))
+    watch = Mqtt(srv.broker_url, ["pfl/dp/device/+/task"])
+    devs = [Dev(c, "dp", index=i) for i in range(4)]
+    init = devs[0].fm.init_state()
+    for d in devs:
+        assert _task(c, d).status_code == 404
+        w, m = dispfl_initial(cfg, load_local_data(cfg, d.index), d.index, d.e["density"], init)
+        assert d.update(0, d.put(encode(w, model_id=d.fm.model_id, round=0, masks=m))).status_code == 200
+    wait_for(lambda: fed_state(c, ADMIN, "dp") == (1, "collecting"), what="round 1")
+    for d in devs:
+        got = _task(c, d).json()
+        assert got == _published(watch, "dp", d, 1) and got["neighbours"], json.dumps(got)
+    watch.close()
