@@ -94,8 +94,8 @@ class Agent:
         self.on_event = on_event or (lambda kind, data: None)
         self._stop = threading.Event()
         self.done = False
-
         self._skipped: set[int] = set()  # rounds sat out in this run (a bad model received, diverged training)
+
     # ------------------------------------------------------------------------------------------------ setup
     def enrol(self) -> Enrolment:
         saved = self.store.enrolment
@@ -129,15 +129,15 @@ class Agent:
         except TypeError as e:
             raise ConfigError(f"the federation's config does not fit this client: {e}") from e
         check_device_config(self.fed)
+        self.tasks = TaskSource(self.http, enr.federation)
         torch.set_num_threads(self.cfg.threads or self.profile.threads)
         self.data = self._load_data(data_cfg, enr)
-        self.algo: Algorithm = get_algorithm(self.fed, self.data.model, enr.kp)
-        self.trainer = DeviceTrainer(self.data, self._training_backend())
-        self.tasks = TaskSource(self.http, enr.federation)
-        self.dev = device_clients(self.fed, self.trainer, enr.index)
-        if self.store.load_tensors("model.safetensors") is None:
         self.downloads = Downloads(self.http, enr.device_id, self.data.model, model_id(self.data.spec),
                                    self.cfg.max_blob_bytes)
+        self.algo: Algorithm = get_algorithm(self.fed, self.data.model, enr.kp)
+        self.trainer = DeviceTrainer(self.data, self._training_backend())
+        self.dev = device_clients(self.fed, self.trainer, enr.index)
+        if self.store.load_tensors("model.safetensors") is None:
             self._init_model(enr)
         prog = self.store.progress
         if self.algo.sends_initial_model and not prog.initial_sent:
@@ -197,11 +197,11 @@ class Agent:
         ctl = Control(self.enr, self.inbox)
         self.http.stop = self._stop
         try:
+            self._wake()  # the server's task now: a retained message may never come
             while not self._stop.is_set() and not self.done:
                 try:
                     batch = [self.inbox.get(timeout=0.5)]
                 except queue.Empty:
-            self._wake()  # the server's task now: a retained message may never come
                     continue
                 while True:  # a device back from an absence acts on its current task, not every one it missed
                     try:
@@ -252,10 +252,10 @@ class Agent:
         if task.final:
             if not prog.final:
                 self._final(task, prog)
+            self.done = self.cfg.exit_when_done
             return
         if task.round < prog.round or (task.round == prog.round and prog.posted) or task.round in self._skipped:
             return  # done already (a retained task seen again after a restart), or skipped
-            self.done = self.cfg.exit_when_done
         self.on_event("task", {"round": task.round})
         try:
             if task.round == prog.round and not prog.posted:
@@ -281,13 +281,13 @@ class Agent:
         trainer = self.trainer
         trainer.reset_clock()
         out = self.algo.device_round(self.dev, state, received, t, prev=prog.round, late=prog.late)
+        if not all_finite(out.state):  # kept as it was: the next round starts from the last good model
+            raise CodecError(f"training diverged: NaN/Inf in the model of round {t}; not keeping or sending it")
         st = prog.stat(t)
         st.bytes_down, st.train_s = down, trainer.train_s
         st.step_ms = 1e3 * trainer.train_s / max(out.steps, 1)
         metrics = self._metrics(out.metrics)
         self._save_model(out.state, t, metrics)
-        if not all_finite(out.state):  # kept as it was: the next round starts from the last good model
-            raise CodecError(f"training diverged: NaN/Inf in the model of round {t}; not keeping or sending it")
         if out.deployed is not None:  # what it deploys after this round
             self.store.save_tensors("final.safetensors", out.deployed, {"round": str(t)})
         if out.upload is None:
