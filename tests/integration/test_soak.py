@@ -32,7 +32,8 @@ def _bench(name: str) -> ModuleType:
 def _skip_reason() -> str | None:
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         return "the soak needs root (network namespaces)"
-    return _bench("netns").unavailable_reason()  # type: ignore[no-any-return]
+    reason: str | None = _bench("netns").unavailable_reason()
+    return reason
 
 
 @pytest.fixture(scope="module")
