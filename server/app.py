@@ -29,6 +29,7 @@ from .limits import install as install_limits
 from .mqtt import MqttLink
 from .ratelimit import enrol_gate
 from .routers import api, health
+from .services.spool import DecodePool
 from .settings import Settings, ensure_admin_token, secure_data_dir
 
 __all__ = ["AppState", "create_app"]
@@ -97,13 +98,24 @@ def _start(settings: Settings) -> AppState:
         else "", max_blob_bytes=settings.max_blob_bytes, tick_s=settings.tick_s, token_ttl_s=settings.token_ttl_s,
         gate=enrol_gate(settings), upload_quota=settings.upload_quota_pending, gc_keep_rounds=settings.gc_keep_rounds)
     holder.append(coordinator)
+    _uploads(coordinator, settings)
     link.start()
     coordinator.start()
     return AppState(settings, engine, coordinator, mq.broker, mq.url, link)
 
 
+def _uploads(coordinator: Coordinator, settings: Settings) -> None:
+    """Uploads' bodies spool to ``<data_dir>/incoming`` and are decode-checked in ``decode_processes`` processes
+    (default: one per core), off the event loop and off the request threads (``server.services.spool``)."""
+    access = coordinator.blob_access
+    access.spool_dir = settings.data_dir / "incoming"
+    access.decoder = DecodePool(settings.decode_processes)
+    access.decoder.start()
+
+
 def _stop(st: AppState) -> None:
     st.coordinator.stop()
+    st.coordinator.blob_access.decoder.stop()
     st.link.stop()
     if st.broker is not None:
         st.broker.stop()

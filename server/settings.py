@@ -55,6 +55,7 @@ class Settings(BaseSettings):
     broker_tls_key: Path | None = None
     mqtt_ca_file: Path | None = None  # the CA the server trusts for an mqtts:// broker (None: the system's CAs)
     tick_s: float = Field(default=1.0, gt=0)  # how often deadlines and round transitions are checked
+    decode_processes: int | None = Field(default=None, ge=0, le=1024)  # uploads' decode checks; None: one per core
     admin_token_file: Path | None = None  # the admin token read from this file (first line) when admin_token is unset
     # device tokens: a device rotates its own (POST /v1/devices/me/token) before they expire
     token_ttl_s: float = Field(default=30 * 86400.0, ge=60, le=10 * 365 * 86400.0)

@@ -3,17 +3,19 @@ may (``server.services.blob_access``)."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Request, Response
-from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel
 
 from pfl_edge.protocol import DIGEST_RE
 
 from ..db import Device
 from ..deps import BlobReader, Blobs, DeviceAuth
-from ..errors import TooLarge, Unprocessable
+from ..errors import Unprocessable
+from ..services.blob_access import BlobAccess
+from ..services.spool import Spooled, spool_body
 
 __all__ = ["BlobStored", "router"]
 
@@ -33,16 +35,12 @@ def _check_digest(sha256: str) -> None:
         raise Unprocessable(f"{sha256!r:.80} is not a sha256 digest (64 lowercase hex characters)")
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise TooLarge(f"blob of {declared} bytes is over the limit of {limit} bytes")
-    buf = bytearray()
-    async for chunk in request.stream():
-        buf += chunk
-        if len(buf) > limit:  # a body without (or with a lying) Content-Length
-            raise TooLarge(f"blob is over the limit of {limit} bytes")
-    return bytes(buf)
+
+def _put(blobs: BlobAccess, dev: Device, sha256: str, body: Spooled) -> bool:
+    try:
+        return blobs.put(dev, sha256, body)
+    finally:
+        body.discard()
 
 
 @router.put("/{sha256}", response_model=BlobStored,
@@ -52,10 +50,19 @@ async def _read_body(request: Request, limit: int) -> bytes:
 async def put_blob(request: Request, sha256: Digest, dev: DeviceAuth, blobs: Blobs, response: Response) -> BlobStored:
     """A payload of pfl_edge.codec, named by its sha256; checked to decode against the federation's model."""
     _check_digest(sha256)
-    data = await _read_body(request, blobs.store.max_blob_bytes)
-    created = await run_in_threadpool(blobs.put, dev, sha256, data)
+    # to a temp file as it arrives (an upload in flight holds a chunk, not its body), then checked and stored by
+    # the upload threads (decoded in the decode processes), apart from the thread pool of cheap requests
+    body = await spool_body(request.stream(), blobs.store.max_blob_bytes, blobs.spool_dir,
+                            request.headers.get("content-length"))
+    job = blobs.upload_threads.submit(_put, blobs, dev, sha256, body)
+    try:
+        created = await asyncio.wrap_future(job)
+    except asyncio.CancelledError:  # the client went away: a job not yet started never will
+        if job.cancel():
+            body.discard()
+        raise
     response.status_code = 201 if created else 200
-    return BlobStored(digest=sha256, size=len(data), created=created)
+    return BlobStored(digest=sha256, size=body.size, created=created)
 
 
 @router.get("/{sha256}", response_class=Response, responses={200: {"content": {"application/octet-stream": {}}}})

@@ -3,6 +3,10 @@ who may read what, the blobs the server makes itself, and the base part of a mod
 
 from __future__ import annotations
 
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
@@ -14,6 +18,7 @@ from ..blobs import BlobError, BlobStore, BlobTooLarge, sha256_hex
 from ..db import SERVER, Blob, BlobRef, Device, Update
 from ..errors import Forbidden, NotFound, TooLarge, TooManyRequests, Unprocessable
 from ..fedmodel import FedModel
+from .spool import DecodePool, Spooled
 from .store import Store
 
 __all__ = ["BlobAccess"]
@@ -26,6 +31,11 @@ class BlobAccess:
         # (federation, whole-model digest, kp) -> digest of its base part
         self._base_cache: dict[tuple[str, str, int], str] = {}
         self.upload_quota = 4  # uploads a device may hold that no update of it names (settings.upload_quota_pending)
+        # uploads' decode checks (the app gives it processes: settings.decode_processes) and the threads that run
+        # uploads, apart from the thread pool of cheap requests; temp files of bodies as they arrive
+        self.decoder = DecodePool(0)
+        self.upload_threads = ThreadPoolExecutor(8, thread_name_prefix="pfl-upload")
+        self.spool_dir = Path(tempfile.gettempdir())
 
     @staticmethod
     def add_ref(s: Session, digest: str, size: int, fed_id: str, uploader: str) -> bool:
@@ -38,12 +48,15 @@ class BlobAccess:
             return True
         return False
 
-    def put(self, dev: Device, digest: str, data: bytes) -> bool:
-        """True if new for this device (201), False if it had already sent it (200)."""
+    def put(self, dev: Device, digest: str, data: bytes | Spooled) -> bool:
+        """True if new for this device (201), False if it had already sent it (200). ``data``: the body, or the
+        body spooled to a file as it arrived (``server.services.spool``: hashed already, decoded in the decode
+        pool by its path, read back only to be stored, in this thread)."""
         limit = self.store.max_blob_bytes
-        if len(data) > limit:
-            raise TooLarge(f"blob of {len(data)} bytes is over the limit of {limit} bytes")
-        actual = sha256_hex(data)
+        size = data.size if isinstance(data, Spooled) else len(data)
+        if size > limit:
+            raise TooLarge(f"blob of {size} bytes is over the limit of {limit} bytes")
+        actual = data.sha256 if isinstance(data, Spooled) else sha256_hex(data)
         if actual != digest:
             raise Unprocessable(f"body has sha256 {actual}, the path names {digest}: the path must be the body's "
                                 "sha256 (64 lowercase hex)")
@@ -55,13 +68,14 @@ class BlobAccess:
         # only what this device may send: FedPer/FedAvg its base part (never its personal blocks, which must not
         # even be stored), DisPFL its whole sparse model; a part of it may arrive (the update checks it is whole)
         try:
-            decode(data, expected=fm.expected(dev.kp), model_id=fm.model_id, max_bytes=self.store.decode_limit(fm),
-                   allow_missing=True)
+            self.decoder.check(data.path if isinstance(data, Spooled) else data, expected=fm.expected(dev.kp),
+                               model_id=fm.model_id, max_bytes=self.store.decode_limit(fm), allow_missing=True)
         except CodecError as e:
             what = "its sparse model" if fm.decentral else f"its base part only (kp={dev.kp})"
             raise Unprocessable(f"payload refused: a {fm.cfg.algorithm} device sends {what}: {e}") from None
+        payload = data.read() if isinstance(data, Spooled) else data
         try:
-            self.blobs.put(digest, data)
+            self.blobs.put(digest, payload)
         except BlobTooLarge as e:
             raise TooLarge(str(e)) from None
         except BlobError as e:
@@ -69,11 +83,11 @@ class BlobAccess:
         with self.store.write() as s:
             self._check_quota(s, dev)  # again: uploads racing each other
             if not self.blobs.exists(digest):  # collected meanwhile (server.services.gc): store it again
-                self.blobs.put(digest, data)
-            new = self.add_ref(s, digest, len(data), dev.federation, dev.id)
+                self.blobs.put(digest, payload)
+            new = self.add_ref(s, digest, size, dev.federation, dev.id)
             row = s.get(Device, dev.id)
             if new and row is not None:
-                row.uploaded_bytes = (row.uploaded_bytes or 0) + len(data)
+                row.uploaded_bytes = (row.uploaded_bytes or 0) + size
             return new
 
     def _check_quota(self, s: Session, dev: Device) -> None:

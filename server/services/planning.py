@@ -3,7 +3,7 @@ averages, its in-neighbours' latest models where devices exchange them)."""
 
 from __future__ import annotations
 
-from sqlalchemy import select
+from sqlalchemy import exists, func, select
 from sqlalchemy.orm import Session
 
 from pfl_edge.errors import InternalError
@@ -35,6 +35,17 @@ class Planner:
                                                              Update.round == ENROLMENT_ROUND)))
             devs = [d for d in devs if d.id in have]
         return devs
+
+    @staticmethod
+    def count_active(s: Session, fed: Federation, fm: FedModel, t: int) -> int:
+        """``len(active(...))`` as one count in SQL: the readiness checks run on every enrolment and update, and
+        must not load every device of a large fleet."""
+        q = select(func.count()).select_from(Device).where(Device.federation == fed.id, Device.joined_round < t,
+                                                             Device.revoked_at.is_(None))
+        if fm.algorithm().sends_initial_model:
+            q = q.where(exists().where(Update.federation == fed.id, Update.device == Device.id,
+                                       Update.round == ENROLMENT_ROUND))
+        return s.scalar(q) or 0
 
     @staticmethod
     def takes_part(s: Session, fed: Federation, fm: FedModel, t: int, dev: Device) -> bool:

@@ -88,7 +88,7 @@ class RoundMachine:
         if fed.round == ENROLMENT_ROUND:
             clients = fm.cfg.clients
             need = min(fed.min_devices or clients, clients)
-            facts["enrolment_ready"] = len(self.planner.active(s, fed, fm, ENROLMENT_ROUND + 1)) >= need
+            facts["enrolment_ready"] = self.planner.count_active(s, fed, fm, ENROLMENT_ROUND + 1) >= need
         elif fed.state == RoundState.COLLECTING:
             r = self.store.round(s, fed.id, fed.round)
             facts.update(updates=self.store.count_updates(s, fed.id, fed.round), active=r.active,
@@ -114,7 +114,7 @@ class RoundMachine:
             if fed is None:
                 return
             fm = self.store.model(fed)
-            n = len(self.planner.active(s, fed, fm, t))
+            n = self.planner.count_active(s, fed, fm, t)
             opened = now()
             deadline = opened + fed.deadline_s
             if s.get(Round, (fed_id, t)) is None:

@@ -1,0 +1,127 @@
+"""Uploads off the event loop and out of memory: a blob PUT's body is written to a temp file as it arrives and
+hashed incrementally (:func:`spool_body`), so an upload in flight holds one chunk of memory, not its whole body;
+the decode check runs in a pool of processes (:class:`DecodePool`, one per core by default) at a lower priority
+than the server's own process, so that cheap requests stay cheap while uploads are checked on every core."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import hashlib
+import multiprocessing
+import os
+import tempfile
+import threading
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pfl_edge.codec import decode
+
+from ..errors import TooLarge
+
+__all__ = ["DecodePool", "Spooled", "check_payload", "spool_body"]
+
+_NICE = 5  # decode workers yield the CPU to the server's event loop and request threads
+
+
+@dataclass
+class Spooled:
+    """A request body on disk: its path, size and sha256 (hex)."""
+
+    path: Path
+    size: int
+    sha256: str
+
+    def read(self) -> bytes:
+        return self.path.read_bytes()
+
+    def discard(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+async def spool_body(chunks: AsyncIterator[bytes], limit: int, directory: Path,
+                     declared: str | None = None) -> Spooled:
+    """The body of ``chunks`` written to a temp file in ``directory`` and hashed as it arrives; TooLarge past
+    ``limit`` bytes (at once when ``declared``, the Content-Length, says so). Each write goes to the page cache
+    (a few microseconds a chunk), so it is done on the event loop rather than with a thread hop per chunk."""
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise TooLarge(f"blob of {declared} bytes is over the limit of {limit} bytes")
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=directory, prefix=".upload-")
+    path = Path(name)
+    h = hashlib.sha256()
+    size = 0
+    try:
+        with os.fdopen(fd, "wb", buffering=0) as f:
+            async for chunk in chunks:
+                size += len(chunk)
+                if size > limit:  # a body without (or with a lying) Content-Length
+                    raise TooLarge(f"blob is over the limit of {limit} bytes")
+                h.update(chunk)
+                f.write(chunk)
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+    return Spooled(path, size, h.hexdigest())
+
+
+def check_payload(source: Path | bytes, expected: Mapping[str, Sequence[int]], model_id: str, max_bytes: int,
+                  allow_missing: bool) -> int:
+    """``pfl_edge.codec.decode``'s whole check of a payload (a file or bytes), in whichever process runs it;
+    CodecError if refused, else the round in its header. Only that crosses the process boundary back, never the
+    decoded tensors."""
+    data = source.read_bytes() if isinstance(source, Path) else source
+    return decode(data, expected=expected, model_id=model_id, max_bytes=max_bytes, allow_missing=allow_missing).round
+
+
+def _worker_init() -> None:
+    with contextlib.suppress(OSError):  # not allowed here: run at the same priority
+        os.nice(_NICE)
+    import torch
+
+    torch.set_num_threads(1)  # one process per core already
+
+
+class DecodePool:
+    """``processes`` worker processes for decode checks (0: check in the calling thread). Started lazily from a
+    clean interpreter (``forkserver``: the server has threads, which a plain fork would copy half-held), and
+    warmed at :meth:`start` so the first uploads do not wait for the imports."""
+
+    def __init__(self, processes: int | None = None) -> None:
+        self.processes = (os.cpu_count() or 1) if processes is None else processes
+        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        with self._lock:
+            if self.processes <= 0 or self._pool is not None:
+                return
+            ctx = multiprocessing.get_context("forkserver")
+            ctx.set_forkserver_preload(["pfl_edge.codec", "server.services.spool"])
+            pool = concurrent.futures.ProcessPoolExecutor(self.processes, mp_context=ctx, initializer=_worker_init)
+            for f in [pool.submit(os.getpid) for _ in range(self.processes)]:
+                f.result()
+            self._pool = pool
+
+    def stop(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def check(self, source: Path | bytes, **kw: Any) -> int:
+        """:func:`check_payload` in the pool (a file is passed by its path, not its bytes); blocks the calling
+        thread, never the event loop."""
+        pool = self._pool
+        if pool is None:
+            return check_payload(source, **kw)
+        try:
+            return pool.submit(check_payload, source, **kw).result()
+        except concurrent.futures.process.BrokenProcessPool:  # a worker died (OOM kill): a fresh pool next time
+            with self._lock:
+                if self._pool is pool:
+                    self._pool = None
+            pool.shutdown(wait=False)
+            self.start()
+            return check_payload(source, **kw)
