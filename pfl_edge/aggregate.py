@@ -16,6 +16,7 @@ import statistics
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -231,8 +232,13 @@ def _per_key(prev: Mapping[str, Tensor], states: Sequence[Mapping[str, Tensor]],
     return out
 
 
+def _sorted(stack: Tensor) -> Tensor:
+    """``stack`` sorted along its first dimension (numpy's sort: ~5x torch's along a non-last dimension)."""
+    return torch.from_numpy(np.sort(stack.numpy(), axis=0))
+
+
 def _median(stack: Tensor) -> Tensor:
-    srt = stack.sort(dim=0).values
+    srt = _sorted(stack)
     n = srt.shape[0]
     return srt[n // 2] if n % 2 else (srt[n // 2 - 1] + srt[n // 2]) / 2
 
@@ -252,7 +258,7 @@ def trimmed_mean(prev: Mapping[str, Tensor], states: Sequence[Mapping[str, Tenso
     def combine(stack: Tensor) -> Tensor:
         n = stack.shape[0]
         k = min(math.floor(trim * n + 1e-9), (n - 1) // 2)
-        return stack.sort(dim=0).values[k:n - k].mean(dim=0)
+        return _sorted(stack)[k:n - k].mean(dim=0)
 
     return _per_key(prev, states, combine)
 

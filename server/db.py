@@ -140,6 +140,8 @@ class Update(Base):
     train_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     bytes_down: Mapped[int] = mapped_column(BigInteger, default=0)
     accepted_at: Mapped[float] = mapped_column(Float, default=now)
+    # ||update - the round's start model||, computed by the server when it checked the upload (robust aggregation)
+    delta_norm: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class Metric(Base):

@@ -66,6 +66,7 @@ def _trust(conn: Connection) -> None:
                         ("declared_samples", "INTEGER"), ("uploaded_bytes", "BIGINT NOT NULL DEFAULT 0")):
         _add_column("pfl_devices", column, ddl)(conn)
     _add_column("pfl_federations", "aggregation", "JSON")(conn)
+    _add_column("pfl_updates", "delta_norm", "FLOAT")(conn)
 
 
 #: every upgrade since version 1, in order; the types are frozen here (the models may change later)
@@ -73,7 +74,7 @@ STEPS: tuple[Step, ...] = (
     Step(2, "pfl_federations.min_devices (late joiners)", _add_column("pfl_federations", "min_devices", "INTEGER")),
     Step(3, "pfl_devices.enrol_nonce and its index (idempotent enrolment)", _enrol_nonce),
     Step(4, "per-device MQTT credentials, revocation, token expiry, declared samples, upload quota; "
-            "federations' aggregation rule", _trust),
+            "federations' aggregation rule, updates' norms", _trust),
 )
 SCHEMA_VERSION = STEPS[-1].version
 

@@ -3,22 +3,22 @@ and makes it. Every transition is committed before anything is published, so a s
 from the database (``server.services.recovery``). The server's aggregation runs at close, streaming the accepted
 updates from the blob store one at a time, so nothing is held in memory between requests. The federation's
 aggregation rule (``pfl_edge.aggregate``) applies: every update is clipped to the round's norm bound (a bound
-relative to the round's median norm costs one more streamed pass over the updates to learn their norms), and
-the robust rules (median, trimmed or clipped mean) hold the round's updates in memory at once."""
+relative to the round's median norm uses the norms computed as each update was accepted), and the robust rules
+(median, trimmed or clipped mean) hold the round's updates in memory at once."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 from torch import Tensor
 
-from pfl_edge.aggregate import AggregationRule, clipped, robust_aggregate, update_norm
+from pfl_edge.aggregate import AggregationRule, clip_update, robust_aggregate, update_norm
 from pfl_edge.codec import encode
 from pfl_edge.errors import InternalError
 
@@ -36,6 +36,7 @@ __all__ = ["RoundMachine"]
 log = logging.getLogger(__name__)
 
 Handler = Callable[[str, Transition], None]
+_Upload = tuple[str, int, int] | tuple[str, int, int, float | None]  # digest, n_samples, kp[, its norm]
 
 
 class RoundMachine:
@@ -143,7 +144,7 @@ class RoundMachine:
             known = self.store.existing(s, fed_id)
             fm, rule = self.store.model(known), aggregation_rule(known)
             start = self.store.round(s, fed_id, t).start_digest
-            ups = [(u.digest, u.n_samples, kp) for u, kp in s.execute(
+            ups = [(u.digest, u.n_samples, kp, u.delta_norm) for u, kp in s.execute(
                 select(Update, Device.kp).join(Device, Device.id == Update.device)
                 .where(Update.federation == fed_id, Update.round == t).order_by(Device.slot))]
         result: str | None = None
@@ -160,24 +161,27 @@ class RoundMachine:
                 fed.base_digest = result
         log.info("federation %s: round %d closed with %d updates", fed_id, t, len(ups))
 
-    def average(self, fm: FedModel, start: str, ups: list[tuple[str, int, int]],
-                rule: AggregationRule | None = None) -> dict[str, Tensor]:
-        """The aggregation of the uploads ``(digest, n_samples, kp)`` into the model ``start`` under ``rule``
+    def average(self, fm: FedModel, start: str, ups: Sequence[_Upload], rule: AggregationRule | None = None
+                ) -> dict[str, Tensor]:
+        """The aggregation of the uploads ``(digest, n_samples, kp[, norm])`` into the model ``start`` under ``rule``
         (default: the weighted mean, each update clipped to 3x the round's median update norm), in slot order
         (so the result does not depend on which device finished first). ``mean`` is the algorithm's own
         aggregation (the simulator's), streamed from the blob store one update at a time; an update within the
         bound is passed on untouched, so where none is clipped the result equals the simulator's to the bit."""
         rule = rule or AggregationRule()
         prev = self.blobs.load(start, fm).tensors
+        rows = [(u[0], u[1], u[2], u[3] if len(u) == 4 else None) for u in ups]
 
-        def stream() -> Iterator[tuple[dict[str, Tensor], float]]:
-            for digest, n, kp in ups:
-                yield self.blobs.load(digest, fm, fm.expected(kp)).tensors, float(n)
+        def load(digest: str, kp: int) -> dict[str, Tensor]:
+            return self.blobs.load(digest, fm, fm.expected(kp)).tensors
 
         if rule.rule != "mean":
-            return robust_aggregate(prev, list(stream()), rule)
-        bound = rule.bound([update_norm(prev, x) for x, _ in stream()] if rule.relative else [])
-        new = fm.algorithm().aggregate(prev, clipped(prev, stream(), bound))
+            return robust_aggregate(prev, [(load(d, kp), float(n)) for d, n, kp, _ in rows], rule)
+        # each update's norm as the server computed it on accepting it; a pass over the blobs for any without
+        norms = [norm if norm is not None else update_norm(prev, load(d, kp)) for d, _, kp, norm in rows]
+        bound = rule.bound(norms if rule.relative else [])
+        new = fm.algorithm().aggregate(prev, ((clip_update(prev, load(d, kp), bound, norm), float(n))
+                                              for (d, n, kp, _), norm in zip(rows, norms, strict=True)))
         if new is None:
             raise InternalError(f"algorithm {fm.cfg.algorithm!r} has a server model but aggregates nothing")
         return new

@@ -4,7 +4,10 @@ counted exactly once (``UNIQUE(federation, round, device)``; a retry of the same
 A device's sample count is its averaging weight, and a number it reports about itself: the server counts
 ``min(reported, declared at enrolment, the federation's cap)`` (``counted_samples``) and keeps that in
 ``Update.n_samples``. The cap is the federation's ``aggregation.max_samples``, else ``SAMPLE_FACTOR`` times the
-largest training share its data set deals a client (slack for devices with their own data)."""
+largest training share its data set deals a client (slack for devices with their own data). A device that
+declared nothing at enrolment (the agent learns its data only once enrolled) is bound by its first accepted
+update's count: it can never weigh more later. Each update's norm from its round's start model is computed here,
+where the upload is decoded anyway, and kept (``Update.delta_norm``) for the round's norm bound at close."""
 
 from __future__ import annotations
 
@@ -14,8 +17,9 @@ from collections.abc import Callable
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
+from torch import Tensor
 
-from pfl_edge.aggregate import AggregationRule
+from pfl_edge.aggregate import AggregationRule, update_norm
 from pfl_edge.errors import CodecError
 from pfl_edge.federation import deal
 from pfl_edge.protocol import AggregationSettings, UpdateAccepted, UpdateRequest
@@ -67,6 +71,8 @@ class Updates:
         self.store = store
         self.blobs = blobs
         self.on_accepted = on_accepted  # wakes the round worker: the update may close the round
+        self._starts: dict[str, dict[str, Tensor]] = {}  # the last few rounds' start models, decoded
+        self._starts_lock = threading.Lock()
 
     def submit(self, dev: Device, t: int, req: UpdateRequest) -> UpdateAccepted:
         with self.store.read() as s:
@@ -79,7 +85,8 @@ class Updates:
             if s.get(BlobRef, (req.digest, fed.id, dev.id)) is None:
                 raise Unprocessable(f"blob {req.digest} was not uploaded by this device: PUT /v1/blobs/{req.digest} "
                                     "first")
-        self._check_payload(fm, dev, t, req.digest)  # decoded outside the lock
+            start = None if t == ENROLMENT_ROUND or fm.decentral else self.store.round(s, fed.id, t).start_digest
+        norm = self._check_payload(fm, dev, t, req.digest, start)  # decoded outside the lock
         counted = counted_samples(req.n_samples, dev.declared_samples, sample_cap(fed, fm))
         with self.store.write() as s:
             fed = self.store.locked(s, dev.federation)
@@ -88,14 +95,19 @@ class Updates:
                 return self._duplicate(s, dup, t, req)
             self._check_round(s, fed, fm, dev, t)  # the round may have closed meanwhile
             s.add(Update(federation=fed.id, round=t, device=dev.id, digest=req.digest, n_samples=counted,
-                         train_loss=req.train_loss, train_s=req.train_s, bytes_down=req.bytes_down))
+                         train_loss=req.train_loss, train_s=req.train_s, bytes_down=req.bytes_down,
+                         delta_norm=norm))
+            row = s.get(Device, dev.id)
+            if row is not None and row.declared_samples is None:  # undeclared at enrolment: its first word binds
+                row.declared_samples = counted
             s.flush()
             n = self.store.count_updates(s, fed.id, t)
         self.on_accepted()
         return UpdateAccepted(round=t, accepted=True, updates=n)
 
-    def _check_payload(self, fm: FedModel, dev: Device, t: int, digest: str) -> None:
-        """The blob must be exactly what this device may send this round."""
+    def _check_payload(self, fm: FedModel, dev: Device, t: int, digest: str, start: str | None) -> float | None:
+        """The blob must be exactly what this device may send this round; its norm from the round's ``start``
+        model (None without one), for the round's norm bound."""
         try:
             d = self.blobs.load(digest, fm, fm.expected(dev.kp))
         except CodecError as e:
@@ -103,6 +115,18 @@ class Updates:
             raise Unprocessable(f"update refused: a {fm.cfg.algorithm} device sends {what}: {e}") from None
         if d.round != t:
             raise Unprocessable(f"the payload's header is for round {d.round}, the update is posted for round {t}")
+        return None if start is None else update_norm(self._start(fm, start), d.tensors)
+
+    def _start(self, fm: FedModel, digest: str) -> dict[str, Tensor]:
+        with self._starts_lock:
+            hit = self._starts.get(digest)
+        if hit is None:
+            hit = self.blobs.load(digest, fm).tensors
+            with self._starts_lock:
+                while len(self._starts) >= 4:
+                    self._starts.pop(next(iter(self._starts)))
+                self._starts[digest] = hit
+        return hit
 
     @staticmethod
     def _previous(s: Session, fed_id: str, t: int, dev_id: str) -> Update | None:

@@ -20,7 +20,7 @@ from sqlalchemy import select
 
 from pfl_edge.codec import decode, encode
 from server.app import create_app
-from server.db import Federation, Update
+from server.db import Device, Federation, Update
 from server.fedmodel import FedModel, fed_model
 from server.settings import Settings
 
@@ -77,11 +77,14 @@ def _round_with_an_attacker(c: TestClient, fed: str, aggregation: dict[str, Any]
     engine = c.app.state.pfl.engine  # type: ignore[attr-defined]
     with engine.connect() as conn:
         digest = conn.execute(select(Federation.base_digest).where(Federation.id == fed)).scalar_one()
-        counted = dict(conn.execute(select(Update.device, Update.n_samples).where(Update.federation == fed)).all())
+        rows = conn.execute(select(Update.device, Update.n_samples, Update.delta_norm).where(Update.federation == fed))
+        counted = {dev: (n, norm) for dev, n, norm in rows}
+        declared = dict(conn.execute(select(Device.id, Device.declared_samples).where(Device.federation == fed)).all())
     whole = decode(c.get(f"/v1/blobs/{digest}", headers=bearer(ADMIN)).content).tensors
     ups = [{k: v.float().double() for k, v in u.items()} for u in [*honest, attack]]
     return dict(base=base, honest=ups[:4], attack=ups[4], published={k: whole[k].double() for k in base},
-                counted=[counted[d.e["device_id"]] for d in devs])
+                counted=[counted[d.e["device_id"]][0] for d in devs],
+                norms=[counted[d.e["device_id"]][1] for d in devs], declared=[declared[d.e["device_id"]] for d in devs])
 
 
 @pytest.mark.parametrize("rule", ["clipped-mean", "median", "trimmed-mean"])
@@ -101,7 +104,9 @@ def test_plain_mean_with_the_default_bound_and_clamped_weights(client: TestClien
     base, honest, attack = got["base"], got["honest"], got["attack"]
     # weights: declared 48 (slot 0 reported 98), the attacker's 2^31-1 clamped to 2 x the largest dealt share
     assert got["counted"] == [48, 48, 48, 48, 96]
+    assert got["declared"] == [48, 48, 48, 48, 96]  # undeclared at enrolment: its first counted update binds
     norms = [_norm(u, base) for u in [*honest, attack]]
+    assert got["norms"] == pytest.approx(norms, rel=1e-9)  # computed by the server as it accepted each update
     bound = 3 * statistics.median(norms)
     clipped = {k: base[k] + (attack[k] - base[k]) * (bound / norms[4]) for k in base}
     want = {k: (48 * sum(u[k] for u in honest) + 96 * clipped[k]) / (4 * 48 + 96) for k in base}
