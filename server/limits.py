@@ -207,7 +207,19 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
 
 
 def install(app: FastAPI) -> None:
-    """Add the limits and the handlers to ``app`` (``server.app.create_app`` does)."""
+    """Add the limits and the handlers to ``app`` (``server.app.create_app`` does), and say in its OpenAPI what
+    a 422 holds: a list of errors (validation) or one message (a refusal of the content, ``server.errors``)."""
     app.add_middleware(InputLimits)  # a plain ASGI class
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _unexpected)
+    openapi = app.openapi
+
+    def documented() -> dict[str, Any]:
+        spec = openapi()
+        shape = spec.get("components", {}).get("schemas", {}).get("HTTPValidationError", {}).get("properties", {})
+        if "detail" in shape:
+            shape["detail"] = {"title": "Detail", "anyOf": [
+                {"type": "string"}, {"type": "array", "items": {"$ref": "#/components/schemas/ValidationError"}}]}
+        return spec
+
+    app.openapi = documented  # type: ignore[method-assign]

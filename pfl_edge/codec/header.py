@@ -134,8 +134,8 @@ def _parse_entry(item: object, max_bytes: int) -> _Entry:
             f" from 0 to max_bytes ({max_bytes})"
         )
     numel = math.prod(shape)
-    if dtype not in _DTYPES:
-        raise _bad(f"tensor {name!r} has value dtype {dtype!r}; known: {sorted(_DTYPES)}")
+    if not isinstance(dtype, str) or dtype not in _DTYPES:  # a list or object would not even hash
+        raise _bad(f"tensor {name!r} has value dtype {dtype!r:.100}; known: {sorted(_DTYPES)}")
     for field, value in (("offset", offset), ("length", nbytes)):
         if not _is_int(value) or value < 0:
             raise _bad(f"tensor {name!r} has an invalid {field} {value!r:.100}")
@@ -147,8 +147,8 @@ def _parse_entry(item: object, max_bytes: int) -> _Entry:
             )
         return _Entry(name, tuple(shape), numel, dt, offset, nbytes)
     coding, k, ones, mask_nbytes = item[_DENSE_LEN:]
-    if coding not in _CODINGS:
-        raise _bad(f"tensor {name!r} has mask coding {coding!r}; known: {list(_CODINGS)}")
+    if not isinstance(coding, str) or coding not in _CODINGS:
+        raise _bad(f"tensor {name!r} has mask coding {coding!r:.100}; known: {list(_CODINGS)}")
     if not _is_int(k) or not 0 <= k <= (0 if coding == "bitmap" else _MAX_K):
         raise _bad(f"tensor {name!r} has an invalid Rice parameter {k!r:.100}")
     if not _is_int(ones) or not 0 <= ones <= numel:

@@ -71,6 +71,17 @@ def test_a_header_of_long_lists_is_refused_cheaply() -> None:
         decode(payload, expected={"w": (3,)})
 
 
+@pytest.mark.parametrize("dtype", [[], {}, ["f4"], 4])
+def test_a_dtype_that_is_not_a_string_is_refused(dtype: Any) -> None:
+    # found by test_codec_property: an unhashable dtype raised TypeError instead of CodecError
+    header = {"model": "m", "round": 0, "tensors": [["w", [3], dtype, 0, 12]]}
+    with pytest.raises(CodecError, match="value dtype"):
+        decode(build(header, b"\0" * 12))
+    header = {"model": "m", "round": 0, "tensors": [["w", [3], "f4", 0, 0, dtype, 0, 0, 1]]}
+    with pytest.raises(CodecError, match="mask coding"):
+        decode(build(header, b"\0"))
+
+
 def test_the_encoders_output_fits_the_header_limit_of_its_expectation() -> None:
     tensors = {f"layer{i}." + "w" * 200: torch.ones(1, 2, 3, 4) for i in range(30)}
     payload = encode(tensors, model_id="m" * 300, round=2**40, masks={k: torch.rand(1, 2, 3, 4) < 0.5

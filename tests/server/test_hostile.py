@@ -54,7 +54,7 @@ def refused(c: TestClient, call: Any, status: int, match: str = "") -> dict[str,
     return dict(r.json())
 
 
-def post_raw(c: TestClient, path: str, body: bytes, token: str | None = None) -> httpx.Response:
+def post_raw(c: TestClient, path: str, body: bytes, token: str | None = None) -> Any:
     headers = {"content-type": "application/json", **(bearer(token) if token else {})}
     return c.post(path, content=body, headers=headers)
 
@@ -110,7 +110,8 @@ def test_non_finite_numbers_anywhere_are_422_with_or_without_a_token(client: Tes
                             json.dumps({**fed, "config": {**FEDPER, "densities": [0.5, "@"]}})],
         "/v1/devices": ['{"federation": "f", "enrol_secret": "x", "profile": "p", "index": @}'],
         "/v1/rounds/1/updates": [f'{{"digest": "{"0" * 64}", "n_samples": 1, "train_loss": @}}'],
-        "/v1/rounds/1/metrics": ['{"accuracy": 0.5, "loss": @, "n_test": 1}', '{"accuracy": @, "loss": 1, "n_test": 1}'],
+        "/v1/rounds/1/metrics": ['{"accuracy": 0.5, "loss": @, "n_test": 1}',
+                                 '{"accuracy": @, "loss": 1, "n_test": 1}'],
     }
     for path, texts in bodies.items():
         for text in texts:
