@@ -6,8 +6,8 @@ QoS 2 subscriptions are granted QoS 1), retained messages delivered by topic fil
 sessions (clean_session False) whose QoS 1 messages wait while the client is away and are sent again on
 reconnect, client-id takeover (a second connection with a client id closes the first, without its will, and gets
 the session), keepalive (a connection silent for 1.5 x its keepalive is closed and its will published; keepalive
-0 gets ``idle_s``), and bounded memory per connection (packet size, per-session queue, write buffer: a client that
-stops reading is disconnected instead of buffered forever).
+0 gets ``idle_s``), and bounded memory (connections, packet size, per-session queue, write buffer: a client that
+stops reading is disconnected instead of buffered forever; CONNECT must come within ``connect_timeout_s``).
 
 Access: ``authenticate(client_id, username, password)`` (called in a worker thread: it may query a database)
 answers an :class:`Identity` or None (refused). An identity reads (subscribes to, receives, gets retained) only
@@ -83,8 +83,9 @@ class _Conn:
 class BrokerCore:
     def __init__(self, authenticate: Authenticator | None = None, *, max_packet: int = 256 * 1024,
                  max_queue: int = 1000, max_inflight: int = 100, max_buffer: int = 4 << 20,
-                 connect_timeout_s: float = 10.0, idle_s: float = 600.0) -> None:
+                 connect_timeout_s: float = 10.0, idle_s: float = 600.0, max_connections: int = 20_000) -> None:
         self.authenticate = authenticate
+        self.max_connections, self._open = max_connections, 0
         self.max_packet, self.max_queue, self.max_inflight, self.max_buffer = max_packet, max_queue, max_inflight, \
             max_buffer
         self.connect_timeout_s, self.idle_s = connect_timeout_s, idle_s
@@ -97,6 +98,12 @@ class BrokerCore:
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One client connection, from CONNECT to its end."""
         conn: _Conn | None = None
+        if self._open >= self.max_connections:
+            log.warning("MQTT connection from %s refused: %d connections open", writer.get_extra_info("peername"),
+                        self._open)
+            writer.transport.abort()
+            return
+        self._open += 1
         try:
             kind, _flags, body = await asyncio.wait_for(w.read_packet(reader, self.max_packet),
                                                         self.connect_timeout_s)
@@ -123,6 +130,7 @@ class BrokerCore:
         except asyncio.CancelledError:  # the broker stops: end quietly (asyncio's stream callback would log it)
             pass
         finally:
+            self._open -= 1
             if conn is not None:
                 self._drop(conn, will=True)
             writer.close()
@@ -140,8 +148,13 @@ class BrokerCore:
             client_id = "auto-" + secrets.token_hex(8)
         ident = ANYONE
         if self.authenticate is not None:
-            got = await asyncio.get_running_loop().run_in_executor(None, self.authenticate, client_id,
-                                                                     c.username, c.password)
+            try:
+                got = await asyncio.get_running_loop().run_in_executor(None, self.authenticate, client_id,
+                                                                         c.username, c.password)
+            except Exception:  # e.g. the database is away: "server unavailable", the client retries
+                log.exception("MQTT client %r: authentication failed", client_id)
+                writer.write(w.connack(False, 3))
+                return None
             if got is None:
                 log.warning("MQTT client %r (user %r) refused: unknown user or wrong password", client_id, c.username)
                 writer.write(w.connack(False, 4 if c.username else 5))

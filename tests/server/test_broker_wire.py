@@ -26,7 +26,10 @@ def _closed_after(addr: tuple[str, int], data: bytes) -> bytes:
         s.sendall(data)
         got = b""
         while True:
-            chunk = s.recv(4096)  # a socket.timeout here fails the test: the broker kept it open
+            try:
+                chunk = s.recv(4096)  # a socket.timeout here fails the test: the broker kept it open
+            except ConnectionResetError:  # closed by a reset (abort): closed all the same
+                return got
             if not chunk:
                 return got
             got += chunk
@@ -63,3 +66,21 @@ def test_topic_filters(f: str, topic: str, expected: bool) -> None:
 
 def test_invalid_filters() -> None:
     assert not any(valid_filter(f) for f in ("", "a/#/b", "a/b#", "a+/b"))
+
+
+def test_an_authentication_error_answers_server_unavailable() -> None:
+    def broken(_cid: str, _user: str | None, _pw: bytes | None) -> None:
+        raise OSError("the database is away")
+
+    with EmbeddedBroker(authenticate=broken) as b:
+        assert _closed_after(parse_broker_url(b.url), _connect()) == b"\x20\x02\x00\x03"
+
+
+def test_connections_beyond_the_limit_are_closed_at_once() -> None:
+    with EmbeddedBroker() as b:
+        b.core.max_connections = 1
+        addr = parse_broker_url(b.url)
+        with socket.create_connection(addr, timeout=5) as first:
+            first.sendall(_connect("first"))
+            assert first.recv(4) == b"\x20\x02\x00\x00"
+            assert _closed_after(addr, _connect("second")) == b""
