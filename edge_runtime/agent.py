@@ -66,6 +66,7 @@ class AgentConfig:
     data_dir: str | None = None  # where the registered data set's files are, if not the default
     image_dir: str | None = None  # the user's own labelled images, one folder per class
     patience_s: float = 300.0  # how long to keep retrying an unreachable server or broker
+    ca_file: str | None = None  # the CA that signed the server's certificate (https://; MQTT over TLS too)
     max_blob_bytes: int = 256 * 1024 * 1024
     exit_when_done: bool = True
     training_backend: str | None = None  # torch | executorch; None: the profile's
@@ -89,7 +90,7 @@ class Agent:
         self.cfg = cfg
         self.profile = get_profile(cfg.profile)
         self.store = StateDir(cfg.state_dir)
-        self.http = Http(cfg.server, cfg.patience_s)
+        self.http = Http(cfg.server, cfg.patience_s, ca_file=cfg.ca_file)
         self.inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
         self.on_event = on_event or (lambda kind, data: None)
         self._stop = threading.Event()
@@ -112,6 +113,9 @@ class Agent:
         if not isinstance(nonce, str):
             nonce = secrets.token_hex(16)
             self.store.write_json("enrol-nonce.json", {"nonce": nonce}, private=True)
+        if not self.cfg.enrol_secret:
+            raise ConfigError("this device is not enrolled yet and has no enrolment secret: give --enrol-secret-file "
+                              "(or PFL_ENROL_SECRET, or --enrol-secret)")
         req = EnrolRequest(federation=self.cfg.federation, enrol_secret=self.cfg.enrol_secret,
                            profile=self.cfg.profile, name=self.cfg.name, index=self.cfg.partition_id, nonce=nonce)
         r = self.http.call("POST", f"{API_PREFIX}/devices", json_body=req.model_dump())
@@ -122,7 +126,7 @@ class Agent:
     def _setup(self) -> None:
         enr = self.enrol()
         self.enr = enr
-        self.http.token = enr.token
+        self.http.use_token(self.store.root / "token.json", enr.token)  # or the one it rotated to since
         try:
             self.fed = FederationConfig.from_dict(dict(enr.config))
             data_cfg = self.fed.replace(**self.cfg.data_overrides)
@@ -199,6 +203,7 @@ class Agent:
         try:
             self._wake()  # the server's task now: a retained message may never come
             while not self._stop.is_set() and not self.done:
+                self.http.rotate_if_due()  # long before the token expires
                 try:
                     batch = [self.inbox.get(timeout=0.5)]
                 except queue.Empty:

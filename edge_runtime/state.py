@@ -25,6 +25,7 @@ def atomic_write(path: Path, data: bytes, *, mode: int = 0o644) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     try:
+        os.fchmod(fd, mode)  # a temp file left by a crash keeps its old mode otherwise
         os.write(fd, data)
         os.fsync(fd)
     finally:
@@ -93,7 +94,7 @@ class StateDir:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)  # its token and enrolment are secrets
         except OSError as e:
             raise ConfigError(f"cannot create state dir {self.root}: {e}") from e
         if not os.access(self.root, os.W_OK):

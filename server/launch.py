@@ -1,9 +1,13 @@
-"""Whole servers on a free port, for tests and demos (not part of the server itself): ``start_background`` (a
-thread in this process) and ``start_subprocess`` (a separate process, which can be killed for real)."""
+"""How the server is served (``uvicorn_config``: HTTPS, connection limits and timeouts), and whole servers on a
+free port for tests and demos: ``start_background`` (a thread in this process) and ``start_subprocess`` (a
+separate process, which can be killed for real)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
+import resource
 import subprocess
 import sys
 import threading
@@ -13,16 +17,89 @@ from pathlib import Path
 
 import httpx
 import uvicorn
+from fastapi import FastAPI
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from pfl_edge.errors import InternalError
 
 from .app import AppState, create_app
 from .broker import free_port
+from .ratelimit import install_flood_filter
 from .settings import Settings, ensure_admin_token
 
-__all__ = ["BackgroundServer", "SubprocessServer", "start_background", "start_subprocess"]
+__all__ = ["BackgroundServer", "SubprocessServer", "start_background", "start_subprocess", "uvicorn_config"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class _HeaderTimeout(H11Protocol):
+    """uvicorn's h11 protocol, plus a bound on how long a connection may take to send a whole request header
+    (uvicorn has none: a connection that sends nothing, or a header one byte a minute, holds its descriptor
+    forever). Between requests, uvicorn's keep-alive timeout applies as before."""
+
+    header_timeout_s = 10.0
+    _header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def _arm(self) -> None:
+        if self._header_timer is None and not self.transport.is_closing():
+            self._header_timer = self.loop.call_later(self.header_timeout_s, self._header_timed_out)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.cycle is None or self.cycle.response_complete:
+            self._arm()  # bytes of a request whose header is not complete yet
+        else:
+            self._disarm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._disarm()  # idle between requests: the keep-alive timeout's business
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _header_timed_out(self) -> None:
+        self._header_timer = None
+        if (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing():
+            self.transport.close()
+
+
+def _raise_nofile() -> None:
+    """The descriptor limit up to its hard limit: each connection holds one (a 1,024 soft limit is ~1,000
+    idle clients)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < want:
+        with contextlib.suppress(ValueError, OSError):  # a limit the platform refuses: serve with what there is
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+
+def uvicorn_config(app: FastAPI, settings: Settings, host: str, port: int, *,
+                   log_level: str = "info") -> uvicorn.Config:
+    """How the server is served: HTTPS when ``tls_cert``/``tls_key`` are set; at most ``http_limit_concurrency``
+    connections or tasks (more are answered 503); closed when a request header takes longer than
+    ``http_header_timeout_s`` or a kept-alive connection idles ``http_keep_alive_s``; headers bounded by
+    ``http_max_header_bytes``; and log lines about an exhausted descriptor table at most one per 10 s."""
+    _raise_nofile()
+    proto = type("PflH11Protocol", (_HeaderTimeout,), {"header_timeout_s": settings.http_header_timeout_s})
+    cfg = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, lifespan="on", http=proto,
+        limit_concurrency=settings.http_limit_concurrency, backlog=settings.http_backlog,
+        timeout_keep_alive=settings.http_keep_alive_s,  # type: ignore[arg-type]  # a float works as well
+        h11_max_incomplete_event_size=settings.http_max_header_bytes,
+        ssl_certfile=settings.tls_cert, ssl_keyfile=settings.tls_key)
+    install_flood_filter()  # after uvicorn configured its loggers
+    return cfg
 
 
 def _wait_healthy(url: str, timeout: float, alive: object = None) -> None:
@@ -32,7 +109,8 @@ def _wait_healthy(url: str, timeout: float, alive: object = None) -> None:
         if callable(alive) and not alive():
             raise RuntimeError(f"the server at {url} exited while starting")
         try:
-            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+            # only whether it answers: the caller verifies the server's certificate when it talks to it
+            if httpx.get(f"{url}/healthz", timeout=2, verify=False).status_code == 200:
                 return
         except httpx.HTTPError as e:
             last = e
@@ -72,10 +150,10 @@ def start_background(settings: Settings, host: str = "127.0.0.1", port: int | No
     """Start the server (and its embedded broker, if configured) in a thread on a free port; returns once
     ``/healthz`` answers. ``settings.public_url`` is set to the real URL."""
     port = port or free_port(host)
-    url = f"http://{host}:{port}"
+    url = f"{settings.scheme}://{host}:{port}"
     settings = ensure_admin_token(settings.model_copy(update={"public_url": url}), announce=False)
     app = create_app(settings)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on"))
+    server = uvicorn.Server(uvicorn_config(app, settings, host, port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="pfl-server", daemon=True)
     thread.start()
     _wait_healthy(url, timeout, thread.is_alive)
@@ -106,17 +184,28 @@ class SubprocessServer:
 
 
 def start_subprocess(env: dict[str, str], host: str = "127.0.0.1", port: int | None = None, *,
-                     timeout: float = 60.0) -> SubprocessServer:
-    """Start ``python -m server.main`` with settings from ``env`` (``PFL_*``; ``PFL_ADMIN_TOKEN`` required)."""
+                     timeout: float = 60.0, nofile: int | None = None, log: Path | None = None) -> SubprocessServer:
+    """Start ``python -m server.main`` with settings from ``env`` (``PFL_*``; ``PFL_ADMIN_TOKEN`` required);
+    ``nofile``: its descriptor limit (soft and hard); ``log``: where its output goes."""
     if "PFL_ADMIN_TOKEN" not in env:
         raise ValueError("start_subprocess needs PFL_ADMIN_TOKEN in env")
     port = port or free_port(host)
-    url = f"http://{host}:{port}"
+    url = f"{'https' if env.get('PFL_TLS_CERT') else 'http'}://{host}:{port}"
     full = {**os.environ, **env, "PFL_PUBLIC_URL": url}
     # the repository root on the path, whether or not the package is installed
     full["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    proc = subprocess.Popen([sys.executable, "-m", "server.main", "--host", host, "--port", str(port),
-                             "--log-level", "warning"], env=full)
+    def limit() -> None:
+        if nofile is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+    out = open(log, "ab") if log is not None else None  # noqa: SIM115  # the child holds it; closed below
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "server.main", "--host", host, "--port", str(port),
+                                 "--log-level", "warning"], env=full, preexec_fn=limit if nofile else None,
+                                stdout=out, stderr=subprocess.STDOUT if out else None)
+    finally:
+        if out is not None:
+            out.close()
     try:
         _wait_healthy(url, timeout, lambda: proc.poll() is None)
     except BaseException:

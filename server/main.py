@@ -11,7 +11,7 @@ import argparse
 import uvicorn
 
 from .app import create_app
-from .launch import BackgroundServer, SubprocessServer, start_background, start_subprocess
+from .launch import BackgroundServer, SubprocessServer, start_background, start_subprocess, uvicorn_config
 from .settings import Settings, load_settings
 
 __all__ = ["BackgroundServer", "SubprocessServer", "main", "serve", "start_background", "start_subprocess"]
@@ -20,8 +20,9 @@ __all__ = ["BackgroundServer", "SubprocessServer", "main", "serve", "start_backg
 def serve(settings: Settings | None = None, host: str = "127.0.0.1", port: int = 8000, *,
           log_level: str = "info") -> None:
     """Run the server until SIGINT/SIGTERM, then shut down cleanly."""
+    settings = settings if settings is not None else load_settings()
     app = create_app(settings)
-    uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on")).run()
+    uvicorn.Server(uvicorn_config(app, settings, host, port, log_level=log_level)).run()
 
 
 def main(argv: list[str] | None = None) -> None:

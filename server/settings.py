@@ -20,9 +20,9 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from pfl_edge.errors import ConfigError
+from pfl_edge.cli.common import read_secret_file
 
-__all__ = ["Settings", "ensure_admin_token", "load_settings", "read_secret_file", "secure_data_dir"]
+__all__ = ["Settings", "ensure_admin_token", "load_settings", "secure_data_dir"]
 
 _TOML: ContextVar[Path | None] = ContextVar("pfl_settings_toml", default=None)
 
@@ -151,19 +151,6 @@ def ensure_admin_token(settings: Settings, *, announce: bool = True) -> Settings
     if announce:
         print(f"pfl-edge server: no PFL_ADMIN_TOKEN set; generated admin token: {token}", file=sys.stderr)
     return settings.model_copy(update={"admin_token": SecretStr(token)})
-
-
-def read_secret_file(path: str | Path) -> str:
-    """A secret kept in a file (its first line, stripped): a token or an enrolment secret that should not sit on
-    a command line, where every local user can read it. ConfigError if it is missing or empty."""
-    p = Path(path)
-    try:
-        text = p.read_text().strip().splitlines()
-    except OSError as e:
-        raise ConfigError(f"cannot read the secret file {p}: {e}") from None
-    if not text or not text[0].strip():
-        raise ConfigError(f"the secret file {p} is empty")
-    return text[0].strip()
 
 
 def secure_data_dir(settings: Settings) -> None:

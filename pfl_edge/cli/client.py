@@ -15,21 +15,39 @@ def _cmd_client(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     overrides = {k: v for k, v in (("dataset", args.dataset), ("partition", args.partition),
                                    ("clients", args.num_partitions), ("seed", args.seed)) if v is not None}
-    cfg = AgentConfig(server=args.server, federation=args.federation, enrol_secret=args.enrol_secret,
+    cfg = AgentConfig(server=args.server, federation=args.federation, enrol_secret=enrol_secret(args),
                       profile=args.profile, state_dir=str(args.state_dir), name=args.name,
                       partition_id=args.partition_id, threads=args.threads, data_dir=args.dataset_dir,
                       image_dir=args.data_dir, patience_s=args.patience, data_overrides=overrides,
-                      training_backend=args.training_backend, training_program=args.training_program)
+                      training_backend=args.training_backend, training_program=args.training_program,
+                      ca_file=args.ca_file)
     agent = Agent(cfg)
     install_signal_handlers(agent)
     return agent.run()
+
+
+def enrol_secret(args: argparse.Namespace) -> str:
+    """The enrolment secret: --enrol-secret, else --enrol-secret-file, else PFL_ENROL_SECRET; "" when none is
+    given (fine for a device already enrolled; the agent says what to give otherwise)."""
+    import os
+
+    from .common import read_secret_file
+
+    if args.enrol_secret:
+        return str(args.enrol_secret)
+    if args.enrol_secret_file is not None:
+        return read_secret_file(args.enrol_secret_file)
+    return os.environ.get("PFL_ENROL_SECRET", "")
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("client", help="a device: enrol, follow rounds, train on local data, upload")
     p.add_argument("--server", required=True, help="the server's URL, e.g. http://10.0.0.2:8080")
     p.add_argument("--federation", default="demo", help="federation id (default demo)")
-    p.add_argument("--enrol-secret", required=True, help="the federation's enrolment secret")
+    p.add_argument("--enrol-secret-file", type=Path,
+                   help="a file holding the federation's enrolment secret (or PFL_ENROL_SECRET; only needed to enrol)")
+    p.add_argument("--enrol-secret", help="the secret itself (visible to every local user: prefer the file)")
+    p.add_argument("--ca-file", help="the CA certificate the server's (https://) certificate must chain to")
     p.add_argument("--profile", required=True, help="this device's profile (pfl-edge list)")
     p.add_argument("--state-dir", type=Path, required=True, help="enrolment, personal blocks, mask, progress")
     p.add_argument("--name", default="", help="a label for tables")

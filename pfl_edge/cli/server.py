@@ -8,16 +8,16 @@ from typing import Any
 
 
 def _cmd_server(args: argparse.Namespace) -> int:
+    import os
+
     from server.main import serve
     from server.settings import load_settings
 
+    os.umask(0o077)  # every file the server writes (database, blobs, the broker's port) private to its user
     overrides: dict[str, Any] = {}
-    if args.data_dir is not None:
-        overrides["data_dir"] = args.data_dir
-    if args.broker_url:
-        overrides["broker_url"] = args.broker_url
-    if args.database_url:
-        overrides["database_url"] = args.database_url
+    for key in ("data_dir", "broker_url", "database_url", "admin_token_file", "tls_cert", "tls_key"):
+        if getattr(args, key) is not None:
+            overrides[key] = getattr(args, key)
     serve(load_settings(args.settings, **overrides), host=args.host, port=args.port)
     return 0
 
@@ -30,4 +30,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--data-dir", type=Path, help="where SQLite and the blobs live (default ./pfl-server-data)")
     p.add_argument("--broker-url", help="embedded (default) or mqtt://host:port")
     p.add_argument("--database-url", help="default: SQLite in the data dir; postgresql+psycopg://... for PostgreSQL")
+    p.add_argument("--admin-token-file", type=Path,
+                   help="the admin token, read from this file (or PFL_ADMIN_TOKEN; default: generated and printed)")
+    p.add_argument("--tls-cert", type=Path, help="serve HTTPS with this certificate (PEM; with --tls-key)")
+    p.add_argument("--tls-key", type=Path, help="the certificate's private key (PEM)")
     p.set_defaults(func=_cmd_server)
