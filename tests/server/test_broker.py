@@ -1,4 +1,4 @@
-"""The embedded amqtt broker with real paho clients: retained messages, QoS 1 with persistent sessions, last will."""
+"""The embedded broker with real paho clients: retained messages, QoS 1 with persistent sessions, last will."""
 
 from __future__ import annotations
 
