@@ -198,7 +198,7 @@ class Agent:
     # ------------------------------------------------------------------------------------------------ main loop
     def run(self) -> int:
         self._setup()
-        ctl = Control(self.enr, self.inbox)
+        ctl = Control(self.enr, self.inbox, ca_file=self.cfg.ca_file, http=self.http)
         self.http.stop = self._stop
         try:
             self._wake()  # the server's task now: a retained message may never come

@@ -11,17 +11,21 @@ import ssl
 import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from pfl_edge.errors import ConfigError
-from pfl_edge.protocol import Enrolment, mqtt_client_id, round_topic, status_topic, task_topic
+from pfl_edge.protocol import BrokerInfo, Enrolment, mqtt_client_id, round_topic, status_topic, task_topic
+
+if TYPE_CHECKING:
+    from .http import Http
 
 __all__ = ["Control"]
 
 log = logging.getLogger("pfl_edge.client")
 
 _TLS = ("mqtts", "ssl")
+BROKER_PATH = "/v1/devices/me/broker"
 
 
 class Control:
@@ -29,10 +33,12 @@ class Control:
     QoS 1 to the device's task topic and the federation's round topic; ``online`` on connect, ``offline`` as the
     last will. paho reconnects by itself with back-off (1 s to 30 s) when the broker goes away. A broker it
     cannot reach or that refuses it is logged at WARNING with its URL and the reason at the first failure, and
-    again every ``warn_every_s`` while it lasts."""
+    again every ``warn_every_s`` while it lasts. After ``rediscover_after_s`` of failures it asks the server
+    (``http``) where the broker is now, and follows it there if it moved."""
 
     def __init__(self, enr: Enrolment, inbox: queue.Queue[tuple[str, bytes]], *, ca_file: str | None = None,
-                 keepalive: int = 30, warn_every_s: float = 60.0) -> None:
+                 keepalive: int = 30, warn_every_s: float = 60.0, http: Http | None = None,
+                 rediscover_after_s: float = 15.0) -> None:
         import paho.mqtt.client as mqtt
 
         url = urlparse(enr.broker_url)
@@ -44,6 +50,9 @@ class Control:
         self.connected = threading.Event()
         self.last_error: str | None = None
         self._warn_every_s, self._warned_at = warn_every_s, -1e9
+        self._http, self._rediscover_after_s, self._keepalive = http, rediscover_after_s, keepalive
+        self._failing_since: float | None = None
+        self._asking = threading.Lock()
         c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=mqtt_client_id(enr.device_id),
                         clean_session=False, protocol=mqtt.MQTTv311)
         if url.scheme in _TLS:
@@ -69,13 +78,39 @@ class Control:
         if now - self._warned_at >= self._warn_every_s:
             self._warned_at = now
             log.warning("cannot use the MQTT broker %s: %s; retrying", self.url, reason)
+        if self._failing_since is None:
+            self._failing_since = now
+        if (self._http is not None and now - self._failing_since >= self._rediscover_after_s
+                and self._asking.acquire(blocking=False)):
+            threading.Thread(target=self._rediscover, name="pfl-broker-address", daemon=True).start()
+
+    def _rediscover(self) -> None:
+        """Ask the server where the broker is now; reconnect there if it moved (same scheme)."""
+        try:
+            if self._http is None:
+                return
+            try:
+                url = BrokerInfo.model_validate(self._http.call("GET", BROKER_PATH).json()).broker_url
+            except Exception as e:  # the server is away too, or refuses: paho keeps trying the old address
+                log.warning("could not ask the server where the MQTT broker is now: %s", e)
+                return
+            new, old = urlparse(url), urlparse(self.url)
+            if url == self.url or not new.hostname or (new.scheme in _TLS) != (old.scheme in _TLS):
+                return
+            log.warning("the server says the MQTT broker is now at %s (was %s); connecting there", url, self.url)
+            self.url = url
+            self.client.connect_async(new.hostname, new.port or (8883 if new.scheme in _TLS else 1883),
+                                      keepalive=self._keepalive)
+        finally:
+            self._failing_since = time.monotonic()
+            self._asking.release()
 
     def _on_connect(self, client: Any, userdata: Any, flags: Any, reason: Any, props: Any) -> None:
         if getattr(reason, "is_failure", False):
             self._failed(f"it refused the connection ({reason}): are this device's MQTT credentials still valid?")
             return
         log.info("connected to the broker %s", self.url)
-        self.last_error, self._warned_at = None, -1e9
+        self.last_error, self._warned_at, self._failing_since = None, -1e9, None
         # subscribe on every connect: a restarted broker may have lost the persistent session
         client.subscribe([(task_topic(self.fed, self.dev), 1), (round_topic(self.fed), 1)])
         client.publish(status_topic(self.fed, self.dev), json.dumps({"device_id": self.dev, "state": "online"}),

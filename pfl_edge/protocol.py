@@ -17,6 +17,7 @@ HTTP (JSON unless said; every call but enrolment and the health check carries ``
 - ``POST /v1/federations`` (admin token): :class:`FederationCreate` -> :class:`FederationInfo`
 - ``GET /v1/federations/{fed}``: :class:`FederationInfo`
 - ``POST /v1/devices``: :class:`EnrolRequest` -> :class:`Enrolment`
+- ``GET /v1/devices/me/broker``: :class:`BrokerInfo` (where the broker is now, for a device that cannot reach it)
 - ``PUT /v1/blobs/{sha256}`` (raw bytes) and ``GET /v1/blobs/{sha256}``
 - ``POST /v1/rounds/{t}/updates``: :class:`UpdateRequest` -> :class:`UpdateAccepted`
 - ``POST /v1/rounds/{t}/metrics``: :class:`MetricsReport`
@@ -39,6 +40,7 @@ __all__ = [
     "MAX_ROUND",
     "PROTOCOL_VERSION",
     "AggregationSettings",
+    "BrokerInfo",
     "DeviceStatus",
     "EnrolRequest",
     "Enrolment",
@@ -260,6 +262,13 @@ class RoundAnnouncement(_Msg):
     @classmethod
     def _base(cls, v: str | None) -> str | None:
         return None if v is None else _digest(v)
+
+
+class BrokerInfo(_Msg):
+    """The MQTT broker as devices reach it now: a device that cannot reach the one its enrolment named asks
+    again (the operator may have moved it)."""
+
+    broker_url: str = Field(max_length=2_048)
 
 
 class DeviceStatus(_Msg):

@@ -3,9 +3,11 @@ address, the address devices are told, the server's own identity and its link, a
 
 The embedded broker keeps its port across restarts (``<data_dir>/broker-port``, or ``embedded_broker_port``):
 enrolled devices know it by that address. If that port is taken when the server starts, the server refuses to
-start and says so, instead of moving the broker where its devices would never look (or leaving the old address
-to whoever sits on it). The server also refuses to hand devices a loopback broker address when they reach the
-server itself on another address (``public_url``), naming the settings to set.
+start and says so, instead of silently moving the broker (and leaving the old address, and the passwords sent
+to it, to whoever sits there). An operator who moves it on purpose sets ``embedded_broker_port``; devices that
+cannot reach the old address ask ``GET /v1/devices/me/broker`` and follow (``edge_runtime.control``). The
+server also refuses to hand devices a loopback broker address when they reach the server itself on another
+address (``public_url``), naming the settings to set.
 """
 
 from __future__ import annotations
@@ -72,8 +74,8 @@ def start_mqtt(settings: Settings, authenticate: Authenticator) -> MqttSetup:
             raise
         raise ConfigError(f"the embedded MQTT broker cannot listen on {settings.embedded_broker_host}:{port}, "
                           f"where enrolled devices look for it ({e}): free that port, or set "
-                          f"PFL_EMBEDDED_BROKER_PORT to move the broker (devices enrolled before then need to "
-                          f"enrol again)") from None
+                          f"PFL_EMBEDDED_BROKER_PORT to move the broker (enrolled devices that cannot reach the "
+                          f"old address ask the server for the new one)") from None
     port_file.write_text(str(broker.port))
     if not loopback(settings.embedded_broker_host) and not broker.tls:
         log.warning("the embedded MQTT broker listens on %s without TLS: device passwords cross the network in "

@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
-from pfl_edge.protocol import Enrolment, EnrolRequest
+from pfl_edge.protocol import BrokerInfo, Enrolment, EnrolRequest
 
 from ..deps import DeviceAuth, Enrol
 
@@ -38,3 +38,9 @@ def rotate_own_token(dev: DeviceAuth, enrol: Enrol) -> TokenIssued:
     new one before it uses it (a device that lost it enrols again with its nonce)."""
     token, expires = enrol.rotate_token(dev.id)
     return TokenIssued(device_id=dev.id, token=token, expires=expires)
+
+
+@router.get("/me/broker", response_model=BrokerInfo)
+def current_broker(dev: DeviceAuth, enrol: Enrol) -> BrokerInfo:
+    """The MQTT broker as devices reach it now (it may have moved since this device enrolled)."""
+    return BrokerInfo(broker_url=enrol.device_broker_url)

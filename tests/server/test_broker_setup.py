@@ -5,17 +5,24 @@ broker says so in its log within seconds."""
 from __future__ import annotations
 
 import logging
+import queue
 import socket
 import time
 from pathlib import Path
 
+import httpx
 import pytest
-from broker_clients import control
+from broker_clients import control, next_msg
+from server_testkit import FEDPER, Dev, create, wait_for
 
+from edge_runtime.control import Control
+from edge_runtime.http import Http
 from pfl_edge.errors import ConfigError
+from pfl_edge.protocol import Enrolment, task_topic
 from server.broker import EmbeddedBroker, free_port
 from server.broker_core import Identity
 from server.broker_setup import start_mqtt
+from server.launch import start_background
 from server.settings import Settings
 
 
@@ -97,3 +104,30 @@ def test_a_device_says_when_its_broker_refuses_it(caplog: pytest.LogCaptureFixtu
             assert not ctl.connected.is_set()
         finally:
             ctl.client.loop_stop()
+
+
+def test_a_device_follows_its_broker_to_a_new_address(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The operator moves the embedded broker (PFL_EMBEDDED_BROKER_PORT) across a server restart: a device that
+    cannot reach the old address asks the server where it is now and keeps receiving its tasks there."""
+    caplog.set_level(logging.INFO, logger="pfl_edge.client")
+    http_port = free_port()
+    base = dict(data_dir=tmp_path / "data", admin_token="admin-token-for-moves", tick_s=0.05)
+    srv = start_background(Settings(**base), port=http_port)  # type: ignore[arg-type]
+    c = httpx.Client(base_url=srv.url, timeout=30)
+    create(c, "admin-token-for-moves", "f", {**FEDPER, "clients": 1})
+    enr = Enrolment.model_validate(Dev(c, "f").e)
+    http = Http(srv.url, patience_s=10)
+    http.token = enr.token
+    inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
+    ctl = Control(enr, inbox, http=http, rediscover_after_s=1.0)
+    assert next_msg(inbox, task_topic("f", enr.device_id), timeout=15)["round"] == 1
+    srv.stop()
+    moved = free_port()
+    srv = start_background(Settings(**base, embedded_broker_port=moved), port=http_port)  # type: ignore[arg-type]
+    try:
+        wait_for(lambda: ctl.url.endswith(f":{moved}"), timeout=30, what="the device to follow the broker")
+        assert next_msg(inbox, task_topic("f", enr.device_id), timeout=30)["round"] == 1  # re-published there
+        assert any("now at" in r.message and str(moved) in r.message for r in caplog.records)
+    finally:
+        ctl.close()
+        srv.stop()
