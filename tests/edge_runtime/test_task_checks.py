@@ -21,7 +21,7 @@ from edge_runtime.agent import Agent, AgentConfig
 from edge_runtime.http import Http
 from edge_runtime.tasks import Downloads, UnusableModel, mismatch
 from pfl_edge.checkpoint import ModelSpec, build_model
-from pfl_edge.codec import encode
+from pfl_edge.codec import decode, encode
 from pfl_edge.federation import model_id
 from pfl_edge.protocol import Task, round_topic, task_topic
 from server.launch import BackgroundServer, start_background
@@ -111,8 +111,20 @@ def _nan_payload(payload: bytes) -> bytes:
     return bytes(body) + hashlib.sha256(body).digest()
 
 
-def test_a_nan_model_received_skips_the_round_and_the_next_one_runs(srv: BackgroundServer, tmp_path: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def _huge_payload(payload: bytes) -> bytes:
+    """``payload`` with every float scaled to ~1e30: finite (it decodes), but training on it diverges."""
+    d = decode(payload)
+    return encode({k: v * 1e30 if v.is_floating_point() else v for k, v in d.tensors.items()}, model_id=d.model_id,
+                  round=d.round)
+
+
+@pytest.mark.parametrize(("poison", "kind"), [(_nan_payload, "bad_model"), (_huge_payload, "diverged")])
+def test_a_bad_model_received_skips_the_round_and_the_next_one_runs(srv: BackgroundServer, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch,
+                                                                    poison: Callable[[bytes], bytes],
+                                                                    kind: str) -> None:
+    """NaN in the base: refused on receipt; a finite base of 1e30: training diverges. Either way the device logs,
+    reports and sits round 1 out (keeping its last good model), and takes part in round 2."""
     _create(srv, deadline_s=5.0)  # round 1 closes at its deadline with the other device's update
     real_fetch = Downloads.fetch
     poisoned: list[str] = []
@@ -121,7 +133,7 @@ def test_a_nan_model_received_skips_the_round_and_the_next_one_runs(srv: Backgro
         data = real_fetch(self, digest)
         if self.device_id == first[0] and not poisoned and getattr(self, "_in_round", False):
             poisoned.append(digest)
-            return _nan_payload(data)
+            return poison(data)
         return data
 
     real_received = Downloads.received
@@ -141,7 +153,7 @@ def test_a_nan_model_received_skips_the_round_and_the_next_one_runs(srv: Backgro
         r.thread.join(120)
         assert r.rc == 0, r.rc
     assert poisoned, "the poisoned fetch never happened"
-    bad = [d for k, d in a.events if k == "bad_model"]
+    bad = [d for k, d in a.events if k == kind]
     assert [d["round"] for d in bad] == [1] and "NaN" in bad[0]["error"]
     assert [d["round"] for k, d in a.events if k == "update"] == [2]  # sat round 1 out, took part in round 2
     assert [d["round"] for k, d in b.events if k == "update"] == [1, 2]
