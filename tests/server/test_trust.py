@@ -1,6 +1,6 @@
 """Credentials and operations: token rotation, expiry and revocation, enrolment secret rotation, enrolment rate
 limits and its verify cache, secrets from files, private state files, the upload quota and blob garbage
-collection (with a restart that still recovers). SQLite only: none of this depends on the database."""
+collection (with a restart that still recovers, on SQLite and PostgreSQL)."""
 
 from __future__ import annotations
 
@@ -216,14 +216,14 @@ def _round(c: TestClient, devs: list[Dev], t: int) -> list[str]:
 
 def _stored(c: TestClient) -> tuple[set[str], set[str]]:
     root = Path(c.app.state.pfl.settings.resolved_blob_dir)  # type: ignore[attr-defined]
-    files = {p.name for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")}
-    with coord(c).store.read() as s:
+    with coord(c).store.write() as s:  # the collector deletes rows, then files, holding this lock
+        files = {p.name for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")}
         rows = set(s.scalars(select(Blob.digest)))
     return files, rows
 
 
-def test_gc_keeps_what_recovery_and_the_last_rounds_need(tmp_path: Path, broker_url: str) -> None:
-    s = _settings(tmp_path, broker_url, gc_keep_rounds=1)
+def test_gc_keeps_what_recovery_and_the_last_rounds_need(tmp_path: Path, broker_url: str, database_url: str) -> None:
+    s = _settings(tmp_path, broker_url, gc_keep_rounds=1, database_url=database_url)
     cfg = {**FEDPER, "rounds": 4}
     with TestClient(create_app(s)) as c:
         create(c, ADMIN, "g", cfg)
