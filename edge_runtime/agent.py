@@ -245,7 +245,8 @@ class Agent:
         task = self.tasks.current()
         why = None if hint is None else mismatch(hint, task)
         if why is not None:
-            log.warning("acting on the server's task, not the broker's: %s", why)
+            # same round, other content: forged (or a server bug); no task now: stale or forged, cannot tell
+            log.log(logging.WARNING if task is not None else logging.INFO, "ignoring the broker's task: %s", why)
             self.on_event("task_mismatch", {"round": hint.round if hint else None, "why": why})
         if task is not None:
             self._run_task(task)
