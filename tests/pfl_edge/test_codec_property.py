@@ -8,6 +8,7 @@ allocating beyond a bound linear in what the header declares (measured with trac
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -32,7 +33,7 @@ HOSTILE: st.SearchStrategy[Any] = st.one_of(
                      "bitmap", "f2", [], [0], [2**40], [1] * 65, {}, "x" * 300]),
     st.integers(-(2**70), 2**70),
     st.lists(st.integers(0, 2**20), max_size=4),
-)
+).map(copy.deepcopy)  # a fresh copy each time: a mutation must not change the constants for the next example
 
 
 @st.composite
