@@ -34,6 +34,7 @@ MAX_CUT_BYTES = 256 * 1024
 class RouteStats:
     connections: int = 0
     cut: int = 0  # connections reset mid-transfer by the proxy
+    reset: int = 0  # connections one end reset (passed on to the other)
     upstream_refused: int = 0  # the target did not answer (server or broker down)
     bytes: int = 0
 
@@ -84,9 +85,11 @@ class Proxy:
             ends = [t for t in (cut_at, eof_by) if t is not None]
             timeout = None if not ends else max(0.0, min(ends) - time.monotonic())
             done, pending = await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-            if (not done and cut_at is not None and time.monotonic() >= cut_at) or any(
-                    not p.cancelled() and p.exception() is None and p.result() for p in done):
-                st.cut += 1
+            ends_of = {p.result() for p in done if not p.cancelled() and p.exception() is None}
+            cut = (not done and cut_at is not None and time.monotonic() >= cut_at) or "cut" in ends_of
+            if cut or "reset" in ends_of:  # a reset by either end is passed on to the other, as a router would
+                st.cut += int(cut)
+                st.reset += int(not cut)
                 for p in pending:
                     p.cancel()
                 _reset(cw)
@@ -101,8 +104,9 @@ class Proxy:
             w.close()
 
     async def _pump(self, r: asyncio.StreamReader, w: asyncio.StreamWriter, st: RouteStats,
-                    budget: list[int] | None) -> bool:
-        """Copy r to w with the latency; True if the cut budget ran out (the connection is to be reset)."""
+                    budget: list[int] | None) -> str:
+        """Copy r to w with the latency. How it ended: "eof" (r closed; passed on to w), "reset" (r was reset,
+        or w is gone), "cut" (the cut budget ran out): the last two reset the whole connection."""
         q: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue(maxsize=64)
 
         broken: list[bool] = []
@@ -128,17 +132,17 @@ class Proxy:
                 if budget is not None:
                     budget[0] -= len(data)
                     if budget[0] <= 0:
-                        return True
+                        return "cut"
                 st.bytes += len(data)
                 await q.put((time.monotonic() + self.latency_s, data))
                 if not data:
                     await writer
                     if not broken and w.can_write_eof():
                         w.write_eof()
-                    return False
-            return False
+                    return "eof"
+            return "reset"
         except (OSError, asyncio.IncompleteReadError):
-            return False
+            return "reset"
         finally:
             if not writer.done():
                 writer.cancel()

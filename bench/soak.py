@@ -49,7 +49,7 @@ class SoakConfig:
     latency_ms: float = 200.0  # added each way by the proxy
     cut: float = 0.05  # fraction of proxied connections reset mid-transfer
     rate: str = "20mbit"  # every device link, always
-    throttle_rate: str = "1mbit"
+    throttle_rate: str = "4mbit"
     throttle_s: float = 30.0
     partition_s: float = 60.0
     fault_every_s: float = 20.0  # mean gap between random faults
@@ -140,7 +140,7 @@ class Soak:
         self.down.discard(f"device:{k}")
 
     def _restart_server(self) -> None:
-        self.procs.start_server()
+        self.procs.start_server(wait=False)
         self.down.discard("server")
 
     def _restart_broker(self) -> None:
@@ -189,17 +189,22 @@ def _faults(soak: Soak, until: float) -> None:
 
 
 def _settle(soak: Soak, feds: list[str]) -> dict[str, Any]:
-    """After the faults: every federation runs ``settle_rounds`` more rounds (or the timeout passes)."""
+    """After the faults: every federation runs ``settle_rounds`` more rounds and closes one round with an update
+    of every device (every device caught up), or the timeout passes."""
     p, cfg = soak.procs, soak.cfg
     start = {f: p.info(f)["round"] for f in feds}
     deadline = time.monotonic() + cfg.settle_timeout_s
+    now = dict(start)
+    full: dict[str, int | None] = {f: None for f in feds}
     while time.monotonic() < deadline:
         soak.tick()
         now = {f: p.info(f)["round"] for f in feds}
-        if all(now[f] >= start[f] + cfg.settle_rounds for f in feds):
-            return {"settled": True, "rounds_at_heal": start, "rounds_at_stop": now}
+        full = {f: p.full_round_after(f, start[f]) for f in feds}
+        if all(now[f] >= start[f] + cfg.settle_rounds and full[f] is not None for f in feds):
+            break
         time.sleep(0.5)
-    return {"settled": False, "rounds_at_heal": start, "rounds_at_stop": {f: p.info(f)["round"] for f in feds}}
+    settled = all(now[f] >= start[f] + cfg.settle_rounds and full[f] is not None for f in feds)
+    return {"settled": settled, "rounds_at_heal": start, "rounds_at_stop": now, "first_full_round": full}
 
 
 def run_soak(cfg: SoakConfig) -> dict[str, Any]:
@@ -267,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deadline-s", type=float, default=d.deadline_s)
     p.add_argument("--samples", type=int, default=d.samples)
     p.add_argument("--settle-rounds", type=int, default=d.settle_rounds)
+    p.add_argument("--settle-timeout", type=float, default=d.settle_timeout_s)
     p.add_argument("--workdir", default=d.workdir)
     p.add_argument("--prefix", default=d.prefix, help="of namespace and link names (<= 6 characters)")
     p.add_argument("--out", default=d.out)
@@ -276,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                   broker=a.broker, seed=a.seed, latency_ms=a.latency_ms, cut=a.cut, rate=a.rate,
                   partition_s=a.partition_s, fault_every_s=a.fault_every, kinds=tuple(a.kinds.split(",")),
                   schedule=schedule, deadline_s=a.deadline_s, samples=a.samples, settle_rounds=a.settle_rounds,
+                  settle_timeout_s=a.settle_timeout,
                   workdir=a.workdir, prefix=a.prefix, out=a.out)
     report = run_soak(cfg)
     keys = ("ok", "wall_s", "faults", "rounds_closed", "updates_accepted", "lost", "double_counted",

@@ -49,7 +49,7 @@ def check(database_url: str, blob_dir: Path, device_dirs: list[Path], *, recompu
         logged = _check_ledgers(device_dirs, by_key, out, StateDir)
         out["unlogged"] = len(set(by_key) - logged)
         _check_rounds(feds, rounds, rows, out)
-        out["rounds"] = _rounds_summary(feds, rounds)
+        out["rounds"] = _rounds_summary(feds, rounds, rows)
         out["devices"] = _check_devices(device_dirs, by_key, devices, StateDir)
         out["inconsistent_devices"] = sum(1 for d in out["devices"] if not d["consistent"])
         if recompute:
@@ -99,9 +99,17 @@ def _check_rounds(feds: dict[str, Any], rounds: dict[tuple[str, int], Any], rows
     out["lost"] += late
 
 
-def _rounds_summary(feds: dict[str, Any], rounds: dict[tuple[str, int], Any]) -> dict[str, Any]:
-    return {f: {"closed": sum(1 for (g, _), r in rounds.items() if g == f and r.closed_at is not None),
-                "round_now": feds[f].round, "state_now": feds[f].state} for f in feds}
+def _rounds_summary(feds: dict[str, Any], rounds: dict[tuple[str, int], Any], rows: list[Any]) -> dict[str, Any]:
+    """Per federation: rounds closed, and device-rounds that closed without the device's update (its deadline
+    passed: never accepted, so not lost; the device sits that round out)."""
+    counts = Counter((u.federation, u.round) for u in rows)
+    out: dict[str, Any] = {}
+    for f in feds:
+        closed = [(t, r) for (g, t), r in rounds.items() if g == f and r.closed_at is not None and t > 0]
+        out[f] = {"closed": len(closed), "round_now": feds[f].round, "state_now": feds[f].state,
+                  "device_rounds_missed": sum(max(0, r.active - counts[f, t]) for t, r in closed),
+                  "rounds_without_every_device": sum(1 for t, r in closed if counts[f, t] < r.active)}
+    return out
 
 
 def _check_devices(device_dirs: list[Path], by_key: dict[tuple[str, int, str], list[Any]], devices: dict[str, Any],

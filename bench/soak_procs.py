@@ -159,13 +159,16 @@ class Procs:
     def kill_broker(self) -> None:
         _kill(self.broker)
 
-    def start_server(self, timeout_s: float = 90.0) -> None:
+    def start_server(self, timeout_s: float = 90.0, *, wait: bool = True) -> None:
+        """Start the server; ``wait``: until it answers (else the fault loop goes on while it boots)."""
         broker = "embedded" if self.cfg.broker == "embedded" else f"mqtt://127.0.0.1:{BROKER_PORT}"
         env = {"PFL_ADMIN_TOKEN": self.token, "PFL_PUBLIC_URL": f"http://{SERVICE_IP}:{HTTP_PROXY_PORT}",
                "PFL_PUBLIC_BROKER_URL": f"mqtt://{SERVICE_IP}:{MQTT_PROXY_PORT}"}
         self.server = self._spawn(self.net.server_ns, [
             sys.executable, "-m", "pfl_edge", "server", "--host", "0.0.0.0", "--port", str(SERVER_PORT),
             "--data-dir", str(self.data_dir), "--broker-url", broker], self.root / "server.log", env)
+        if not wait:
+            return
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.server.poll() is not None:
@@ -232,6 +235,22 @@ class Procs:
             for what, code in self.unexpected_exits(set()):
                 raise RuntimeError(f"{what} exited with {code}: {self.log_tail(what)}")
             time.sleep(0.5)
+
+    def full_round_after(self, fed: str, t: int) -> int | None:
+        """The first round after ``t`` that closed with an update of every device (None: none yet)."""
+        import sqlite3
+
+        con = sqlite3.connect(f"file:{self.data_dir / 'state.db'}?mode=ro", uri=True, timeout=5)
+        try:
+            row = con.execute(
+                "SELECT r.round FROM pfl_rounds r WHERE r.federation = ? AND r.round > ? AND r.closed_at IS NOT NULL"
+                " AND (SELECT count(*) FROM pfl_updates u WHERE u.federation = r.federation AND u.round = r.round)"
+                " >= ? ORDER BY r.round LIMIT 1", (fed, t, self.cfg.devices)).fetchone()
+        except sqlite3.Error:
+            return None
+        finally:
+            con.close()
+        return None if row is None else int(row[0])
 
     def unexpected_exits(self, down: set[str]) -> list[tuple[str, int]]:
         """Processes that died though nobody killed them; each is restarted."""
