@@ -140,6 +140,18 @@ def test_a_422_never_echoes_the_input(client: TestClient) -> None:
     assert r.status_code == 422 and len(r.json()["detail"]) == 17 and "more errors" in r.text
 
 
+def test_a_bug_is_a_json_500_without_a_traceback(tmp_path: Path, broker_url: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    with TestClient(create_app(_settings(tmp_path, broker_url)), raise_server_exceptions=False) as c:
+        def broken(_fed: str) -> None:
+            raise RuntimeError("an invariant broke: secret internals")
+
+        monkeypatch.setattr(c.app.state.pfl.coordinator.metrics, "summary", broken)  # type: ignore[attr-defined]
+        r = c.get("/v1/federations/f/metrics", headers=bearer(ADMIN))
+        assert r.status_code == 500 and set(r.json()) == {"detail"} and "bug" in r.json()["detail"]
+        assert "Traceback" not in r.text and "secret internals" not in r.text
+
+
 # ------------------------------------------------------------------------------------------ federation bounds
 
 
