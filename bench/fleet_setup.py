@@ -1,0 +1,176 @@
+"""What the fleet benchmarks run against (``bench/fleet_load.py``, ``bench/responsiveness.py``): a private
+Mosquitto with the dynamic-security plugin and a raised descriptor limit, a fresh PostgreSQL database on the
+system server, the server itself as a subprocess, and a sampler of their resident memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from server.broker import free_port
+from server.launch import SubprocessServer, _wait_healthy, start_subprocess
+
+__all__ = ["RssSampler", "config_for", "mosquitto", "postgres_db", "raise_nofile", "server"]
+
+ADMIN = ("pfl-admin", "fleet-admin-password")
+ENROL_SECRET = "fleet-enrol-secret"
+DYNSEC = Path("/usr/lib/x86_64-linux-gnu/mosquitto_dynamic_security.so")
+
+
+def raise_nofile() -> int:
+    """RLIMIT_NOFILE raised to its hard limit (children inherit it); the new soft limit."""
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return hard
+
+
+def config_for(devices: int, rounds: int) -> dict[str, Any]:
+    """The demo's FedPer cnn federation sized for ``devices`` clients: one class per client and a few samples
+    each, so that Fashion-MNIST can be dealt to 10,000 (the model, and so the payloads, are the demo's)."""
+    from edge_runtime.fleet import DemoConfig
+
+    return DemoConfig(devices=devices, rounds=rounds, partition="pathological:1", samples_per_client=4,
+                      profile_capacity=False, extra={"test_per_client": 1}).federation_config()
+
+
+def _answers(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+@contextmanager
+def mosquitto(folder: Path) -> Iterator[tuple[str, int]]:
+    """A private Mosquitto with dynamic security on a free port (no persistence); (its URL, its pid)."""
+    exe = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
+    ctrl = shutil.which("mosquitto_ctrl") or "mosquitto_ctrl"
+    folder.mkdir(parents=True, exist_ok=True)
+    dyn = folder / "dynamic-security.json"
+    subprocess.run([ctrl, "dynsec", "init", str(dyn), ADMIN[0]], input=f"{ADMIN[1]}\n{ADMIN[1]}\n", text=True,
+                   check=True, capture_output=True)
+    conf = json.loads(dyn.read_text())
+    for role in conf["roles"]:
+        if role["rolename"] == "admin":
+            role["acls"].append({"acltype": "publishClientSend", "topic": "pfl/#", "allow": True})
+    dyn.write_text(json.dumps(conf))
+    port = free_port()
+    (folder / "mosquitto.conf").write_text("\n".join([
+        "user root", f"listener {port} 127.0.0.1", "persistence false", "max_connections -1",
+        "max_queued_messages 10000", f"plugin {DYNSEC}", f"plugin_opt_config_file {dyn}",
+        "allow_anonymous false", "log_type error", "log_type warning"]) + "\n")
+    log = (folder / "mosquitto.log").open("w")
+    proc = subprocess.Popen([exe, "-c", str(folder / "mosquitto.conf")], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 10
+        while not _answers(port):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"mosquitto did not start: {(folder / 'mosquitto.log').read_text()[-2000:]}")
+            time.sleep(0.05)
+        yield f"mqtt://127.0.0.1:{port}", proc.pid
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        log.close()
+
+
+@contextmanager
+def postgres_db(base_url: str = "postgresql://postgres@127.0.0.1:5432/test") -> Iterator[str]:
+    """A fresh database on the system PostgreSQL (dropped after); its URL."""
+    import psycopg
+
+    name = f"pfl_fleet_{os.getpid()}_{int(time.time())}"
+    with psycopg.connect(base_url, autocommit=True) as c:
+        c.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield base_url.rsplit("/", 1)[0] + "/" + name
+    finally:
+        with psycopg.connect(base_url, autocommit=True) as c:
+            c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def server(data_dir: Path, *, database_url: str | None, broker_url: str | None, admin_token: str,
+           extra: dict[str, str] | None = None, root: Path | None = None) -> SubprocessServer:
+    """The server as a subprocess: the given database (None: SQLite in ``data_dir``), the private Mosquitto with
+    dynamic security (None: the embedded broker), enrolment rate limits raised for a fleet on one address;
+    ``root``: the server of another checkout (a ``git worktree``; environment settings it does not know are
+    ignored)."""
+    env = {"PFL_DATA_DIR": str(data_dir), "PFL_ADMIN_TOKEN": admin_token,
+           "PFL_ENROL_RATE_PER_ADDRESS": "1000000", "PFL_ENROL_BURST_PER_ADDRESS": "1000000",
+           "PFL_ENROL_RATE_PER_FEDERATION": "1000000", "PFL_ENROL_BURST_PER_FEDERATION": "1000000",
+           "PFL_HTTP_LIMIT_CONCURRENCY": "100000", "PFL_HTTP_BACKLOG": "4096"}
+    if database_url:
+        env["PFL_DATABASE_URL"] = database_url
+    if broker_url:
+        env.update({"PFL_BROKER_URL": broker_url, "PFL_BROKER_DYNSEC": "true", "PFL_MQTT_USERNAME": ADMIN[0],
+                    "PFL_MQTT_PASSWORD": ADMIN[1]})
+    env.update(extra or {})
+    if root is None:
+        return start_subprocess(env, timeout=120)
+    return _subprocess_at(root, env)
+
+
+def _subprocess_at(root: Path, env: dict[str, str]) -> SubprocessServer:
+    """``python -m server.main`` of another checkout (``git worktree``): a side-by-side comparison."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    full = {**os.environ, **env, "PFL_PUBLIC_URL": url, "PYTHONPATH": str(root)}
+    proc = subprocess.Popen([sys.executable, "-m", "server.main", "--host", "127.0.0.1", "--port", str(port),
+                             "--log-level", "warning"], env=full, cwd=root)
+    try:
+        _wait_healthy(url, 120, lambda: proc.poll() is None)
+    except BaseException:
+        proc.kill()
+        raise
+    return SubprocessServer(url, env["PFL_ADMIN_TOKEN"], proc)
+
+
+class RssSampler:
+    """Peak resident memory of processes (each with its children) sampled every ``every_s`` in a thread."""
+
+    def __init__(self, pids: dict[str, int], every_s: float = 0.25) -> None:
+        self.pids = pids
+        self.every_s = every_s
+        self.peak_mb: dict[str, float] = {k: 0.0 for k in pids}
+        self.peak_main_mb: dict[str, float] = {k: 0.0 for k in pids}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> None:
+        for name, pid in self.pids.items():
+            try:
+                p = psutil.Process(pid)
+                main = p.memory_info().rss
+                total = main + sum(c.memory_info().rss for c in p.children(recursive=True))
+            except psutil.Error:
+                continue
+            self.peak_main_mb[name] = max(self.peak_main_mb[name], main / 2**20)
+            self.peak_mb[name] = max(self.peak_mb[name], total / 2**20)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self._sample()
+
+    def __enter__(self) -> RssSampler:
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._sample()

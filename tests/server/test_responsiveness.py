@@ -1,0 +1,187 @@
+"""Responsiveness and scale, the parts a unit test can hold (the timings are in bench/responsiveness.py and
+bench/fleet_load.py): readiness counted in SQL, coalesced worker wake-ups, upload bodies spooled to disk and
+decode-checked in other processes, and a /healthz that needs no thread of the request pool."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+from fastapi import FastAPI
+from server_testkit import DISPFL, FEDPER
+from sqlalchemy import create_engine
+
+from pfl_edge.codec import encode
+from pfl_edge.errors import CodecError
+from server.db import Device, Federation, Update, make_engine, make_sessionmaker
+from server.errors import TooLarge
+from server.fedmodel import fed_model
+from server.routers import health
+from server.services.planning import Planner
+from server.services.spool import DecodePool, spool_body
+from server.services.worker import RoundWorker
+
+
+@pytest.mark.parametrize("config", [FEDPER, DISPFL], ids=["fedper", "dispfl"])
+def test_count_active_is_len_of_active(tmp_path: Path, config: dict[str, Any]) -> None:
+    """The SQL count the readiness checks use agrees with the device list the round's tasks are made from:
+    late joiners, revoked devices and (DisPFL) devices without their initial model are left out of both."""
+    fm = fed_model(dict(config, clients=8))
+    sessions = make_sessionmaker(make_engine(f"sqlite:///{tmp_path / 'db.sqlite'}"))
+    with sessions.begin() as s:
+        s.add(Federation(id="f", config=fm.cfg.to_dict(), enrol_secret_hash="x", quorum=1.0, deadline_s=60,
+                         min_updates=1, min_devices=None, profile_capacity=False, round=1, state="open",
+                         init_digest="0" * 64, base_digest="0" * 64))
+        s.flush()
+        for i in range(8):
+            s.add(Device(id=f"d{i}", federation="f", token_hash=f"{i:064d}", profile="phone-mid", slot=i,
+                         density=1.0, kp=2, joined_round=1 if i == 5 else 0,
+                         revoked_at=1.0 if i == 6 else None))
+        s.flush()
+        for i in (0, 1, 2, 5, 6):  # initial models (DisPFL's round 0)
+            s.add(Update(federation="f", round=0, device=f"d{i}", digest="1" * 64, n_samples=1))
+    with sessions() as s:
+        fed = s.get(Federation, "f")
+        assert fed is not None
+        for t in (1, 2):
+            want = [d.id for d in Planner.active(s, fed, fm, t)]
+            assert Planner.count_active(s, fed, fm, t) == len(want)
+        expected = {1: 3, 2: 4} if fm.algorithm().sends_initial_model else {1: 6, 2: 7}
+        assert {t: Planner.count_active(s, fed, fm, t) for t in (1, 2)} == expected
+
+
+class _Machine:
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def step(self, fed_id: str) -> None:
+        self.steps += 1
+        time.sleep(0.002)  # a readiness check's worth of work
+
+
+def test_worker_coalesces_a_burst_of_wakeups() -> None:
+    """2,000 kicks from 4 threads (enrolments arriving together) make a handful of ticks, and a kick after the
+    burst still makes one: nothing waits for the next periodic tick."""
+    store = SimpleNamespace(read=lambda: _Ids())
+    m = _Machine()
+    w = RoundWorker(store, m, SimpleNamespace(recover=lambda: None), tick_s=60.0,  # type: ignore[arg-type]
+                    coalesce_s=0.05)
+    w.start()
+    try:
+        def burst() -> None:
+            for _ in range(500):
+                w.kick()
+                time.sleep(0.0002)
+
+        ts = [threading.Thread(target=burst) for _ in range(4)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        time.sleep(0.3)
+        after_burst = w.ticks
+        assert w.kicks == 2000 or w.kicks > 1900  # a statistic: increments may race
+        assert 1 <= after_burst <= 40, after_burst
+        w.kick()
+        deadline = time.monotonic() + 2
+        while w.ticks == after_burst and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert w.ticks == after_burst + 1
+    finally:
+        w.stop()
+
+
+class _Ids:
+    def __enter__(self) -> _Ids:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def scalars(self, _q: object) -> list[str]:
+        return ["f"]
+
+
+async def _chunks(parts: list[bytes]) -> AsyncIterator[bytes]:
+    for p in parts:
+        yield p
+
+
+def test_spool_body_writes_and_hashes_as_it_arrives(tmp_path: Path) -> None:
+    parts = [bytes([i]) * 70_000 for i in range(5)]
+    body = asyncio.run(spool_body(_chunks(parts), 1 << 20, tmp_path))
+    whole = b"".join(parts)
+    assert body.size == len(whole) and body.sha256 == hashlib.sha256(whole).hexdigest()
+    assert body.path.parent == tmp_path and body.read() == whole
+    body.discard()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_spool_body_refuses_over_the_limit_and_leaves_nothing(tmp_path: Path) -> None:
+    with pytest.raises(TooLarge):  # no Content-Length: found while streaming
+        asyncio.run(spool_body(_chunks([b"x" * 600, b"x" * 600]), 1000, tmp_path))
+    with pytest.raises(TooLarge):  # a declared length over the limit: refused before reading
+        asyncio.run(spool_body(_chunks([]), 1000, tmp_path, declared="1001"))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_decode_pool_checks_in_another_process(tmp_path: Path) -> None:
+    """A good payload's round comes back from a worker process; a refusal comes back as the CodecError the
+    caller turns into a 422 (the file is passed by its path, never its bytes)."""
+    fm = fed_model(dict(FEDPER))
+    good = tmp_path / "good"
+    good.write_bytes(encode(fm.init_state(), model_id=fm.model_id, round=3))
+    bad = tmp_path / "bad"
+    bad.write_bytes(good.read_bytes()[:-10])
+    pool = DecodePool(1)
+    pool.start()
+    try:
+        kw: dict[str, Any] = dict(expected=fm.shapes, model_id=fm.model_id, max_bytes=1 << 26, allow_missing=True)
+        assert pool.check(good, **kw) == 3
+        with pytest.raises(CodecError):
+            pool.check(bad, **kw)
+        with pytest.raises(CodecError, match="model"):
+            pool.check(good, **{**kw, "model_id": "another/model"})
+    finally:
+        pool.stop()
+
+
+def test_healthz_answers_with_the_request_thread_pool_full() -> None:
+    """Every thread of the request pool busy (uploads, updates): /healthz still answers, and says the database
+    is up. A plain ``def`` route would wait for a thread."""
+    app = FastAPI()
+    app.include_router(health.router)
+    app.state.pfl = SimpleNamespace(engine=create_engine("sqlite://"), link=SimpleNamespace(connected=True))
+
+    got: list[httpx.Response] = []
+    release = threading.Event()
+
+    async def hold() -> None:
+        await anyio.to_thread.run_sync(release.wait)
+
+    async def main() -> None:
+        limiter = anyio.to_thread.current_default_thread_limiter()
+        limiter.total_tokens = 1
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(hold)
+            await anyio.sleep(0.05)
+            assert limiter.borrowed_tokens == 1
+            try:
+                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                    with anyio.fail_after(5):
+                        got.append(await c.get("/healthz"))
+            finally:
+                release.set()
+
+    anyio.run(main)
+    r = got[0]
+    assert r.status_code == 200 and r.json()["database"] is True and r.json()["status"] == "ok"
