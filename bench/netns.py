@@ -117,12 +117,28 @@ class Netns:
     def heal(self, i: int) -> None:
         _ip("-n", self.server_ns, "link", "set", self._srv_if(i), "up")
 
+    def blackhole(self, i: int) -> None:
+        """Device i cut off silently: its link stays up but drops every packet both ways (a token bucket whose
+        burst, 10 B, no packet fits in; this kernel has no netem and no drop action). Connections stall and
+        retransmit, as across a real silent partition; ``restore`` ends it."""
+        self._tbf(i, ["rate", "8bit", "burst", "10", "limit", "1"])
+
+    def restore(self, i: int) -> None:
+        """Device i's link back to its normal rate (or no limit)."""
+        if self.rate is not None:
+            self.set_rate(i, self.rate)
+            return
+        for ns, dev in ((self.server_ns, self._srv_if(i)), (self.device_ns(i), self._dev_if(i))):
+            subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], capture_output=True, timeout=30)
+
+    def _tbf(self, i: int, args: list[str]) -> None:
+        for ns, dev in ((self.server_ns, self._srv_if(i)), (self.device_ns(i), self._dev_if(i))):
+            subprocess.run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", *args],
+                           capture_output=True, text=True, check=True, timeout=30)
+
     def set_rate(self, i: int, rate: str) -> None:
         """Device i's link limited to ``rate`` both ways (token bucket; ``tc qdisc replace``)."""
-        for ns, dev in ((self.server_ns, self._srv_if(i)), (self.device_ns(i), self._dev_if(i))):
-            subprocess.run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
-                            "burst", "64kb", "latency", "500ms"], capture_output=True, text=True, check=True,
-                           timeout=30)
+        self._tbf(i, ["rate", rate, "burst", "64kb", "latency", "500ms"])
 
     # ------------------------------------------------------------------------------------------------ cleanup
     def close(self) -> None:

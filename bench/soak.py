@@ -11,6 +11,7 @@ Faults (random, mean gap ``--fault-every``; or a fixed ``schedule``): ``device_k
 same state dir 0.5-5 s later), ``server_kill`` (SIGKILL, restarted on the same data dir; with the embedded
 broker this is also a broker kill), ``broker_kill`` (SIGKILL of Mosquitto, no persistence: its sessions and
 retained messages are gone), ``partition`` (one device's link, or every link, down for ``--partition-s``),
+``blackhole`` (the same, silent: links up, every packet dropped),
 ``throttle`` (one device's link at ``--throttle-rate`` for 30 s). Afterwards everything is healed, the
 federations run ``settle_rounds`` more rounds, devices get SIGTERM, the server stops, and the check runs.
 
@@ -36,7 +37,7 @@ from soak_procs import Procs
 
 __all__ = ["SoakConfig", "main", "run_soak"]
 
-KINDS = ("device_kill", "server_kill", "broker_kill", "partition", "throttle")
+KINDS = ("device_kill", "server_kill", "broker_kill", "partition", "blackhole", "throttle")
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ class Soak:
     faults: Counter[str] = field(default_factory=Counter)
     later: list[tuple[float, str, Callable[[], None]]] = field(default_factory=list)  # restarts, heals
     partitioned: set[int] = field(default_factory=set)
+    silent: bool = False  # the partition in force is a blackhole (link up, every packet dropped)
     down: set[str] = field(default_factory=set)  # "server", "broker", "device:<k>"
 
     def note(self, kind: str, **what: Any) -> None:
@@ -117,21 +119,22 @@ class Soak:
             p.kill_broker()
             self.down.add("broker")
             self.after(rng.uniform(0.5, 5.0), "broker", self._restart_broker)
-        elif kind == "partition":
+        elif kind in ("partition", "blackhole"):
             if self.partitioned:
                 return
             links = list(range(len(p.devices))) if rng.random() < 0.3 else [rng.randrange(len(p.devices))]
             for g in links:
-                p.net.partition(g)
+                (p.net.partition if kind == "partition" else p.net.blackhole)(g)
             self.partitioned.update(links)
+            self.silent = kind == "blackhole"
             target = [p.devices[g].state.name for g in links]
             self.after(self.cfg.partition_s, "heal", self._heal)
-            kind = f"partition_{'all' if len(links) > 1 else 'one'}"
+            kind = f"{kind}_{'all' if len(links) > 1 else 'one'}"
         elif kind == "throttle":
             g = rng.randrange(len(p.devices))
             target = p.devices[g].state.name
             p.net.set_rate(g, self.cfg.throttle_rate)
-            self.after(self.cfg.throttle_s, "unthrottle", lambda: p.net.set_rate(g, self.cfg.rate))
+            self.after(self.cfg.throttle_s, "unthrottle", lambda: self._unthrottle(g))
         self.faults[kind] += 1
         self.note(kind, target=target)
 
@@ -148,9 +151,15 @@ class Soak:
         self.down.discard("broker")
 
     def _heal(self) -> None:
+        if self.partitioned:
+            self.note("heal", target=sorted(self.procs.devices[g].state.name for g in self.partitioned))
         for g in self.partitioned:
-            self.procs.net.heal(g)
+            (self.procs.net.restore if self.silent else self.procs.net.heal)(g)
         self.partitioned.clear()
+
+    def _unthrottle(self, g: int) -> None:
+        if not (self.silent and g in self.partitioned):  # a blackhole's end restores the rate itself
+            self.procs.net.set_rate(g, self.cfg.rate)
 
     def tick(self) -> None:
         """Run what is due; restart whatever died on its own (counted: a finding, not a fault)."""
