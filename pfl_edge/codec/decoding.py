@@ -26,12 +26,7 @@ def decode(
     """The tensors in ``payload``, after checking it whole. ``expected`` (name -> shape) is what may arrive: any
     other name or shape is refused, and so is a missing one unless ``allow_missing``; ``model_id`` must match when
     given. ``max_bytes`` bounds the payload and the dense float32 size of what it decodes to."""
-    if not isinstance(payload, bytes | bytearray | memoryview):
-        raise CodecError(f"payload must be bytes, got {type(payload).__name__}")
-    try:
-        buf = memoryview(payload).cast("B")
-    except (TypeError, ValueError) as exc:  # e.g. a non-contiguous memoryview
-        raise CodecError(f"payload is not a contiguous byte buffer ({exc})") from None
+    buf = _bytes(payload)
     size = buf.nbytes
     if size > max_bytes:
         raise CodecError(f"payload of {size} bytes is over the limit of {max_bytes} bytes")
@@ -77,6 +72,15 @@ def decode(
         tensors[e.name] = torch.from_numpy(dense).reshape(e.shape)
         masks[e.name] = torch.from_numpy(bits).reshape(e.shape)
     return Decoded(tensors=tensors, masks=masks, model_id=header.model, round=header.round)
+
+
+def _bytes(payload: object) -> memoryview:
+    if not isinstance(payload, bytes | bytearray | memoryview):
+        raise CodecError(f"payload must be bytes, got {type(payload).__name__}")
+    try:
+        return memoryview(payload).cast("B")
+    except (TypeError, ValueError) as exc:  # e.g. a non-contiguous memoryview
+        raise CodecError(f"payload is not a contiguous byte buffer ({exc})") from None
 
 
 def _check_expected(entries: list[_Entry], expected: Mapping[str, Sequence[int]] | None, allow_missing: bool) -> None:
