@@ -266,6 +266,7 @@ BOUNDS: dict[str, int | float] = {
     "seed": 2**63 - 1, "lr": 1e6, "momentum": 1.0, "weight_decay": 1e6, "clip_norm": 1e12,
 }
 _MAX_TEXT = 4_096  # characters of a name, spec or path
+MAX_NEIGHBOURS = 1_000  # in-neighbours of a client in one round (DisPFL's paper uses 10)
 
 
 def _check_bounds(cfg: FederationConfig) -> None:
@@ -284,6 +285,12 @@ def _check_bounds(cfg: FederationConfig) -> None:
     for name in ("lr_decay", "alpha0", "participation", "density"):
         if not math.isfinite(getattr(cfg, name)):
             raise ConfigError(f"{name} must be finite, got {getattr(cfg, name)}")
+    if cfg.algorithm in DECENTRAL:  # every round lists clients x degree edges, and each device fetches its degree
+        name, _, arg = cfg.topology_spec.partition(":")
+        degree = cfg.clients - 1 if name == "full" else int(arg) if arg.isdigit() and len(arg) < 12 else 0
+        if degree > MAX_NEIGHBOURS:
+            raise ConfigError(f"topology {cfg.topology_spec!r:.40} gives each of {cfg.clients:,} clients {degree:,} "
+                              f"neighbours; at most {MAX_NEIGHBOURS:,} (random:K with a smaller K)")
 
 
 def _check_types(cfg: FederationConfig) -> None:

@@ -167,6 +167,7 @@ def test_a_bug_is_a_json_500_without_a_traceback(tmp_path: Path, broker_url: str
     ({"config": {**FEDPER, "model": "m" * 5000}}, "a string of 5000 characters; at most 4096"),
     ({"config": {**FEDPER, "x" * 100: 1}}, "is not a name"),
     ({"config": {**FEDPER, "a": [[[[[1]]]]]}}, "nested more than 4"),
+    ({"config": {**DISPFL, "clients": 5000, "topology": "full"}}, "4,999 neighbours; at most 1,000"),
     ({"deadline_s": 1e308}, "deadline_s"),
     ({"deadline_s": MAX_DEADLINE_S + 1}, "deadline_s"),
     ({"min_devices": 4}, "more than the config's clients (3)"),
@@ -183,6 +184,15 @@ def test_absurd_federations_are_refused_at_once(client: TestClient, change: dict
     finally:
         tracemalloc.stop()
     assert time.perf_counter() - t0 < 5.0 and peak < 64 << 20, (time.perf_counter() - t0, peak)
+
+
+def test_the_simulators_config_has_the_same_bounds() -> None:
+    from pfl_edge.errors import ConfigError
+    from pfl_edge.federation import SimConfig
+
+    for change in ({"clients": 10**9}, {"rounds": 10**308}, {"batch_size": 2**40}, {"test_per_client": 10**10}):
+        with pytest.raises(ConfigError, match="must be at most"):
+            SimConfig(**change)
 
 
 # ------------------------------------------------------------------------------------------------- metrics
