@@ -14,11 +14,11 @@ from pfl_edge.codec import DEFAULT_MAX_BYTES, Decoded, decode, encode
 from pfl_edge.errors import CodecError
 from pfl_edge.split import take
 
-from ..blobs import BlobError, BlobStore, BlobTooLarge, sha256_hex
+from ..blobs import BlobError, BlobStore, BlobTooLarge, DirBlobStore, sha256_hex
 from ..db import SERVER, Blob, BlobRef, Device, Update
 from ..errors import Forbidden, NotFound, TooLarge, TooManyRequests, Unprocessable
 from ..fedmodel import FedModel
-from .spool import DecodePool, Spooled
+from .spool import DecodePool, Spooled, check_update
 from .store import Store
 
 __all__ = ["BlobAccess"]
@@ -160,6 +160,23 @@ class BlobAccess:
         return decode(self.blobs.get(digest), expected=fm.shapes if expected is None else expected,
                       model_id=fm.model_id, max_bytes=max(DEFAULT_MAX_BYTES, self.store.decode_limit(fm)),
                       allow_missing=expected is None)
+
+    def check_update(self, digest: str, fm: FedModel, expected: dict[str, tuple[int, ...]],
+                     start: str | None) -> tuple[int, float | None]:
+        """``load(digest, fm, expected)``'s check (CodecError if refused) and the update's norm from the model
+        ``start`` (None: no norm), run in the decode pool: (the payload's round, its norm)."""
+        limit = max(DEFAULT_MAX_BYTES, self.store.decode_limit(fm))
+        begin = None if start is None else (start, self._source(start), fm.shapes)
+        return self.decoder.call(check_update, self._source(digest), expected=expected, model_id=fm.model_id,
+                                 max_bytes=limit, start=begin)
+
+    def _source(self, digest: str) -> Path | bytes:
+        """A stored blob as the decode pool takes it: its file where the store is a directory, else its bytes."""
+        if isinstance(self.blobs, DirBlobStore):
+            path = self.blobs._path(digest)
+            if path.is_file():
+                return path
+        return self.blobs.get(digest)
 
     def base_for(self, fed_id: str, fm: FedModel, whole: str, kp: int) -> str:
         """Digest of the base part (for a device with ``kp``) of the whole model ``whole``; what a device receives

@@ -12,16 +12,18 @@ import multiprocessing
 import os
 import tempfile
 import threading
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pfl_edge.codec import decode
 
 from ..errors import TooLarge
 
-__all__ = ["DecodePool", "Spooled", "check_payload", "spool_body"]
+__all__ = ["DecodePool", "Spooled", "check_payload", "check_update", "spool_body"]
+
+T = TypeVar("T")
 
 _NICE = 5  # decode workers yield the CPU to the server's event loop and request threads
 
@@ -76,6 +78,31 @@ def check_payload(source: Path | bytes, expected: Mapping[str, Sequence[int]], m
     return decode(data, expected=expected, model_id=model_id, max_bytes=max_bytes, allow_missing=allow_missing).round
 
 
+_STARTS: dict[str, Mapping[str, Any]] = {}  # in a worker: the last few rounds' start models, decoded
+
+
+def check_update(source: Path | bytes, expected: Mapping[str, Sequence[int]], model_id: str, max_bytes: int,
+                 start: tuple[str, Path | bytes, Mapping[str, Sequence[int]]] | None) -> tuple[int, float | None]:
+    """An update's payload decoded whole against exactly ``expected`` (CodecError if refused): the round in its
+    header, and its norm from the round's start model ``start`` = (digest, its source, the model's shapes), which
+    each process decodes once per round (None without one)."""
+    from pfl_edge.aggregate import update_norm
+
+    data = source.read_bytes() if isinstance(source, Path) else source
+    d = decode(data, expected=expected, model_id=model_id, max_bytes=max_bytes)
+    if start is None:
+        return d.round, None
+    digest, src, shapes = start
+    prev = _STARTS.get(digest)
+    if prev is None:
+        raw = src.read_bytes() if isinstance(src, Path) else src
+        prev = decode(raw, expected=shapes, model_id=model_id, max_bytes=max_bytes, allow_missing=True).tensors
+        while len(_STARTS) >= 4:
+            _STARTS.pop(next(iter(_STARTS)))
+        _STARTS[digest] = prev
+    return d.round, update_norm(prev, d.tensors)
+
+
 def _worker_init() -> None:
     with contextlib.suppress(OSError):  # not allowed here: run at the same priority
         os.nice(_NICE)
@@ -113,15 +140,19 @@ class DecodePool:
     def check(self, source: Path | bytes, **kw: Any) -> int:
         """:func:`check_payload` in the pool (a file is passed by its path, not its bytes); blocks the calling
         thread, never the event loop."""
+        return self.call(check_payload, source, **kw)
+
+    def call(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+        """``fn(*args, **kw)`` in the pool (here without one); ``fn`` must be a module-level function."""
         pool = self._pool
         if pool is None:
-            return check_payload(source, **kw)
+            return fn(*args, **kw)
         try:
-            return pool.submit(check_payload, source, **kw).result()
+            return pool.submit(fn, *args, **kw).result()
         except concurrent.futures.process.BrokenProcessPool:  # a worker died (OOM kill): a fresh pool next time
             with self._lock:
                 if self._pool is pool:
                     self._pool = None
             pool.shutdown(wait=False)
             self.start()
-            return check_payload(source, **kw)
+            return fn(*args, **kw)

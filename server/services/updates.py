@@ -17,9 +17,8 @@ from collections.abc import Callable
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
-from torch import Tensor
 
-from pfl_edge.aggregate import AggregationRule, update_norm
+from pfl_edge.aggregate import AggregationRule
 from pfl_edge.errors import CodecError
 from pfl_edge.federation import deal
 from pfl_edge.protocol import AggregationSettings, UpdateAccepted, UpdateRequest
@@ -71,8 +70,6 @@ class Updates:
         self.store = store
         self.blobs = blobs
         self.on_accepted = on_accepted  # wakes the round worker: the update may close the round
-        self._starts: dict[str, dict[str, Tensor]] = {}  # the last few rounds' start models, decoded
-        self._starts_lock = threading.Lock()
 
     def submit(self, dev: Device, t: int, req: UpdateRequest) -> UpdateAccepted:
         with self.store.read() as s:
@@ -108,25 +105,14 @@ class Updates:
     def _check_payload(self, fm: FedModel, dev: Device, t: int, digest: str, start: str | None) -> float | None:
         """The blob must be exactly what this device may send this round; its norm from the round's ``start``
         model (None without one), for the round's norm bound."""
-        try:
-            d = self.blobs.load(digest, fm, fm.expected(dev.kp))
+        try:  # decoded and measured in the decode processes (each keeps the round's start model decoded)
+            rnd, norm = self.blobs.check_update(digest, fm, fm.expected(dev.kp), start)
         except CodecError as e:
             what = "its sparse model" if fm.decentral else f"exactly its base part (kp={dev.kp})"
             raise Unprocessable(f"update refused: a {fm.cfg.algorithm} device sends {what}: {e}") from None
-        if d.round != t:
-            raise Unprocessable(f"the payload's header is for round {d.round}, the update is posted for round {t}")
-        return None if start is None else update_norm(self._start(fm, start), d.tensors)
-
-    def _start(self, fm: FedModel, digest: str) -> dict[str, Tensor]:
-        with self._starts_lock:
-            hit = self._starts.get(digest)
-        if hit is None:
-            hit = self.blobs.load(digest, fm).tensors
-            with self._starts_lock:
-                while len(self._starts) >= 4:
-                    self._starts.pop(next(iter(self._starts)))
-                self._starts[digest] = hit
-        return hit
+        if rnd != t:
+            raise Unprocessable(f"the payload's header is for round {rnd}, the update is posted for round {t}")
+        return norm
 
     @staticmethod
     def _previous(s: Session, fed_id: str, t: int, dev_id: str) -> Update | None:

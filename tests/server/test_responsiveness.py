@@ -20,6 +20,7 @@ from fastapi import FastAPI
 from server_testkit import DISPFL, FEDPER
 from sqlalchemy import create_engine
 
+from pfl_edge.aggregate import update_norm
 from pfl_edge.codec import encode
 from pfl_edge.errors import CodecError
 from server.db import Device, Federation, Update, make_engine, make_sessionmaker
@@ -27,7 +28,7 @@ from server.errors import TooLarge
 from server.fedmodel import fed_model
 from server.routers import health
 from server.services.planning import Planner
-from server.services.spool import DecodePool, spool_body
+from server.services.spool import DecodePool, check_update, spool_body
 from server.services.worker import RoundWorker
 
 
@@ -151,6 +152,21 @@ def test_decode_pool_checks_in_another_process(tmp_path: Path) -> None:
             pool.check(bad, **kw)
         with pytest.raises(CodecError, match="model"):
             pool.check(good, **{**kw, "model_id": "another/model"})
+        # an update: decoded against exactly its tensors, its norm from the round's start model as the
+        # aggregation computes it (the start decoded once in the worker, then kept)
+        keys = fm.base_keys(2)
+        state = {k: v + 0.5 for k, v in fm.init_state().items() if k in keys}
+        upd = tmp_path / "upd"
+        upd.write_bytes(encode(state, model_id=fm.model_id, round=3))
+        start = ("s" * 64, good, fm.shapes)
+        want = update_norm(fm.init_state(), state)
+        for _ in range(2):
+            rnd, norm = pool.call(check_update, upd, expected=fm.expected(2), model_id=fm.model_id,
+                                  max_bytes=1 << 26, start=start)
+            assert rnd == 3 and norm == pytest.approx(want, rel=1e-12)
+        with pytest.raises(CodecError):  # the whole model where only the base may come
+            pool.call(check_update, good, expected=fm.expected(2), model_id=fm.model_id, max_bytes=1 << 26,
+                      start=start)
     finally:
         pool.stop()
 
