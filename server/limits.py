@@ -4,8 +4,9 @@
   body by its route's limit (:data:`BODY_LIMITS`; 413), by ``Content-Length`` at once and while streaming for a
   chunked body; a JSON body must be standard JSON (422): no ``NaN``/``Infinity`` (Python's ``json`` accepts them,
   then answering would fail), no number that is not finite as a float (``1e400``), no integer of more than
-  :data:`MAX_INT_DIGITS` digits, no nesting deeper than Python's parser takes. The blob PUT streams under its own
-  ``max_blob_bytes`` limit (``server.routers.blobs``) and is only passed through here.
+  :data:`MAX_INT_DIGITS` digits, no nesting deeper than Python's parser takes; and it must arrive within
+  :data:`BODY_TIMEOUT_S` (408), so a body trickling in byte by byte does not hold a connection for ever. The
+  blob PUT streams under its own ``max_blob_bytes`` limit (``server.routers.blobs``) and is passed through here.
 - :func:`install` registers it with the exception handlers: a request that fails validation is answered 422 with
   each error's location, message and type, truncated, never its input (a 422 used to echo the whole body); an
   unexpected error is a JSON 500 without a traceback (the log has it).
@@ -23,6 +24,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from http import HTTPStatus
 from typing import Any
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -48,6 +50,7 @@ BODY_LIMITS: tuple[tuple[str, re.Pattern[str], int | None], ...] = (
 )
 MAX_HEADERS = 64
 MAX_HEADER_BYTES = 16 << 10
+BODY_TIMEOUT_S = 30.0  # a JSON body trickling in slower than this holds its connection no longer
 MAX_INT_DIGITS = 40  # beyond any count, seed or id; Python itself refuses 4,300 only after the work
 _MAX_ERRORS = 16  # validation errors listed in a 422
 _MAX_TEXT = 200  # characters of one error's message or location part
@@ -99,10 +102,11 @@ class InputLimits:
     """Bounds on a request's headers and body, checked before the app sees them (see the module)."""
 
     def __init__(self, app: ASGIApp, limits: tuple[tuple[str, re.Pattern[str], int | None], ...] = BODY_LIMITS,
-                 default: int = JSON_BODY_LIMIT) -> None:
+                 default: int = JSON_BODY_LIMIT, body_timeout_s: float = BODY_TIMEOUT_S) -> None:
         self.app = app
         self.limits = limits
         self.default = default
+        self.body_timeout_s = body_timeout_s
 
     def limit_for(self, method: str, path: str) -> int | None:
         for m, pattern, limit in self.limits:
@@ -132,7 +136,13 @@ class InputLimits:
             await self._refuse(send, HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
                                f"request body of {int(declared)} bytes is over this route's limit of {limit} bytes")
             return
-        body = await self._read(receive, limit)
+        try:
+            with anyio.fail_after(self.body_timeout_s):
+                body = await self._read(receive, limit)
+        except TimeoutError:
+            await self._refuse(send, HTTPStatus.REQUEST_TIMEOUT,
+                               f"request body not complete within {self.body_timeout_s:g} s")
+            return
         if body is None:
             await self._refuse(send, HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
                                f"request body is over this route's limit of {limit} bytes")

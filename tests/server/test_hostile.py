@@ -80,6 +80,29 @@ def test_an_oversized_body_is_refused_before_parsing_without_a_token(client: Tes
             "Content-Length")
 
 
+def test_a_body_trickling_in_is_cut_off() -> None:
+    import anyio
+
+    from server.limits import InputLimits
+
+    sent: list[dict[str, Any]] = []
+
+    async def app(_scope: Any, _receive: Any, _send: Any) -> None:
+        raise AssertionError("the app must not see a body that never completes")
+
+    async def receive() -> dict[str, Any]:
+        await anyio.sleep(0.05)  # a byte every 50 ms, for ever
+        return {"type": "http.request", "body": b" ", "more_body": True}
+
+    async def send(message: Any) -> None:
+        sent.append(dict(message))
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/devices", "headers": []}
+    t0 = time.perf_counter()
+    anyio.run(InputLimits(app, body_timeout_s=0.3), scope, receive, send)
+    assert time.perf_counter() - t0 < 2 and sent[0]["status"] == 408 and b"0.3 s" in sent[1]["body"]
+
+
 def test_too_many_headers_are_refused(client: TestClient) -> None:
     headers = {f"x-h{i}": "v" for i in range(MAX_HEADERS + 1)}
     refused(client, lambda: client.get("/healthz", headers=headers), 431, "headers")
@@ -190,7 +213,9 @@ def test_the_simulators_config_has_the_same_bounds() -> None:
     from pfl_edge.errors import ConfigError
     from pfl_edge.federation import SimConfig
 
-    for change in ({"clients": 10**9}, {"rounds": 10**308}, {"batch_size": 2**40}, {"test_per_client": 10**10}):
+    changes: list[dict[str, Any]] = [{"clients": 10**9}, {"rounds": 10**308}, {"batch_size": 2**40},
+                                     {"test_per_client": 10**10}]
+    for change in changes:
         with pytest.raises(ConfigError, match="must be at most"):
             SimConfig(**change)
 
