@@ -58,6 +58,11 @@ class Netns:
     host_link: str = ""
 
     @property
+    def host_ip(self) -> str:
+        """The caller's end of the management link, as the server's namespace reaches it."""
+        return "10.231.0.1"
+
+    @property
     def server_ns(self) -> str:
         return f"{self.prefix}-srv"
 

@@ -46,6 +46,7 @@ class SoakConfig:
     devices: int = 3  # per federation
     algorithms: tuple[str, ...] = ("fedper", "dispfl")
     broker: str = "mosquitto"  # or "embedded" (inside the server: killed with it)
+    database: str = "sqlite"  # or "postgresql" (the host's, on 127.0.0.1:5432, a fresh schema of database test)
     seed: int = 0
     latency_ms: float = 200.0  # added each way by the proxy
     cut: float = 0.05  # fraction of proxied connections reset mid-transfer
@@ -243,7 +244,10 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
     finally:
         procs.close()
         net.close()
-    ledger = check(procs.database_url, procs.blob_dir, procs.state_dirs())
+    try:
+        ledger = check(procs.database_url, procs.blob_dir, procs.state_dirs())
+    finally:
+        procs.drop_database()
     report = _report(cfg, soak, settle, proxy, ledger, time.monotonic() - t_start)
     out = Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -270,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--devices", type=int, default=d.devices, help="per federation")
     p.add_argument("--algorithms", default=",".join(d.algorithms))
     p.add_argument("--broker", choices=["mosquitto", "embedded"], default=d.broker)
+    p.add_argument("--database", choices=["sqlite", "postgresql"], default=d.database)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--latency-ms", type=float, default=d.latency_ms)
     p.add_argument("--cut", type=float, default=d.cut)
@@ -288,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     schedule = tuple((float(t), k) for t, k in (x.split(":") for x in a.schedule.split(",") if x))
     cfg = replace(d, minutes=a.minutes, devices=a.devices, algorithms=tuple(a.algorithms.split(",")),
-                  broker=a.broker, seed=a.seed, latency_ms=a.latency_ms, cut=a.cut, rate=a.rate,
+                  broker=a.broker, database=a.database, seed=a.seed, latency_ms=a.latency_ms, cut=a.cut, rate=a.rate,
                   partition_s=a.partition_s, fault_every_s=a.fault_every, kinds=tuple(a.kinds.split(",")),
                   schedule=schedule, deadline_s=a.deadline_s, samples=a.samples, settle_rounds=a.settle_rounds,
                   settle_timeout_s=a.settle_timeout,

@@ -23,6 +23,7 @@ __all__ = ["BlobWitness", "DeviceSpec", "Procs"]
 
 REPO = Path(__file__).resolve().parent.parent
 SERVER_PORT, BROKER_PORT, HTTP_PROXY_PORT, MQTT_PROXY_PORT = 8080, 1883, 9080, 9883
+PG_PORT, PG_FORWARD_PORT = 5432, 15432  # the host's PostgreSQL; its forwarder on the management link
 MOSQUITTO = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
 
 
@@ -39,6 +40,8 @@ class _Cfg(Protocol):  # what of bench/soak.py's SoakConfig this module reads
     def devices(self) -> int: ...
     @property
     def deadline_s(self) -> float: ...
+    @property
+    def database(self) -> str: ...
 
     def fed_config(self, algorithm: str) -> dict[str, Any]: ...
 
@@ -109,14 +112,45 @@ class Procs:
         self.devices: list[DeviceSpec] = []
         self.secrets: dict[str, str] = {}
         self.witness = BlobWitness(self.data_dir / "blobs", self.root / "witness-blobs")
+        self.pg_schema = f"pflsoak_{secrets.token_hex(4)}" if cfg.database == "postgresql" else None
+        self.pg_forward: subprocess.Popen[bytes] | None = None
+        self._engine: Any = None
 
     @property
     def data_dir(self) -> Path:
         return self.root / "server"
 
+    def _pg_url(self, host: str, port: int) -> str:
+        return f"postgresql+psycopg://postgres@{host}:{port}/test?options=-csearch_path%3D{self.pg_schema}"
+
     @property
     def database_url(self) -> str:
+        """The server's database as this process reaches it."""
+        if self.pg_schema is not None:
+            return self._pg_url("127.0.0.1", PG_PORT)
         return f"sqlite:///{(self.data_dir / 'state.db').resolve()}"
+
+    def _start_postgresql(self) -> None:
+        """A fresh schema in the host's PostgreSQL (database ``test``), reached from the server's namespace
+        through a plain forwarder on the management link (PostgreSQL itself is left as it is)."""
+        import psycopg
+
+        with psycopg.connect(f"postgresql://postgres@127.0.0.1:{PG_PORT}/test", autocommit=True) as c:
+            c.execute(f'CREATE SCHEMA "{self.pg_schema}"')
+        with open(self.root / "pg-forward.log", "ab") as f:
+            self.pg_forward = subprocess.Popen([
+                sys.executable, str(REPO / "bench" / "fault_proxy.py"), "--route",
+                f"{self.net.host_ip}:{PG_FORWARD_PORT}=127.0.0.1:{PG_PORT}", "--latency-ms", "0", "--cut", "0"],
+                stdout=f, stderr=subprocess.STDOUT)
+
+    def drop_database(self) -> None:
+        """Drop the run's PostgreSQL schema (after the check)."""
+        if self.pg_schema is None:
+            return
+        import psycopg
+
+        with psycopg.connect(f"postgresql://postgres@127.0.0.1:{PG_PORT}/test", autocommit=True) as c:
+            c.execute(f'DROP SCHEMA IF EXISTS "{self.pg_schema}" CASCADE')
 
     @property
     def blob_dir(self) -> Path:
@@ -138,6 +172,8 @@ class Procs:
             shutil.rmtree(self.root)
         (self.root / "devices").mkdir(parents=True)
         self.data_dir.mkdir()
+        if self.pg_schema is not None:
+            self._start_postgresql()
         if self.cfg.broker == "embedded":
             (self.data_dir / "broker-port").write_text(str(BROKER_PORT))  # the port the proxy forwards to
         else:
@@ -164,9 +200,10 @@ class Procs:
         broker = "embedded" if self.cfg.broker == "embedded" else f"mqtt://127.0.0.1:{BROKER_PORT}"
         env = {"PFL_ADMIN_TOKEN": self.token, "PFL_PUBLIC_URL": f"http://{SERVICE_IP}:{HTTP_PROXY_PORT}",
                "PFL_PUBLIC_BROKER_URL": f"mqtt://{SERVICE_IP}:{MQTT_PROXY_PORT}"}
+        db = [] if self.pg_schema is None else ["--database-url", self._pg_url(self.net.host_ip, PG_FORWARD_PORT)]
         self.server = self._spawn(self.net.server_ns, [
             sys.executable, "-m", "pfl_edge", "server", "--host", "0.0.0.0", "--port", str(SERVER_PORT),
-            "--data-dir", str(self.data_dir), "--broker-url", broker], self.root / "server.log", env)
+            "--data-dir", str(self.data_dir), "--broker-url", broker, *db], self.root / "server.log", env)
         if not wait:
             return
         deadline = time.monotonic() + timeout_s
@@ -238,18 +275,20 @@ class Procs:
 
     def full_round_after(self, fed: str, t: int) -> int | None:
         """The first round after ``t`` that closed with an update of every device (None: none yet)."""
-        import sqlite3
+        from sqlalchemy import create_engine, text
+        from sqlalchemy.exc import SQLAlchemyError
 
-        con = sqlite3.connect(f"file:{self.data_dir / 'state.db'}?mode=ro", uri=True, timeout=5)
+        if self._engine is None:
+            self._engine = create_engine(self.database_url)
         try:
-            row = con.execute(
-                "SELECT r.round FROM pfl_rounds r WHERE r.federation = ? AND r.round > ? AND r.closed_at IS NOT NULL"
-                " AND (SELECT count(*) FROM pfl_updates u WHERE u.federation = r.federation AND u.round = r.round)"
-                " >= ? ORDER BY r.round LIMIT 1", (fed, t, self.cfg.devices)).fetchone()
-        except sqlite3.Error:
+            with self._engine.connect() as c:
+                row = c.execute(text(
+                    "SELECT r.round FROM pfl_rounds r WHERE r.federation = :f AND r.round > :t"
+                    " AND r.closed_at IS NOT NULL AND (SELECT count(*) FROM pfl_updates u"
+                    " WHERE u.federation = r.federation AND u.round = r.round) >= :n ORDER BY r.round LIMIT 1"),
+                    {"f": fed, "t": t, "n": self.cfg.devices}).first()
+        except SQLAlchemyError:
             return None
-        finally:
-            con.close()
         return None if row is None else int(row[0])
 
     def unexpected_exits(self, down: set[str]) -> list[tuple[str, int]]:
@@ -296,8 +335,10 @@ class Procs:
 
     def close(self) -> None:
         """Kill whatever still runs (only the processes started here)."""
-        for p in [*(d.proc for d in self.devices), self.server, self.proxy, self.broker]:
+        for p in [*(d.proc for d in self.devices), self.server, self.proxy, self.broker, self.pg_forward]:
             _kill(p)
+        if self._engine is not None:
+            self._engine.dispose()
         self.witness.stop()
         self.http.close()
 
