@@ -157,7 +157,8 @@ def _device_verdict(prog: Any, model_round: int, last: int | None, row: list[Any
 def _recompute(sessions: Any, blob_dir: Path, feds: dict[str, Any],
                rounds: dict[tuple[str, int], Any]) -> dict[str, Any]:
     """Each closed round with a server model: its published average against one recomputed, by the server's own
-    code, from the round's start model and its update rows (slot order)."""
+    code under the federation's aggregation rule, from the round's start model and its update rows (slot order;
+    the updates' norms recomputed from the blobs, not taken from the rows)."""
     import torch
     from sqlalchemy import select
 
@@ -168,6 +169,10 @@ def _recompute(sessions: Any, blob_dir: Path, feds: dict[str, Any],
     store = Store(sessions)
     access = BlobAccess(store, DirBlobStore(blob_dir))
     machine = RoundMachine(store, access, Planner(store, access), Publisher(store, None))
+    try:
+        from server.services.updates import aggregation_rule
+    except ImportError:  # a server without aggregation rules: the algorithm's plain average
+        aggregation_rule = None
     res: dict[str, Any] = {"checked": 0, "mismatched": 0, "unverifiable": 0, "max_abs_diff": 0.0, "errors": []}
     for (fed_id, t), r in sorted(rounds.items()):
         if r.closed_at is None or r.start_digest is None or r.base_digest is None:
@@ -178,7 +183,8 @@ def _recompute(sessions: Any, blob_dir: Path, feds: dict[str, Any],
                 select(Update, Device.kp).join(Device, Device.id == Update.device)
                 .where(Update.federation == fed_id, Update.round == t).order_by(Device.slot))]
         try:
-            new = machine.average(fm, r.start_digest, ups)
+            rule = () if aggregation_rule is None else (aggregation_rule(feds[fed_id]),)
+            new = machine.average(fm, r.start_digest, ups, *rule)
             pub = access.load(r.base_digest, fm).tensors
         except Exception as e:  # a blob collected, or the server's code moved on: say so, never guess
             res["unverifiable"] += 1
