@@ -323,6 +323,10 @@ class BrokerCore:
             self._send(sess.conn, w.publish(p))
 
     # ---------------------------------------------------------------------------------------------- control
+    def publish(self, p: w.Publish) -> None:
+        """A message from inside this process (benchmarks, tests), with every right: kept and routed."""
+        self._route(p)
+
     def kick(self, username: str) -> int:
         """Close every connection of ``username`` (no will) and forget its sessions; how many sessions."""
         gone = [s for s in self.sessions.values() if s.identity.username == username]
