@@ -14,8 +14,9 @@ that moment stores its file again: ``BlobAccess.put``). Rows of updates stay: th
 from __future__ import annotations
 
 import logging
+from typing import TypeVar
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import delete, select, tuple_
 from sqlalchemy.orm import Session
 
 from ..blobs import BlobStore
@@ -28,6 +29,8 @@ from .store import Store
 __all__ = ["BlobGC"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class BlobGC:
@@ -76,29 +79,39 @@ class BlobGC:
         return keep, since
 
     def collect(self, fed_id: str) -> int:
-        """Drop what federation ``fed_id`` no longer needs; the number of blobs deleted."""
+        """Drop what federation ``fed_id`` no longer needs; the number of blobs deleted. Bulk statements in chunks:
+        the store's write lock (every upload and update waits for it) is held for a few statements a chunk."""
         with self.store.read() as s:
             keep, since = self.keep(s, fed_id)
             fed = self.store.existing(s, fed_id)
             lo = max(0, fed.round - self.keep_rounds)
+            fresh = set(s.scalars(select(Blob.digest).where(Blob.created_at >= since)))
+            drop = [(d, u) for d, u in s.execute(select(BlobRef.digest, BlobRef.uploader)
+                                                 .where(BlobRef.federation == fed_id))
+                    if d not in keep and (u == SERVER or d not in fresh)]
+        if not drop:
+            return 0
         gone: list[str] = []
         with self.store.write():  # the write lock held until the files are gone (the inner write commits first)
             with self.store.write() as s:
+                # an update accepted since the read above names its digest: that one stays
                 used = set(s.scalars(select(Update.digest).where(Update.federation == fed_id, Update.round >= lo)))
-                fresh = set(s.scalars(select(Blob.digest).where(Blob.created_at >= since)))
-                refs = list(s.execute(select(BlobRef.digest, BlobRef.uploader).where(BlobRef.federation == fed_id)))
-                drop = [(d, u) for d, u in refs
-                        if d not in keep and d not in used and (u == SERVER or d not in fresh)]
-                for d, u in drop:
-                    s.execute(delete(BlobRef).where(BlobRef.digest == d, BlobRef.federation == fed_id,
-                                                    BlobRef.uploader == u))
-                s.flush()
-                for d in {d for d, _ in drop}:
-                    if not s.scalar(select(func.count()).select_from(BlobRef).where(BlobRef.digest == d)):
-                        s.execute(delete(Blob).where(Blob.digest == d))
-                        gone.append(d)
+                drop = [(d, u) for d, u in drop if d not in used]
+                for part in _chunks(drop):
+                    s.execute(delete(BlobRef).where(BlobRef.federation == fed_id,
+                                                    tuple_(BlobRef.digest, BlobRef.uploader).in_(part)))
+                for digests in _chunks(sorted({d for d, _ in drop})):
+                    held = set(s.scalars(select(BlobRef.digest).where(BlobRef.digest.in_(digests))))
+                    free = [d for d in digests if d not in held]
+                    if free:
+                        s.execute(delete(Blob).where(Blob.digest.in_(free)))
+                        gone.extend(free)
             for d in gone:
                 self.blobs.delete(d)
         if gone:
             log.info("federation %s: %d blobs collected", fed_id, len(gone))
         return len(gone)
+
+
+def _chunks(items: list[T], n: int = 500) -> list[list[T]]:
+    return [items[i:i + n] for i in range(0, len(items), n)]

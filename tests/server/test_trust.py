@@ -237,7 +237,8 @@ def test_gc_keeps_what_recovery_and_the_last_rounds_need(tmp_path: Path, broker_
         files, rows = _stored(c)
         assert files == rows  # no file without its row, no row without its file
         assert set(ups[2]) <= files  # the last K rounds' updates stay
-        keep, _ = coord(c).gc.keep(coord(c).store.read(), "g")
+        with coord(c).store.read() as ss:
+            keep, _ = coord(c).gc.keep(ss, "g")
         assert files <= keep | set(ups[2])
         init = devs[0].e["init_digest"]
     with TestClient(create_app(s)) as c:  # a restart: round 3 is recovered from what was kept
@@ -250,7 +251,8 @@ def test_gc_keeps_what_recovery_and_the_last_rounds_need(tmp_path: Path, broker_
         wait_for(lambda: fed_state(c, ADMIN, "g")[1] == "finished", what="finished")
         wait_for(lambda: not set(ups[2]) & _stored(c)[0], what="round 2's updates collected")
         files, rows = _stored(c)
-        keep, _ = coord(c).gc.keep(coord(c).store.read(), "g")
+        with coord(c).store.read() as ss:
+            keep, _ = coord(c).gc.keep(ss, "g")
         assert files == rows and files <= keep and init in files
         with coord(c).store.read() as ss:
             assert len(list(ss.scalars(select(Update)))) == 12  # the ledger outlives the bytes
