@@ -137,6 +137,8 @@ class EnrolGate:
         self._verified: dict[str, tuple[str, bytes]] = {}  # federation -> (its secret hash, HMAC of the secret)
         self._dummy: str | None = None
         self._lock = threading.Lock()
+        # made now, off the request path: the first unknown federation must not take twice a wrong secret's time
+        threading.Thread(target=self._dummy_hash, name="pfl-dummy-hash", daemon=True).start()
 
     def _mac(self, fed_id: str, secret: str) -> bytes:
         return hmac.new(self._key, f"{fed_id}\0{secret}".encode(), hashlib.sha256).digest()
