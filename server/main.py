@@ -7,6 +7,7 @@ import them from this module.
 from __future__ import annotations
 
 import argparse
+import os
 
 import uvicorn
 
@@ -19,7 +20,9 @@ __all__ = ["BackgroundServer", "SubprocessServer", "main", "serve", "start_backg
 
 def serve(settings: Settings | None = None, host: str = "127.0.0.1", port: int = 8000, *,
           log_level: str = "info") -> None:
-    """Run the server until SIGINT/SIGTERM, then shut down cleanly."""
+    """Run the server until SIGINT/SIGTERM, then shut down cleanly. Every file it writes (database, blobs, the
+    broker's port and password files) is private to its user (umask 077)."""
+    os.umask(0o077)
     settings = settings if settings is not None else load_settings()
     app = create_app(settings)
     uvicorn.Server(uvicorn_config(app, settings, host, port, log_level=log_level)).run()

@@ -8,12 +8,9 @@ from typing import Any
 
 
 def _cmd_server(args: argparse.Namespace) -> int:
-    import os
-
     from server.main import serve
     from server.settings import load_settings
 
-    os.umask(0o077)  # every file the server writes (database, blobs, the broker's port) private to its user
     overrides: dict[str, Any] = {}
     for key in ("data_dir", "broker_url", "database_url", "admin_token_file", "tls_cert", "tls_key"):
         if getattr(args, key) is not None:
