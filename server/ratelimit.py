@@ -130,13 +130,15 @@ class EnrolGate:
     token in both buckets (nothing spent): with an empty bucket every answer is 429, so a guess's answer never
     tells more than "wait"."""
 
-    def __init__(self, per_address: Buckets, per_federation: Buckets) -> None:
+    def __init__(self, per_address: Buckets, per_federation: Buckets, *, kdf_slots: int = 4) -> None:
         self.per_address = per_address
         self.per_federation = per_federation
         self._key = secrets.token_bytes(32)
         self._verified: dict[str, tuple[str, bytes]] = {}  # federation -> (its secret hash, HMAC of the secret)
         self._dummy: str | None = None
         self._lock = threading.Lock()
+        self._flights: dict[tuple[str, bytes], threading.Event] = {}  # (federation, HMAC) being verified now
+        self._kdf_slots = threading.BoundedSemaphore(kdf_slots)
         # made now, off the request path: the first unknown federation must not take twice a wrong secret's time
         threading.Thread(target=self._dummy_hash, name="pfl-dummy-hash", daemon=True).start()
 
@@ -158,15 +160,37 @@ class EnrolGate:
             raise TooManyRequests(f"too many enrolment attempts for federation {fed_id!r} or from this address; "
                                   f"retry in {wait:.0f} s", retry_after=wait)
         mac = self._mac(fed_id, secret)
-        hit = self._verified.get(fed_id)
-        if stored is not None and hit is not None and hit[0] == stored and hmac.compare_digest(hit[1], mac):
+        if self._hit(fed_id, stored, mac):
             return
+        with self._lock:  # the same secret already being verified (a fleet's first wave): wait for that one
+            flight = self._flights.get((fed_id, mac))
+            leader = flight is None
+            if flight is None:
+                flight = self._flights[fed_id, mac] = threading.Event()
+        if not leader:
+            flight.wait(30)
+            if self._hit(fed_id, stored, mac):
+                return
+        try:
+            self._verify(fed_id, secret, stored, mac, address)
+        finally:
+            if leader:
+                with self._lock:
+                    self._flights.pop((fed_id, mac), None)
+                flight.set()
+
+    def _hit(self, fed_id: str, stored: str | None, mac: bytes) -> bool:
+        hit = self._verified.get(fed_id)
+        return stored is not None and hit is not None and hit[0] == stored and hmac.compare_digest(hit[1], mac)
+
+    def _verify(self, fed_id: str, secret: str, stored: str | None, mac: bytes, address: str) -> None:
+        fkey = f"fed:{fed_id}"
         self.per_address.spend(address)
         self.per_federation.spend(fkey)
-        if stored is None:
-            verify_secret(secret, self._dummy_hash())  # the time a wrong secret takes
-            raise Forbidden(f"wrong enrol secret for federation {fed_id!r} (or no such federation)")
-        if not verify_secret(secret, stored):
+        with self._kdf_slots:  # scrypt holds 32 MiB while it runs: a few at a time
+            # an unknown federation costs what a wrong secret does
+            ok = verify_secret(secret, self._dummy_hash() if stored is None else stored)
+        if stored is None or not ok:
             raise Forbidden(f"wrong enrol secret for federation {fed_id!r} (or no such federation)")
         self.per_address.refund(address)
         self.per_federation.refund(fkey)

@@ -166,6 +166,32 @@ def test_enrol_gate_federation_bucket_cache_and_unknown_federation(monkeypatch: 
     gate.check("f", SECRET, stored, "10.2.0.3")
 
 
+def test_enrol_gate_verifies_a_fleets_first_wave_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from server.db import hash_secret
+
+    calls: list[str] = []
+    real = ratelimit.verify_secret
+    monkeypatch.setattr(ratelimit, "verify_secret", lambda sec, st: calls.append(sec) or real(sec, st))
+    gate = EnrolGate(Buckets(1.0, 2), Buckets(1.0, 2))  # a burst of 2: 8 concurrent scrypts would be refused
+    stored = hash_secret(SECRET)
+    errors: list[BaseException] = []
+
+    def enrol() -> None:
+        try:
+            gate.check("f", SECRET, stored, "10.0.0.1")
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=enrol) for _ in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    assert errors == [] and calls == [SECRET]  # one scrypt; the others waited for its answer
+
+
 def test_secrets_from_files_and_private_state(tmp_path: Path, broker_url: str,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     f = tmp_path / "admin-token"
