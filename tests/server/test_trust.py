@@ -77,33 +77,41 @@ def test_an_expired_token_is_refused(client: TestClient) -> None:
     assert client.post("/v1/devices/me/token", headers=a.h).status_code == 401  # too late to rotate
 
 
-def test_revocation_cuts_http_broker_and_rounds(client: TestClient) -> None:
+def test_revocation_cuts_http_broker_and_rounds(tmp_path: Path) -> None:
+    # the embedded broker: every device has its own broker password, which revocation forgets
+    with TestClient(create_app(_settings(tmp_path, "embedded"))) as client:
+        _revocation(client)
+
+
+def _revocation(client: TestClient) -> None:
     removed: list[str] = []
-
-    class Broker:
-        def remove_device(self, dev_id: str) -> None:
-            removed.append(dev_id)
-
-    coord(client).broker_access = Broker()
-    create(client, ADMIN, "f", {**FEDPER, "clients": 3}, min_devices=2)
+    access = coord(client).broker_access  # the real one (server.services.broker_access), watched
+    remove = access.remove_device
+    access.remove_device = lambda dev_id: (removed.append(dev_id), remove(dev_id))
+    create(client, ADMIN, "f", {**FEDPER, "clients": 4}, min_devices=3)
     body = {"federation": "f", "enrol_secret": SECRET, "profile": "phone-mid", "nonce": "ab" * 16}
     e = client.post("/v1/devices", json=body).json()
     h = bearer(e["token"])
+    other = Dev(client, "f")
     assert client.post(f"/v1/federations/f/devices/{e['device_id']}/revoke", headers=h).status_code == 401
     r = client.post(f"/v1/federations/f/devices/{e['device_id']}/revoke", headers=bearer(ADMIN))
     assert r.status_code == 200 and r.json()["device_id"] == e["device_id"]
     assert removed == [e["device_id"]]
+    with coord(client).store.read() as s:
+        assert s.get(Device, e["device_id"]).mqtt_hash is None  # its broker password is forgotten
+        assert s.get(Device, other.id).mqtt_hash is not None  # not another's
     got = client.get("/v1/federations/f/devices", headers=h)
     assert got.status_code == 401 and "revoked" in got.json()["detail"]
     r = client.post("/v1/devices", json=body)  # its nonce does not bring it back
     assert r.status_code == 403 and "revoked" in r.json()["detail"]
-    # round 1 opens once two live devices are enrolled; the revoked one is not among them
+    # round 1 opens once three live devices are enrolled; the revoked one is not among them
     b = Dev(client, "f")
     assert fed_state(client, ADMIN, "f") == (0, "open")
     Dev(client, "f")
     wait_for(lambda: fed_state(client, ADMIN, "f") == (1, "collecting"), what="round 1")
     tasks = coord(client).planner.tasks("f", 1)
-    assert e["device_id"] not in {d for d, _ in tasks} and b.id in {d for d, _ in tasks} and len(tasks) == 2
+    assert e["device_id"] not in {d for d, _ in tasks} and {b.id, other.id} <= {d for d, _ in tasks}
+    assert len(tasks) == 3
     assert client.post("/v1/federations/f/devices/dev-x/revoke", headers=bearer(ADMIN)).status_code == 404
 
 
