@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.needs_fmnist  # the soak's federations train on Fashion-MNIST
+
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench"
 
