@@ -87,7 +87,12 @@ def _revocation(client: TestClient) -> None:
     removed: list[str] = []
     access = coord(client).broker_access  # the real one (server.services.broker_access), watched
     remove = access.remove_device
-    access.remove_device = lambda dev_id: (removed.append(dev_id), remove(dev_id))
+
+    def watched(dev_id: str) -> None:
+        removed.append(dev_id)
+        remove(dev_id)
+
+    access.remove_device = watched
     create(client, ADMIN, "f", {**FEDPER, "clients": 4}, min_devices=3)
     body = {"federation": "f", "enrol_secret": SECRET, "profile": "phone-mid", "nonce": "ab" * 16}
     e = client.post("/v1/devices", json=body).json()
@@ -143,12 +148,23 @@ def test_enrolment_rate_limit_per_address(tmp_path: Path, broker_url: str) -> No
         assert c.post("/v1/devices", json=ok).status_code == 429
 
 
+def _count_verifications(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The secrets the gate verifies with scrypt, in order."""
+    calls: list[str] = []
+    real = ratelimit.verify_secret
+
+    def counted(secret: str, stored: str) -> bool:
+        calls.append(secret)
+        return real(secret, stored)
+
+    monkeypatch.setattr(ratelimit, "verify_secret", counted)
+    return calls
+
+
 def test_enrol_gate_federation_bucket_cache_and_unknown_federation(monkeypatch: pytest.MonkeyPatch) -> None:
     from server.db import hash_secret
 
-    calls: list[str] = []
-    real = ratelimit.verify_secret
-    monkeypatch.setattr(ratelimit, "verify_secret", lambda sec, st: calls.append(sec) or real(sec, st))
+    calls = _count_verifications(monkeypatch)
     t = [0.0]
     gate = EnrolGate(Buckets(100.0, 100, clock=lambda: t[0]), Buckets(1.0, 2, clock=lambda: t[0]))
     stored = hash_secret(SECRET)
@@ -156,7 +172,7 @@ def test_enrol_gate_federation_bucket_cache_and_unknown_federation(monkeypatch: 
     gate.check("f", SECRET, stored, "10.0.0.2")
     gate.check("f", SECRET, stored, "10.0.0.3")
     assert calls == [SECRET]  # the right secret again: one HMAC, no scrypt
-    times = []
+    times: list[float] = []
     for fed, st in (("f", stored), ("nope", None)):  # wrong secret, unknown federation: the same refusal
         t0 = time.perf_counter()
         with pytest.raises(Forbidden) as e:
@@ -179,9 +195,7 @@ def test_enrol_gate_verifies_a_fleets_first_wave_once(monkeypatch: pytest.Monkey
 
     from server.db import hash_secret
 
-    calls: list[str] = []
-    real = ratelimit.verify_secret
-    monkeypatch.setattr(ratelimit, "verify_secret", lambda sec, st: calls.append(sec) or real(sec, st))
+    calls = _count_verifications(monkeypatch)
     gate = EnrolGate(Buckets(1.0, 2), Buckets(1.0, 2))  # a burst of 2: 8 concurrent scrypts would be refused
     stored = hash_secret(SECRET)
     errors: list[BaseException] = []
@@ -248,6 +262,10 @@ def _round(c: TestClient, devs: list[Dev], t: int) -> list[str]:
     return out
 
 
+def _wait_round(c: TestClient, t: int) -> None:
+    wait_for(lambda: fed_state(c, ADMIN, "g") == (t, "collecting"), what=f"round {t}")
+
+
 def _stored(c: TestClient) -> tuple[set[str], set[str]]:
     root = Path(c.app.state.pfl.settings.resolved_blob_dir)  # type: ignore[attr-defined]
     with coord(c).store.write() as s:  # the collector deletes rows, then files, holding this lock
@@ -262,9 +280,9 @@ def test_gc_keeps_what_recovery_and_the_last_rounds_need(tmp_path: Path, broker_
     with TestClient(create_app(s)) as c:
         create(c, ADMIN, "g", cfg)
         devs = [Dev(c, "g") for _ in range(3)]
-        ups = {}
+        ups: dict[int, list[str]] = {}
         for t in (1, 2):
-            wait_for(lambda t=t: fed_state(c, ADMIN, "g") == (t, "collecting"), what=f"round {t}")
+            _wait_round(c, t)
             ups[t] = _round(c, devs, t)
         wait_for(lambda: fed_state(c, ADMIN, "g") == (3, "collecting"), what="round 3")
         wait_for(lambda: not set(ups[1]) & _stored(c)[0], what="round 1's updates collected")
