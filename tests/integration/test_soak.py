@@ -19,8 +19,6 @@ from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.needs_fmnist  # the soak's federations train on Fashion-MNIST
-
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench"
 
@@ -54,6 +52,7 @@ def soak(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path
     return json.loads(out.read_text()), work / "run"
 
 
+@pytest.mark.needs_fmnist  # the soak's federations train on Fashion-MNIST
 def test_the_short_soak_loses_nothing_and_counts_nothing_twice(soak: tuple[dict[str, Any], Path]) -> None:
     report, _ = soak
     faults = report["faults"]
@@ -70,6 +69,7 @@ def test_the_short_soak_loses_nothing_and_counts_nothing_twice(soak: tuple[dict[
     assert report["ok"]
 
 
+@pytest.mark.needs_fmnist
 def test_the_check_catches_a_lost_update_and_a_wrong_aggregate(soak: tuple[dict[str, Any], Path],
                                                                  tmp_path: Path) -> None:
     """The same run's database, tampered: one update the ledgers name deleted, one round's published model
@@ -92,3 +92,57 @@ def test_the_check_catches_a_lost_update_and_a_wrong_aggregate(soak: tuple[dict[
     assert any(d.get("round") == t and "no such update row" in d["why"] for d in got["lost_detail"])
     assert got["lost"] >= 2
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_the_proxy_adds_its_latency_each_way_and_cuts_what_it_draws() -> None:
+    """No root needed: an echo server behind the proxy, in this process."""
+    import asyncio
+    import time
+
+    proxy_mod = _bench("fault_proxy")
+
+    async def echo(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while data := await r.read(65536):
+            w.write(data)
+            await w.drain()
+        w.close()
+
+    async def run() -> tuple[float, bool, dict[str, Any]]:
+        target = await asyncio.start_server(echo, "127.0.0.1", 0)
+        tport = target.sockets[0].getsockname()[1]
+        slow = proxy_mod.Proxy([("127.0.0.1", 0, "127.0.0.1", tport)], latency_s=0.1, cut=0.0)
+        cutting = proxy_mod.Proxy([("127.0.0.1", 0, "127.0.0.1", tport)], latency_s=0.0, cut=1.0)
+        servers = [*await slow.serve(), *await cutting.serve()]
+        r, w = await asyncio.open_connection("127.0.0.1", servers[0].sockets[0].getsockname()[1])
+        t0 = time.monotonic()
+        w.write(b"ping")
+        await r.readexactly(4)
+        rtt = time.monotonic() - t0
+        w.close()
+        r, w = await asyncio.open_connection("127.0.0.1", servers[1].sockets[0].getsockname()[1])
+        reset = False
+        try:  # 1 MiB each way: more than any cut budget (<= 256 KiB), so the proxy resets the connection
+            w.write(b"x" * (1 << 20))
+            await asyncio.wait_for(r.readexactly(1 << 20), 30)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            reset = True
+        for s in [*servers, target]:
+            s.close()
+        stats = {k: v.cut for k, v in cutting.stats.items()}
+        return rtt, reset, stats
+
+    rtt, reset, stats = asyncio.run(run())
+    assert 0.2 <= rtt < 1.0  # 100 ms each way
+    assert reset and sum(stats.values()) == 1
+
+
+def test_the_ledger_keeps_one_line_per_accepted_update(tmp_path: Path) -> None:
+    from edge_runtime.state import StateDir
+
+    sd = StateDir(tmp_path)
+    sd.append_ledger(1, "a" * 64, 64)
+    sd.append_ledger(2, "b" * 64, 64)
+    with open(tmp_path / "ledger.jsonl", "a") as f:
+        f.write('{"round": 3, "dig')  # a line cut short
+    got = sd.read_ledger()
+    assert [(e["round"], e["digest"], e["n_samples"]) for e in got] == [(1, "a" * 64, 64), (2, "b" * 64, 64)]
