@@ -132,7 +132,10 @@ class Soak:
             self.after(self.cfg.partition_s, "heal", self._heal)
             kind = f"{kind}_{'all' if len(links) > 1 else 'one'}"
         elif kind == "throttle":
-            g = rng.randrange(len(p.devices))
+            free = [g for g in range(len(p.devices)) if g not in self.partitioned]  # a blackhole is a tbf too
+            if not free:
+                return
+            g = rng.choice(free)
             target = p.devices[g].state.name
             p.net.set_rate(g, self.cfg.throttle_rate)
             self.after(self.cfg.throttle_s, "unthrottle", lambda: self._unthrottle(g))
