@@ -147,6 +147,7 @@ class RssSampler:
         self.every_s = every_s
         self.peak_mb: dict[str, float] = {k: 0.0 for k in pids}
         self.peak_main_mb: dict[str, float] = {k: 0.0 for k in pids}
+        self.timeline: list[tuple[float, float]] = []  # (unix time, MB) of the first process
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -159,7 +160,16 @@ class RssSampler:
             except psutil.Error:
                 continue
             self.peak_main_mb[name] = max(self.peak_main_mb[name], main / 2**20)
+            if name == next(iter(self.pids)):
+                self.timeline.append((time.time(), main / 2**20))
             self.peak_mb[name] = max(self.peak_mb[name], total / 2**20)
+
+    def current_mb(self, name: str) -> float | None:
+        """Resident memory of ``name`` (its main process) now."""
+        try:
+            return float(psutil.Process(self.pids[name]).memory_info().rss) / 2**20
+        except psutil.Error:
+            return None
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):

@@ -72,7 +72,7 @@ async def _wait_state(client: httpx.AsyncClient, admin: dict[str, str], want: tu
     raise TimeoutError(f"federation not at {want} within {timeout} s")
 
 
-async def run(url: str, admin_token: str, args: argparse.Namespace, calls: Calls) -> dict[str, Any]:
+async def run(url: str, admin_token: str, args: argparse.Namespace, calls: Calls, rss: RssSampler) -> dict[str, Any]:
     fleet = Fleet(url, args.devices, 1, args.variants, calls)
     admin = {"Authorization": f"Bearer {admin_token}"}
     limits = httpx.Limits(max_connections=args.devices, max_keepalive_connections=args.devices)
@@ -94,6 +94,8 @@ async def run(url: str, admin_token: str, args: argparse.Namespace, calls: Calls
         stop, (rx, tx) = ctx.Event(), ctx.Pipe(duplex=False)
         probe = ctx.Process(target=prober, args=(url, enrs[0].token, stop, tx, args.pause_s))
         probe.start()
+        if args.client_nice:  # the devices' load generator yields the CPU to the server and the prober: on a
+            os.nice(args.client_nice)  # real fleet the devices are other machines
         await asyncio.sleep(args.idle_s)
         async def upload(e: Any) -> float:
             auth = {"Authorization": f"Bearer {e.token}"}
@@ -105,6 +107,7 @@ async def run(url: str, admin_token: str, args: argparse.Namespace, calls: Calls
                        json={"digest": digest, "n_samples": 4}, headers=auth)
             return time.time()
 
+        rss_before = rss.current_mb("server")
         up0 = time.time()
         ends = await asyncio.gather(*(upload(e) for e in enrs), return_exceptions=True)
         up1 = max((x for x in ends if isinstance(x, float)), default=time.time())
@@ -116,9 +119,13 @@ async def run(url: str, admin_token: str, args: argparse.Namespace, calls: Calls
         samples = await asyncio.to_thread(rx.recv)
         probe.join(30)
     r1 = {k: v for k, v in next(r for r in summary["rounds"] if r["round"] == 1).items() if k != "devices"}
+    mem = {ph: max((mb for t, mb in rss.timeline if lo <= t <= hi), default=None)
+           for ph, lo, hi in (("uploads", up0, up1), ("aggregating", up1, closed))}
     return {"enrol_s": enrol_s, "enrolments_per_s": args.devices / enrol_s, "uploads_s": up1 - up0,
+            "server_peak_rss_mb_by_phase": mem,
             "aggregating_s": closed - up1, "round": r1, "phases": _phases(samples, up0, up1, closed),
-            "upload_failures": sum(isinstance(x, BaseException) for x in ends)}
+            "upload_failures": sum(isinstance(x, BaseException) for x in ends),
+            "server_rss_before_uploads_mb": rss_before}
 
 
 def _phases(samples: dict[str, list[tuple[float, float, bool]]], up0: float, up1: float,
@@ -153,6 +160,8 @@ def main() -> None:
     ap.add_argument("--database", default="sqlite", help="sqlite, postgresql (a fresh database), or a URL")
     ap.add_argument("--server-root", type=Path, help="run the server of this checkout (a git worktree)")
     ap.add_argument("--label", default="", help="a name for this run in the results")
+    ap.add_argument("--client-nice", type=int, default=10, help="niceness of the uploading client (0: none)")
+    ap.add_argument("--server-env", nargs="*", default=[], metavar="KEY=VALUE", help="more server environment")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "responsiveness.json")
     args = ap.parse_args()
     raise_nofile()
@@ -165,12 +174,14 @@ def main() -> None:
         db = (stack.enter_context(postgres_db()) if args.database == "postgresql"
               else None if args.database == "sqlite" else args.database)
         token = secrets.token_urlsafe(24)
-        srv = server(Path(tmp) / "server", database_url=db, broker_url=None, admin_token=token, root=args.server_root)
+        srv = server(Path(tmp) / "server", database_url=db, broker_url=None, admin_token=token, root=args.server_root,
+                     extra=dict(kv.split("=", 1) for kv in args.server_env))
         stack.callback(srv.stop)
         with RssSampler({"server": srv.proc.pid}) as rss:
-            res = asyncio.run(run(srv.url, token, args, calls))
+            res = asyncio.run(run(srv.url, token, args, calls, rss))
     result = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"), "label": args.label,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"), "label": args.label, "server_env": args.server_env,
+        "client_nice": args.client_nice,
         "server_root": str(args.server_root or Path(__file__).resolve().parent.parent),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
         "load_average_after": os.getloadavg(), "devices": args.devices, "database": args.database,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path
@@ -35,12 +37,18 @@ def current_task(dev: DeviceAuth, coord: Annotated[Coordinator, Depends(coordina
     return task
 
 
+# Updates and metrics run in threads of their own, not in the request thread pool: a round's worth of them
+# arriving together (each waits for its decode check and for the write lock) must not leave cheap requests
+# waiting for a thread (bench/responsiveness.py)
+_writes = ThreadPoolExecutor(16, thread_name_prefix="pfl-writes")
+
+
 @router.post("/{t}/updates", response_model=UpdateAccepted)
-def post_update(t: RoundNo, body: UpdateRequest, dev: DeviceAuth, updates: UpdatesDep) -> UpdateAccepted:
-    return updates.submit(dev, t, body)
+async def post_update(t: RoundNo, body: UpdateRequest, dev: DeviceAuth, updates: UpdatesDep) -> UpdateAccepted:
+    return await asyncio.wrap_future(_writes.submit(updates.submit, dev, t, body))
 
 
 @router.post("/{t}/metrics", response_model=MetricsStored)
-def post_metrics(t: RoundNo, body: MetricsReport, dev: DeviceAuth, metrics: MetricsDep) -> MetricsStored:
-    metrics.report(dev, t, body)
+async def post_metrics(t: RoundNo, body: MetricsReport, dev: DeviceAuth, metrics: MetricsDep) -> MetricsStored:
+    await asyncio.wrap_future(_writes.submit(metrics.report, dev, t, body))
     return MetricsStored(round=t, device_id=dev.id)
