@@ -71,6 +71,10 @@ class EnrolmentService:
             if s.get(Federation, req.id) is not None:
                 raise Conflict(f"federation {req.id!r} already exists")
         payload = encode(fm.init_state(), model_id=fm.model_id, round=ENROLMENT_ROUND)
+        limit = self.store.max_blob_bytes
+        if len(payload) > limit:  # its devices could never upload a model of this size either
+            raise Unprocessable(f"model {fm.cfg.model!r} takes {len(payload)} bytes on the wire, over this server's "
+                                f"max_blob_bytes of {limit}: raise PFL_MAX_BLOB_BYTES or pick a smaller model")
         digest = self.blobs.keep(payload)
         try:
             with self.store.write() as s:

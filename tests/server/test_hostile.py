@@ -281,3 +281,14 @@ def test_another_federations_blob_is_answered_as_a_missing_one(client: TestClien
         assert (foreign.status_code, missing.status_code) == (404, 404)
         assert foreign.json()["detail"].replace(digest, "D") == missing.json()["detail"].replace("0" * 64, "D")
         assert dict(foreign.headers) == dict(missing.headers) | {"content-length": foreign.headers["content-length"]}
+
+
+def test_a_model_over_the_blob_limit_is_refused_at_creation_not_a_500(tmp_path: Path, broker_url: str) -> None:
+    """The cnn's initial model (~1.8 MB) cannot be stored under a 1 MiB max_blob_bytes: its devices could never
+    upload it either. Found by the fuzzer's reviewer: this was a 500 from the blob store."""
+    s = _settings(tmp_path, broker_url).model_copy(update={"max_blob_bytes": 1 << 20})
+    with TestClient(create_app(s)) as c:
+        body = {"id": "big", "enrol_secret": SECRET, "config": dict(FEDPER)}
+        detail = refused(c, lambda: c.post("/v1/federations", json=body, headers=bearer(ADMIN)), 422,
+                         "max_blob_bytes")
+        assert "PFL_MAX_BLOB_BYTES" in detail["detail"]
