@@ -167,7 +167,8 @@ class Fleet:
         for t in range(1, self.rounds + 1):
             task = await self.wait_task(m, t)
             self.tasks_at[t].append(time.perf_counter())
-            async with gate:
+            async with gate:  # as an agent does: the server's word on its task before acting on it, then the base
+                await call(client, self.calls, "get_task", "GET", f"{API_PREFIX}/rounds/current/task", headers=auth)
                 if task.base is not None:
                     await call(client, self.calls, "get_base", "GET", f"{API_PREFIX}/blobs/{task.base}", headers=auth,
                                discard=True)
@@ -267,6 +268,7 @@ def main() -> None:
     ap.add_argument("--connections", type=int, default=1000, help="HTTP connections (and calls in flight) at most")
     ap.add_argument("--database", default="postgresql", help="postgresql (a fresh database), sqlite, or a URL")
     ap.add_argument("--broker", default="mosquitto", choices=["mosquitto", "embedded"])
+    ap.add_argument("--client-nice", type=int, default=10, help="niceness of the devices' process (0: none)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     nofile = raise_nofile()
@@ -283,6 +285,8 @@ def main() -> None:
         pids = {"server": srv.proc.pid, **({"broker": broker_pid} if broker_pid else {})}
         print(f"server {srv.url} (pid {srv.proc.pid}), broker {broker_url or 'embedded'}, database "
               f"{args.database}; {args.devices} devices, {args.rounds} rounds", flush=True)
+        if args.client_nice:  # the devices yield the CPU to the server and broker: on a real fleet they are
+            os.nice(args.client_nice)  # other machines
         with RssSampler(pids) as rss:
             res = asyncio.run(run_fleet(srv.url, token, args, calls))
     errors = sum(calls.errors.values())
@@ -291,7 +295,8 @@ def main() -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
         "load_average_after": os.getloadavg(), "nofile": nofile,
         "devices": args.devices, "database": args.database, "broker": args.broker, "variants": args.variants,
-        "connections": args.connections, **res, "errors": errors, "error_samples": calls.samples,
+        "connections": args.connections, "client_nice": args.client_nice, **res, "errors": errors,
+        "error_samples": calls.samples,
         "calls": calls.summary(), "server_peak_rss_mb": rss.peak_main_mb.get("server"),
         "server_peak_rss_with_children_mb": rss.peak_mb.get("server"),
         "broker_peak_rss_mb": rss.peak_mb.get("broker"),

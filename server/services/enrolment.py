@@ -8,13 +8,13 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sqlalchemy import func, select
+from sqlalchemy import exists, func, select
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, aliased
 
 from device_profiles import Profile, get_profile, list_profiles
 from pfl_edge.codec import encode
-from pfl_edge.errors import PflEdgeError, UnknownNameError
+from pfl_edge.errors import InternalError, PflEdgeError, UnknownNameError
 from pfl_edge.federation import device_capacity
 from pfl_edge.protocol import Enrolment, EnrolRequest, FederationCreate, FederationInfo
 
@@ -192,15 +192,24 @@ class EnrolmentService:
 
     @staticmethod
     def _slot(s: Session, fed: Federation, asked: int | None) -> int:
-        """The slot asked for if it is free, else the lowest free one."""
+        """The slot asked for if it is free, else the lowest free one (in SQL, on the (federation, slot) index:
+        an enrolment must not load every device of a large fleet)."""
         clients = fed_model(fed.config).cfg.clients
-        taken = set(s.scalars(select(Device.slot).where(Device.federation == fed.id)))
-        free = [i for i in range(clients) if i not in taken]
-        if not free:
+        mine = (Device.federation == fed.id,)
+        if (s.scalar(select(func.count()).select_from(Device).where(*mine)) or 0) >= clients:
             raise Conflict(f"federation {fed.id!r} is full: all {clients} slots are taken")
         if asked is not None and asked >= clients:
             raise Unprocessable(f"index {asked} out of range: the federation has slots 0..{clients - 1}")
-        return asked if asked is not None and asked in free else free[0]
+        if asked is not None and s.scalar(select(Device.id).where(*mine, Device.slot == asked)) is None:
+            return asked
+        if s.scalar(select(Device.id).where(*mine, Device.slot == 0)) is None:
+            return 0
+        other = aliased(Device)
+        gap = s.scalar(select(func.min(Device.slot + 1)).where(*mine, Device.slot + 1 < clients, ~exists().where(
+            other.federation == fed.id, other.slot == Device.slot + 1)))
+        if gap is None:
+            raise InternalError(f"federation {fed.id!r} has fewer than {clients} devices and no free slot")
+        return int(gap)
 
     # ------------------------------------------------------------------------ rotation and revocation
 

@@ -24,9 +24,10 @@ from pfl_edge.aggregate import update_norm
 from pfl_edge.codec import encode
 from pfl_edge.errors import CodecError
 from server.db import Device, Federation, Update, make_engine, make_sessionmaker
-from server.errors import TooLarge
+from server.errors import Conflict, TooLarge, Unprocessable
 from server.fedmodel import fed_model
 from server.routers import health
+from server.services.enrolment import EnrolmentService
 from server.services.planning import Planner
 from server.services.spool import DecodePool, check_update, spool_body
 from server.services.worker import RoundWorker
@@ -201,3 +202,35 @@ def test_healthz_answers_with_the_request_thread_pool_full() -> None:
     anyio.run(main)
     r = got[0]
     assert r.status_code == 200 and r.json()["database"] is True and r.json()["status"] == "ok"
+
+
+def test_slot_is_the_asked_or_lowest_free_one_found_in_sql(tmp_path: Path) -> None:
+    """Enrolment picks a slot without loading the fleet's slots: the asked one if free, else the lowest free."""
+    fm = fed_model(dict(FEDPER, clients=5))
+    sessions = make_sessionmaker(make_engine(f"sqlite:///{tmp_path / 'db.sqlite'}"))
+    with sessions.begin() as s:
+        s.add(Federation(id="f", config=fm.cfg.to_dict(), enrol_secret_hash="x", quorum=1.0, deadline_s=60,
+                         min_updates=1, min_devices=None, profile_capacity=False, round=0, state="open",
+                         init_digest="0" * 64, base_digest="0" * 64))
+
+    def take(*slots: int) -> None:
+        with sessions.begin() as s:
+            for i in slots:
+                s.add(Device(id=f"d{i}", federation="f", token_hash=f"{i:064d}", profile="phone-mid", slot=i,
+                             density=1.0, kp=2, joined_round=0))
+
+    def slot(asked: int | None) -> int:
+        with sessions() as s:
+            fed = s.get(Federation, "f")
+            assert fed is not None
+            return EnrolmentService._slot(s, fed, asked)
+
+    take(1, 2)
+    assert (slot(None), slot(3), slot(1)) == (0, 3, 0)
+    take(0, 4)
+    assert (slot(None), slot(4), slot(3)) == (3, 3, 3)
+    with pytest.raises(Unprocessable):
+        slot(5)
+    take(3)
+    with pytest.raises(Conflict):
+        slot(None)
