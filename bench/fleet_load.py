@@ -18,8 +18,10 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import multiprocessing
 import os
 import platform
+import resource
 import secrets
 import tempfile
 import time
@@ -67,6 +69,22 @@ class Calls:
         if len(self.samples) < 20:
             self.samples.append(f"{kind}: {what}"[:300])
 
+    def export(self) -> dict[str, Any]:
+        return {"lat": dict(self.lat), "retries": dict(self.retries), "why": {k: dict(v) for k, v in self.why.items()},
+                "errors": dict(self.errors), "samples": self.samples}
+
+    def merge(self, d: dict[str, Any]) -> None:
+        for k, v in d["lat"].items():
+            self.lat[k].extend(v)
+        for k, n in d["retries"].items():
+            self.retries[k] += n
+        for k, why in d["why"].items():
+            for w, n in why.items():
+                self.why[k][w] += n
+        for k, n in d["errors"].items():
+            self.errors[k] += n
+        self.samples.extend(d["samples"][: max(0, 20 - len(self.samples))])
+
     def summary(self) -> dict[str, Any]:
         return {k: {**percentiles(self.lat.get(k, [])), "retries": self.retries.get(k, 0),
                     "retry_reasons": dict(self.why.get(k, {})), "errors": self.errors.get(k, 0)}
@@ -105,24 +123,33 @@ async def call(client: httpx.AsyncClient, calls: Calls, kind: str, method: str, 
     raise RuntimeError(f"{kind} failed: {last}")
 
 
+Payloads = dict[int, list[tuple[bytes, str]]]
+
+
+def make_payloads(devices: int, rounds: int, variants: int) -> Payloads:
+    """(payload, digest) of each variant for each round: the cnn base (K_P = 2) perturbed, its header naming the
+    round, as a device uploads it."""
+    cfg = config_for(devices, rounds)
+    fm = fed_model(cfg)
+    base = take(fm.init_state(), fm.base_keys(cfg["kp"]))
+    g = torch.Generator().manual_seed(0)
+    noise = [{k: 0.01 * torch.randn(v.shape, generator=g) if v.is_floating_point() else torch.zeros_like(v)
+              for k, v in base.items()} for _ in range(variants)]
+    out: Payloads = {}
+    for t in range(1, rounds + 1):
+        ps = [encode({k: v + n[k] for k, v in base.items()}, model_id=fm.model_id, round=t) for n in noise]
+        out[t] = [(p, hashlib.sha256(p).hexdigest()) for p in ps]
+    return out
+
+
 class Fleet:
-    def __init__(self, url: str, devices: int, rounds: int, variants: int, calls: Calls) -> None:
-        self.url = url
-        self.devices = devices
+    """Devices of one client process; times are unix times (comparable across processes)."""
+
+    def __init__(self, payloads: Payloads, rounds: int, calls: Calls) -> None:
         self.rounds = rounds
         self.calls = calls
-        cfg = config_for(devices, rounds)
-        fm = fed_model(cfg)
-        init = fm.init_state()
-        base = take(init, fm.base_keys(cfg["kp"]))
-        g = torch.Generator().manual_seed(0)
-        noise = [{k: 0.01 * torch.randn(v.shape, generator=g) if v.is_floating_point() else torch.zeros_like(v)
-                  for k, v in base.items()} for _ in range(variants)]
-        # payloads[t][v]: variant v of round t (the header names the round)
-        self.payloads = {t: [encode({k: v + n[k] for k, v in base.items()}, model_id=fm.model_id, round=t)
-                             for n in noise] for t in range(1, rounds + 1)}
-        self.digests = {t: [hashlib.sha256(p).hexdigest() for p in ps] for t, ps in self.payloads.items()}
-        self.payload_bytes = len(self.payloads[1][0])
+        self.payloads = payloads
+        self.payload_bytes = len(payloads[1][0][0])
         self.enrolled: list[float] = []  # time each enrolment was answered
         self.sessions: list[MqttSession] = []
         self.done: dict[int, list[float]] = defaultdict(list)  # round -> times its updates were accepted
@@ -132,7 +159,7 @@ class Fleet:
         body = {"federation": FED, "enrol_secret": ENROL_SECRET, "profile": "raspberry-pi-4", "name": f"v{i}",
                 "index": i, "nonce": secrets.token_hex(16), "n_samples": 4}
         r = await call(client, self.calls, "enrol", "POST", f"{API_PREFIX}/devices", json=body)
-        self.enrolled.append(time.perf_counter())
+        self.enrolled.append(time.time())
         return Enrolment.model_validate_json(r.content)
 
     async def session(self, enr: Enrolment) -> MqttSession:
@@ -166,19 +193,18 @@ class Fleet:
         auth = {"Authorization": f"Bearer {enr.token}"}
         for t in range(1, self.rounds + 1):
             task = await self.wait_task(m, t)
-            self.tasks_at[t].append(time.perf_counter())
+            self.tasks_at[t].append(time.time())
             async with gate:  # as an agent does: the server's word on its task before acting on it, then the base
                 await call(client, self.calls, "get_task", "GET", f"{API_PREFIX}/rounds/current/task", headers=auth)
                 if task.base is not None:
                     await call(client, self.calls, "get_base", "GET", f"{API_PREFIX}/blobs/{task.base}", headers=auth,
                                discard=True)
-                v = i % len(self.payloads[t])
-                payload, digest = self.payloads[t][v], self.digests[t][v]
+                payload, digest = self.payloads[t][i % len(self.payloads[t])]
                 await call(client, self.calls, "put_blob", "PUT", f"{API_PREFIX}/blobs/{digest}", content=payload,
                            headers={**auth, "Content-Type": "application/octet-stream"})
                 await call(client, self.calls, "post_update", "POST", f"{API_PREFIX}/rounds/{t}/updates",
                            json={"digest": digest, "n_samples": 4}, headers=auth)
-            self.done[t].append(time.perf_counter())
+            self.done[t].append(time.time())
 
     async def wait_task(self, m: MqttSession, t: int) -> Task:
         while True:
@@ -202,7 +228,7 @@ async def watch(client: httpx.AsyncClient, admin: dict[str, str], rounds: int, s
             info = r.json()
             now = (info["round"], info["state"])
             if now != last:
-                log.append({"t": time.perf_counter(), "round": now[0], "state": now[1], "devices": info["devices"]})
+                log.append({"t": time.time(), "round": now[0], "state": now[1], "devices": info["devices"]})
                 print(f"  [{time.strftime('%H:%M:%S')}] round {now[0]} {now[1]} ({info['devices']} devices)",
                       flush=True)
                 last = now
@@ -214,49 +240,108 @@ async def watch(client: httpx.AsyncClient, admin: dict[str, str], rounds: int, s
             await asyncio.wait_for(stop.wait(), 1.0)
 
 
+async def run_slice(url: str, rounds: int, payloads: Payloads, lo: int, hi: int,
+                    connections: int) -> dict[str, Any]:
+    """Devices ``lo``..``hi - 1`` in this process; what they measured."""
+    calls = Calls()
+    fleet = Fleet(payloads, rounds, calls)
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(900, connect=60)) as client:
+        gate = asyncio.Semaphore(connections)
+        results = await asyncio.gather(*(fleet.device(client, i, gate) for i in range(lo, hi)),
+                                       return_exceptions=True)
+    for s in fleet.sessions:
+        await s.close()
+    failed = [r for r in results if isinstance(r, BaseException)]
+    return {"calls": calls.export(), "enrolled": fleet.enrolled, "done": dict(fleet.done),
+            "tasks_at": dict(fleet.tasks_at), "failures": len(failed),
+            "failure_samples": [repr(f)[:300] for f in failed[:5]], "payload_bytes": fleet.payload_bytes,
+            "cpu_s": sum(resource.getrusage(resource.RUSAGE_SELF)[:2])}
+
+
+def client_process(url: str, rounds: int, payloads: Payloads, lo: int, hi: int, connections: int, nice: int,
+                   q: Any) -> None:
+    raise_nofile()
+    if nice:
+        os.nice(nice)
+    try:
+        q.put(asyncio.run(run_slice(url, rounds, payloads, lo, hi, connections)))
+    except BaseException as e:
+        q.put({"crashed": repr(e)[:500]})
+        raise
+
+
 async def run_fleet(url: str, admin_token: str, args: argparse.Namespace, calls: Calls) -> dict[str, Any]:
-    fleet = Fleet(url, args.devices, args.rounds, args.variants, calls)
+    payloads = make_payloads(args.devices, args.rounds, args.variants)
     admin = {"Authorization": f"Bearer {admin_token}"}
-    limits = httpx.Limits(max_connections=args.connections, max_keepalive_connections=args.connections)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(600, connect=60)) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(120)) as client:
         r = await client.post(f"{API_PREFIX}/federations", headers=admin, json={
             "id": FED, "enrol_secret": ENROL_SECRET, "config": config_for(args.devices, args.rounds),
             "quorum": 1.0, "deadline_s": args.deadline_s})
         r.raise_for_status()
-        gate = asyncio.Semaphore(args.connections)
+        ctx = multiprocessing.get_context("spawn")
+        q = ctx.Queue()
+        n, k = args.devices, args.procs
+        cuts = [n * j // k for j in range(k + 1)]
+        t0 = time.time()
+        procs = [ctx.Process(target=client_process, args=(url, args.rounds, payloads, cuts[j], cuts[j + 1],
+                                                          max(1, args.connections // k), args.client_nice, q))
+                 for j in range(k)]
+        for p in procs:
+            p.start()
         log: list[dict[str, Any]] = []
         stop = asyncio.Event()
-        t0 = time.perf_counter()
         watcher = asyncio.create_task(watch(client, admin, args.rounds, stop, log))
-        results = await asyncio.gather(*(fleet.device(client, i, gate) for i in range(args.devices)),
-                                       return_exceptions=True)
+        parts = [await asyncio.to_thread(q.get) for _ in procs]
         with contextlib.suppress(TimeoutError):  # the last round closes after its last update
             await asyncio.wait_for(asyncio.shield(watcher), 300)
         stop.set()
         await watcher
-        wall = time.perf_counter() - t0
-        summary = (await client.get(f"{API_PREFIX}/federations/{FED}/metrics", headers=admin, timeout=120)).json()
-    for s in fleet.sessions:
-        await s.close()
-    failed = [r for r in results if isinstance(r, BaseException)]
+        wall = time.time() - t0
+        for p in procs:
+            p.join(30)
+        summary = (await client.get(f"{API_PREFIX}/federations/{FED}/metrics", headers=admin, timeout=300)).json()
+    return _report(args, calls, parts, summary, log, t0, wall)
+
+
+def _report(args: argparse.Namespace, calls: Calls, parts: list[dict[str, Any]], summary: dict[str, Any],
+            log: list[dict[str, Any]], t0: float, wall: float) -> dict[str, Any]:
+    enrolled: list[float] = []
+    done: dict[int, list[float]] = defaultdict(list)
+    tasks_at: dict[int, list[float]] = defaultdict(list)
+    crashed = [p["crashed"] for p in parts if "crashed" in p]
+    for p in parts:
+        if "crashed" in p:
+            continue
+        calls.merge(p["calls"])
+        enrolled += p["enrolled"]
+        for t, xs in p["done"].items():
+            done[int(t)] += xs
+        for t, xs in p["tasks_at"].items():
+            tasks_at[int(t)] += xs
     rounds = []
     for row in summary["rounds"]:
         t = row["round"]
         if t < 1:
             continue
-        done, tasks = fleet.done.get(t, []), fleet.tasks_at.get(t, [])
-        span = (max(done) - min(tasks)) if done and tasks else None
+        span = (max(done[t]) - min(tasks_at[t])) if done[t] and tasks_at[t] else None
         rounds.append({"round": t, "state": row["state"], "updates": row["updates"], "active": row["active"],
                        "wall_s": row["wall_s"], "deadline_s": args.deadline_s,
                        "closed_within_deadline": row["wall_s"] is not None and row["wall_s"] <= args.deadline_s,
-                       "updates_per_s": len(done) / span if span else None,
+                       "updates_per_s": len(done[t]) / span if span else None,
                        "first_task_to_last_update_s": span})
-    enrol_span = max(fleet.enrolled) - t0 if fleet.enrolled else None
-    return {"wall_s": wall, "enrolled": len(fleet.enrolled),
-            "enrolments_per_s": len(fleet.enrolled) / enrol_span if enrol_span else None,
-            "payload_bytes": fleet.payload_bytes, "device_failures": len(failed),
-            "device_failure_samples": [repr(f)[:300] for f in failed[:5]], "rounds": rounds, "states": [
-                {**e, "t": e["t"] - t0} for e in log]}
+    enrol_span = max(enrolled) - t0 if enrolled else None
+    return {"wall_s": wall, "enrolled": len(enrolled),
+            "enrolments_per_s": len(enrolled) / enrol_span if enrol_span else None,
+            "payload_bytes": next((p["payload_bytes"] for p in parts if "payload_bytes" in p), None),
+            "device_failures": sum(p.get("failures", 0) for p in parts) + len(crashed),
+            "device_failure_samples": [s for p in parts for s in p.get("failure_samples", [])][:5] + crashed,
+            "client_cpu_s": sum(p.get("cpu_s", 0.0) for p in parts),
+            "rounds": rounds, "states": [{**e, "t": e["t"] - t0} for e in log]}
+
+
+def _minus(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
 
 
 def main() -> None:
@@ -268,7 +353,8 @@ def main() -> None:
     ap.add_argument("--connections", type=int, default=1000, help="HTTP connections (and calls in flight) at most")
     ap.add_argument("--database", default="postgresql", help="postgresql (a fresh database), sqlite, or a URL")
     ap.add_argument("--broker", default="mosquitto", choices=["mosquitto", "embedded"])
-    ap.add_argument("--client-nice", type=int, default=10, help="niceness of the devices' process (0: none)")
+    ap.add_argument("--procs", type=int, default=2, help="client processes the devices are spread over")
+    ap.add_argument("--client-nice", type=int, default=0, help="niceness of the devices' processes")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     nofile = raise_nofile()
@@ -285,17 +371,18 @@ def main() -> None:
         pids = {"server": srv.proc.pid, **({"broker": broker_pid} if broker_pid else {})}
         print(f"server {srv.url} (pid {srv.proc.pid}), broker {broker_url or 'embedded'}, database "
               f"{args.database}; {args.devices} devices, {args.rounds} rounds", flush=True)
-        if args.client_nice:  # the devices yield the CPU to the server and broker: on a real fleet they are
-            os.nice(args.client_nice)  # other machines
         with RssSampler(pids) as rss:
+            cpu0 = {k: rss.cpu_s(k) for k in pids}
             res = asyncio.run(run_fleet(srv.url, token, args, calls))
+            cpu = {f"{k}_cpu_s": _minus(rss.cpu_s(k), cpu0[k]) for k in pids}
     errors = sum(calls.errors.values())
     result = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
         "load_average_after": os.getloadavg(), "nofile": nofile,
         "devices": args.devices, "database": args.database, "broker": args.broker, "variants": args.variants,
-        "connections": args.connections, "client_nice": args.client_nice, **res, "errors": errors,
+        "connections": args.connections, "client_procs": args.procs, "client_nice": args.client_nice, **res, **cpu,
+        "errors": errors,
         "error_samples": calls.samples,
         "calls": calls.summary(), "server_peak_rss_mb": rss.peak_main_mb.get("server"),
         "server_peak_rss_with_children_mb": rss.peak_mb.get("server"),

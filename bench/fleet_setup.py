@@ -164,6 +164,16 @@ class RssSampler:
                 self.timeline.append((time.time(), main / 2**20))
             self.peak_mb[name] = max(self.peak_mb[name], total / 2**20)
 
+    def cpu_s(self, name: str) -> float | None:
+        """CPU seconds (user + system) used so far by ``name`` and its children, live and reaped."""
+        try:
+            p = psutil.Process(self.pids[name])
+            t = p.cpu_times()
+            own = t.user + t.system + t.children_user + t.children_system
+            return own + sum(c.cpu_times().user + c.cpu_times().system for c in p.children(recursive=True))
+        except psutil.Error:
+            return None
+
     def current_mb(self, name: str) -> float | None:
         """Resident memory of ``name`` (its main process) now."""
         try:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from fleet_load import FED, Calls, Fleet, call, percentiles
+from fleet_load import FED, Calls, Fleet, call, make_payloads, percentiles
 from fleet_setup import ENROL_SECRET, RssSampler, config_for, raise_nofile, server
 
 from pfl_edge.protocol import API_PREFIX
@@ -73,7 +73,8 @@ async def _wait_state(client: httpx.AsyncClient, admin: dict[str, str], want: tu
 
 
 async def run(url: str, admin_token: str, args: argparse.Namespace, calls: Calls, rss: RssSampler) -> dict[str, Any]:
-    fleet = Fleet(url, args.devices, 1, args.variants, calls)
+    payloads = make_payloads(args.devices, 1, args.variants)
+    fleet = Fleet(payloads, 1, calls)
     admin = {"Authorization": f"Bearer {admin_token}"}
     limits = httpx.Limits(max_connections=args.devices, max_keepalive_connections=args.devices)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(600, connect=60)) as client:
@@ -99,8 +100,7 @@ async def run(url: str, admin_token: str, args: argparse.Namespace, calls: Calls
         await asyncio.sleep(args.idle_s)
         async def upload(e: Any) -> float:
             auth = {"Authorization": f"Bearer {e.token}"}
-            v = e.index % args.variants
-            payload, digest = fleet.payloads[1][v], fleet.digests[1][v]
+            payload, digest = payloads[1][e.index % args.variants]
             await call(client, calls, "put_blob", "PUT", f"{API_PREFIX}/blobs/{digest}", content=payload,
                        headers={**auth, "Content-Type": "application/octet-stream"})
             await call(client, calls, "post_update", "POST", f"{API_PREFIX}/rounds/1/updates",
