@@ -150,6 +150,7 @@ class Fleet:
         self.calls = calls
         self.payloads = payloads
         self.payload_bytes = len(payloads[1][0][0])
+        self.download = True  # each round's base, as a device fetches it before training
         self.enrolled: list[float] = []  # time each enrolment was answered
         self.sessions: list[MqttSession] = []
         self.done: dict[int, list[float]] = defaultdict(list)  # round -> times its updates were accepted
@@ -196,7 +197,7 @@ class Fleet:
             self.tasks_at[t].append(time.time())
             async with gate:  # as an agent does: the server's word on its task before acting on it, then the base
                 await call(client, self.calls, "get_task", "GET", f"{API_PREFIX}/rounds/current/task", headers=auth)
-                if task.base is not None:
+                if task.base is not None and self.download:
                     await call(client, self.calls, "get_base", "GET", f"{API_PREFIX}/blobs/{task.base}", headers=auth,
                                discard=True)
                 payload, digest = self.payloads[t][i % len(self.payloads[t])]
@@ -240,11 +241,12 @@ async def watch(client: httpx.AsyncClient, admin: dict[str, str], rounds: int, s
             await asyncio.wait_for(stop.wait(), 1.0)
 
 
-async def run_slice(url: str, rounds: int, payloads: Payloads, lo: int, hi: int,
-                    connections: int) -> dict[str, Any]:
+async def run_slice(url: str, rounds: int, payloads: Payloads, lo: int, hi: int, connections: int,
+                    download: bool) -> dict[str, Any]:
     """Devices ``lo``..``hi - 1`` in this process; what they measured."""
     calls = Calls()
     fleet = Fleet(payloads, rounds, calls)
+    fleet.download = download
     limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(900, connect=60)) as client:
         gate = asyncio.Semaphore(connections)
@@ -260,12 +262,12 @@ async def run_slice(url: str, rounds: int, payloads: Payloads, lo: int, hi: int,
 
 
 def client_process(url: str, rounds: int, payloads: Payloads, lo: int, hi: int, connections: int, nice: int,
-                   q: Any) -> None:
+                   download: bool, q: Any) -> None:
     raise_nofile()
     if nice:
         os.nice(nice)
     try:
-        q.put(asyncio.run(run_slice(url, rounds, payloads, lo, hi, connections)))
+        q.put(asyncio.run(run_slice(url, rounds, payloads, lo, hi, connections, download)))
     except BaseException as e:
         q.put({"crashed": repr(e)[:500]})
         raise
@@ -285,7 +287,8 @@ async def run_fleet(url: str, admin_token: str, args: argparse.Namespace, calls:
         cuts = [n * j // k for j in range(k + 1)]
         t0 = time.time()
         procs = [ctx.Process(target=client_process, args=(url, args.rounds, payloads, cuts[j], cuts[j + 1],
-                                                          max(1, args.connections // k), args.client_nice, q))
+                                                          max(1, args.connections // k), args.client_nice,
+                                                          not args.no_download, q))
                  for j in range(k)]
         for p in procs:
             p.start()
@@ -331,17 +334,13 @@ def _report(args: argparse.Namespace, calls: Calls, parts: list[dict[str, Any]],
                        "updates_per_s": len(done[t]) / span if span else None,
                        "first_task_to_last_update_s": span})
     enrol_span = max(enrolled) - t0 if enrolled else None
-    return {"wall_s": wall, "enrolled": len(enrolled),
+    return {"wall_s": wall, "enrolled": len(enrolled), "t0": t0, "enrol_end": max(enrolled, default=t0),
             "enrolments_per_s": len(enrolled) / enrol_span if enrol_span else None,
             "payload_bytes": next((p["payload_bytes"] for p in parts if "payload_bytes" in p), None),
             "device_failures": sum(p.get("failures", 0) for p in parts) + len(crashed),
             "device_failure_samples": [s for p in parts for s in p.get("failure_samples", [])][:5] + crashed,
             "client_cpu_s": sum(p.get("cpu_s", 0.0) for p in parts),
             "rounds": rounds, "states": [{**e, "t": e["t"] - t0} for e in log]}
-
-
-def _minus(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None else a - b
 
 
 def main() -> None:
@@ -354,6 +353,7 @@ def main() -> None:
     ap.add_argument("--database", default="postgresql", help="postgresql (a fresh database), sqlite, or a URL")
     ap.add_argument("--broker", default="mosquitto", choices=["mosquitto", "embedded"])
     ap.add_argument("--procs", type=int, default=2, help="client processes the devices are spread over")
+    ap.add_argument("--no-download", action="store_true", help="devices skip the GET of their task's base")
     ap.add_argument("--client-nice", type=int, default=0, help="niceness of the devices' processes")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -374,16 +374,14 @@ def main() -> None:
         with RssSampler(pids) as rss:
             cpu0 = {k: rss.cpu_s(k) for k in pids}
             res = asyncio.run(run_fleet(srv.url, token, args, calls))
-            cpu = {f"{k}_cpu_s": _minus(rss.cpu_s(k), cpu0[k]) for k in pids}
-    errors = sum(calls.errors.values())
+            cpu: dict[str, float | None] = {f"{k}_cpu_s": rss.cpu_s(k) - cpu0[k] for k in pids}
+        enrol_cpu = rss.cpu_between(res["t0"], res["enrol_end"])
+        cpu["server_cpu_ms_per_enrolment"] = enrol_cpu and 1e3 * enrol_cpu / max(1, res["enrolled"])
     result = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"), "load_average_after": os.getloadavg(),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
-        "load_average_after": os.getloadavg(), "nofile": nofile,
-        "devices": args.devices, "database": args.database, "broker": args.broker, "variants": args.variants,
-        "connections": args.connections, "client_procs": args.procs, "client_nice": args.client_nice, **res, **cpu,
-        "errors": errors,
-        "error_samples": calls.samples,
+        "args": {k: str(v) for k, v in vars(args).items()}, "nofile": nofile, **res, **cpu,
+        "errors": sum(calls.errors.values()), "error_samples": calls.samples,
         "calls": calls.summary(), "server_peak_rss_mb": rss.peak_main_mb.get("server"),
         "server_peak_rss_with_children_mb": rss.peak_mb.get("server"),
         "broker_peak_rss_mb": rss.peak_mb.get("broker"),

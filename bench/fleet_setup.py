@@ -148,6 +148,7 @@ class RssSampler:
         self.peak_mb: dict[str, float] = {k: 0.0 for k in pids}
         self.peak_main_mb: dict[str, float] = {k: 0.0 for k in pids}
         self.timeline: list[tuple[float, float]] = []  # (unix time, MB) of the first process
+        self.cpu_timeline: list[tuple[float, float]] = []  # (unix time, CPU s with its children) of the first
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -162,17 +163,23 @@ class RssSampler:
             self.peak_main_mb[name] = max(self.peak_main_mb[name], main / 2**20)
             if name == next(iter(self.pids)):
                 self.timeline.append((time.time(), main / 2**20))
+                self.cpu_timeline.append((time.time(), self.cpu_s(name)))
             self.peak_mb[name] = max(self.peak_mb[name], total / 2**20)
 
-    def cpu_s(self, name: str) -> float | None:
-        """CPU seconds (user + system) used so far by ``name`` and its children, live and reaped."""
+    def cpu_s(self, name: str) -> float:
+        """CPU seconds (user + system) used so far by ``name`` and its children, live and reaped (0: gone)."""
         try:
             p = psutil.Process(self.pids[name])
             t = p.cpu_times()
             own = t.user + t.system + t.children_user + t.children_system
             return own + sum(c.cpu_times().user + c.cpu_times().system for c in p.children(recursive=True))
         except psutil.Error:
-            return None
+            return 0.0
+
+    def cpu_between(self, t0: float, t1: float) -> float | None:
+        """CPU seconds the first process (with its children) used between unix times ``t0`` and ``t1``."""
+        inside = [c for t, c in self.cpu_timeline if t0 <= t <= t1]
+        return inside[-1] - inside[0] if len(inside) >= 2 else None
 
     def current_mb(self, name: str) -> float | None:
         """Resident memory of ``name`` (its main process) now."""
