@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import tempfile
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,7 +104,30 @@ def check_update(source: Path | bytes, expected: Mapping[str, Sequence[int]], mo
     return d.round, update_norm(prev, d.tensors)
 
 
-def _worker_init() -> None:
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"  # a zombie is a dead server not yet reaped
+    except OSError:
+        try:
+            os.kill(pid, 0)  # no /proc (not Linux): whether the pid exists
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
+def _watch(server_pid: int) -> None:
+    while _alive(server_pid):
+        time.sleep(1.0)
+    os._exit(0)
+
+
+def _worker_init(server_pid: int) -> None:
+    # a worker outlives a server killed with SIGKILL (it holds its own queue's pipe and the forkserver's "alive"
+    # pipe, so neither ever reads EOF): it watches the server and exits with it, and the forkserver follows
+    threading.Thread(target=_watch, args=(server_pid,), name="pfl-decode-watch", daemon=True).start()
     with contextlib.suppress(OSError):  # not allowed here: run at the same priority
         os.nice(_NICE)
     import torch
@@ -127,7 +151,8 @@ class DecodePool:
                 return
             ctx = multiprocessing.get_context("forkserver")
             ctx.set_forkserver_preload(["pfl_edge.codec", "server.services.spool"])
-            pool = concurrent.futures.ProcessPoolExecutor(self.processes, mp_context=ctx, initializer=_worker_init)
+            pool = concurrent.futures.ProcessPoolExecutor(self.processes, mp_context=ctx, initializer=_worker_init,
+                                                          initargs=(os.getpid(),))
             for f in [pool.submit(os.getpid) for _ in range(self.processes)]:
                 f.result()
             self._pool = pool
