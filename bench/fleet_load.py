@@ -245,12 +245,14 @@ async def run_slice(url: str, rounds: int, payloads: Payloads, lo: int, hi: int,
                     download: bool) -> dict[str, Any]:
     """Devices ``lo``..``hi - 1`` in this process; what they measured."""
     calls = Calls()
-    fleet = Fleet(payloads, rounds, calls)
-    fleet.download = download
-    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(900, connect=60)) as client:
+    (fleet := Fleet(payloads, rounds, calls)).download = download
+    k = max(1, connections // 50)  # pools of 50: httpcore's pool costs O(requests x connections) per response
+    limits = httpx.Limits(max_connections=connections // k, max_keepalive_connections=connections // k)
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(httpx.AsyncClient(
+            base_url=url, limits=limits, timeout=httpx.Timeout(900, connect=60))) for _ in range(k)]
         gate = asyncio.Semaphore(connections)
-        results = await asyncio.gather(*(fleet.device(client, i, gate) for i in range(lo, hi)),
+        results = await asyncio.gather(*(fleet.device(clients[i % k], i, gate) for i in range(lo, hi)),
                                        return_exceptions=True)
     for s in fleet.sessions:
         await s.close()

@@ -144,10 +144,11 @@ class DecodePool:
         self.processes = (os.cpu_count() or 1) if processes is None else processes
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._lock = threading.Lock()
+        self._closed = False  # stopped: no fresh pool after a broken one (checks run in the calling thread)
 
     def start(self) -> None:
         with self._lock:
-            if self.processes <= 0 or self._pool is not None:
+            if self.processes <= 0 or self._pool is not None or self._closed:
                 return
             ctx = multiprocessing.get_context("forkserver")
             ctx.set_forkserver_preload(["pfl_edge.codec", "server.services.spool"])
@@ -158,6 +159,7 @@ class DecodePool:
             self._pool = pool
 
     def stop(self) -> None:
+        self._closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
