@@ -4,10 +4,12 @@ may (``server.services.blob_access``)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Request, Response
 from pydantic import BaseModel
+from starlette.requests import ClientDisconnect
 
 from pfl_edge.protocol import DIGEST_RE
 
@@ -20,6 +22,8 @@ from ..services.spool import Spooled, spool_body
 __all__ = ["BlobStored", "router"]
 
 router = APIRouter(prefix="/blobs", tags=["blobs"])
+
+log = logging.getLogger(__name__)
 
 Digest = Annotated[str, Path(description="sha256 of the blob's bytes, 64 lowercase hex characters")]
 
@@ -52,8 +56,12 @@ async def put_blob(request: Request, sha256: Digest, dev: DeviceAuth, blobs: Blo
     _check_digest(sha256)
     # to a temp file as it arrives (an upload in flight holds a chunk, not its body), then checked and stored by
     # the upload threads (decoded in the decode processes), apart from the thread pool of cheap requests
-    body = await spool_body(request.stream(), blobs.store.max_blob_bytes, blobs.spool_dir,
-                            request.headers.get("content-length"))
+    try:
+        body = await spool_body(request.stream(), blobs.store.max_blob_bytes, blobs.spool_dir,
+                                request.headers.get("content-length"))
+    except ClientDisconnect:  # cut or killed mid-upload: nothing was kept, and a device sends the blob again
+        log.info("device %s went away during PUT of blob %s", dev.id, sha256)
+        return Response(status_code=400)  # read by no one; not a server error to log with a traceback
     job = blobs.upload_threads.submit(_put, blobs, dev, sha256, body)
     try:
         created = await asyncio.wrap_future(job)

@@ -292,3 +292,40 @@ def test_a_model_over_the_blob_limit_is_refused_at_creation_not_a_500(tmp_path: 
         detail = refused(c, lambda: c.post("/v1/federations", json=body, headers=bearer(ADMIN)), 422,
                          "max_blob_bytes")
         assert "PFL_MAX_BLOB_BYTES" in detail["detail"]
+
+
+def test_a_device_cut_off_mid_upload_is_no_server_error(tmp_path: Path, broker_url: str) -> None:
+    """Found by the soak: a device cut or killed during a blob PUT made the server log an unhandled
+    ClientDisconnect with its traceback ("Exception in ASGI application")."""
+    import logging
+
+    from server.launch import start_background
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("uvicorn.error")
+    try:
+        with start_background(_settings(tmp_path, broker_url)) as srv, httpx.Client(base_url=srv.url) as c:
+            logger.addHandler(handler)  # once started: uvicorn's logging config replaces the handlers it finds
+            create(c, ADMIN, "cut", FEDPER)
+            dev = Dev(c, "cut")
+            before = blob_count(tmp_path)
+            host, port = srv.url.removeprefix("http://").split(":")
+            with socket.create_connection((host, int(port)), timeout=10) as sock:
+                token = dev.e["token"]
+                sock.sendall(f"PUT /v1/blobs/{'0' * 64} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
+                             "Content-Type: application/octet-stream\r\nContent-Length: 1000000\r\n\r\n".encode()
+                             + b"x" * 4096)
+                time.sleep(0.5)
+            time.sleep(1.0)
+            assert c.get("/healthz").status_code == 200
+            assert blob_count(tmp_path) == before  # nothing kept of the cut upload
+    finally:
+        logger.removeHandler(handler)
+    assert not [r for r in records if r.levelno >= logging.ERROR], [r.getMessage() for r in records]
+
+
+def blob_count(tmp_path: Path) -> int:
+    blobs = tmp_path / "data" / "blobs"
+    return sum(1 for p in blobs.rglob("*") if p.is_file() and not p.name.startswith(".")) if blobs.exists() else 0
