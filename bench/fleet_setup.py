@@ -4,11 +4,9 @@ system server, the server itself as a subprocess, and a sampler of their residen
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -20,8 +18,9 @@ from typing import Any
 
 import psutil
 
-from server.broker import free_port
-from server.launch import SubprocessServer, _wait_healthy, start_subprocess
+from server.broker import free_port, listening
+from server.broker_setup import init_dynsec
+from server.launch import SubprocessServer, start_subprocess, wait_healthy
 
 __all__ = ["RssSampler", "config_for", "mosquitto", "postgres_db", "raise_nofile", "server"]
 
@@ -46,28 +45,12 @@ def config_for(devices: int, rounds: int) -> dict[str, Any]:
                       profile_capacity=False, extra={"test_per_client": 1}).federation_config()
 
 
-def _answers(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1):
-            return True
-    except OSError:
-        return False
-
-
 @contextmanager
 def mosquitto(folder: Path) -> Iterator[tuple[str, int]]:
     """A private Mosquitto with dynamic security on a free port (no persistence); (its URL, its pid)."""
     exe = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
-    ctrl = shutil.which("mosquitto_ctrl") or "mosquitto_ctrl"
     folder.mkdir(parents=True, exist_ok=True)
-    dyn = folder / "dynamic-security.json"
-    subprocess.run([ctrl, "dynsec", "init", str(dyn), ADMIN[0]], input=f"{ADMIN[1]}\n{ADMIN[1]}\n", text=True,
-                   check=True, capture_output=True)
-    conf = json.loads(dyn.read_text())
-    for role in conf["roles"]:
-        if role["rolename"] == "admin":
-            role["acls"].append({"acltype": "publishClientSend", "topic": "pfl/#", "allow": True})
-    dyn.write_text(json.dumps(conf))
+    dyn = init_dynsec(folder / "dynamic-security.json", *ADMIN)
     port = free_port()
     (folder / "mosquitto.conf").write_text("\n".join([
         "user root", f"listener {port} 127.0.0.1", "persistence false", "max_connections -1",
@@ -77,7 +60,7 @@ def mosquitto(folder: Path) -> Iterator[tuple[str, int]]:
     proc = subprocess.Popen([exe, "-c", str(folder / "mosquitto.conf")], stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 10
-        while not _answers(port):
+        while not listening(port):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"mosquitto did not start: {(folder / 'mosquitto.log').read_text()[-2000:]}")
             time.sleep(0.05)
@@ -132,7 +115,7 @@ def _subprocess_at(root: Path, env: dict[str, str]) -> SubprocessServer:
     proc = subprocess.Popen([sys.executable, "-m", "server.main", "--host", "127.0.0.1", "--port", str(port),
                              "--log-level", "warning"], env=full, cwd=root)
     try:
-        _wait_healthy(url, 120, lambda: proc.poll() is None)
+        wait_healthy(url, 120, lambda: proc.poll() is None)
     except BaseException:
         proc.kill()
         raise

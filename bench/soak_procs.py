@@ -19,6 +19,8 @@ from typing import Any, Protocol
 import httpx
 from netns import MGMT_IP, SERVICE_IP, Netns
 
+from server.launch import wait_healthy
+
 __all__ = ["BlobWitness", "DeviceSpec", "Procs"]
 
 REPO = Path(__file__).resolve().parent.parent
@@ -206,17 +208,11 @@ class Procs:
             "--data-dir", str(self.data_dir), "--broker-url", broker, *db], self.root / "server.log", env)
         if not wait:
             return
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.server.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.server.returncode}: {self.log_tail('server')}")
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"the server did not answer within {timeout_s} s: {self.log_tail('server')}")
+        server = self.server
+        try:
+            wait_healthy(self.url, timeout_s, lambda: server.poll() is None)
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}: {self.log_tail('server')}") from None
 
     def kill_server(self) -> None:
         _kill(self.server)

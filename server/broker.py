@@ -25,7 +25,7 @@ from typing import TypeVar
 
 from .broker_core import Authenticator, BrokerCore
 
-__all__ = ["EmbeddedBroker", "free_port", "loopback"]
+__all__ = ["EmbeddedBroker", "free_port", "listening", "loopback"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -38,6 +38,15 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def listening(port: int, host: str = "127.0.0.1") -> bool:
+    """Does something accept TCP connections on ``host:port`` now?"""
+    try:
+        with socket.create_connection((host, port), timeout=1):
+            return True
+    except OSError:
+        return False
 
 
 def loopback(host: str) -> bool:

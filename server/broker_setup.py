@@ -12,9 +12,12 @@ address (``public_url``), naming the settings to set.
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
+import shutil
 import ssl
+import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +31,7 @@ from .mqtt import MqttLink, broker_tls, parse_broker_url
 from .services.broker_access import Mode
 from .settings import Settings
 
-__all__ = ["MqttSetup", "start_mqtt"]
+__all__ = ["MqttSetup", "init_dynsec", "start_mqtt"]
 
 log = logging.getLogger(__name__)
 
@@ -120,3 +123,20 @@ def _device_url(settings: Settings, url: str | None, broker: EmbeddedBroker | No
             f"see it (with the embedded broker, also PFL_EMBEDDED_BROKER_HOST, e.g. 0.0.0.0, and a certificate "
             f"in PFL_BROKER_TLS_CERT / PFL_BROKER_TLS_KEY)")
     return out
+
+
+def init_dynsec(path: Path, admin: str, password: str) -> Path:
+    """A Mosquitto ``dynamic-security.json`` at ``path`` (``mosquitto_ctrl dynsec init``) whose admin, the
+    identity the server provisions devices with (``PFL_MQTT_USERNAME``/``PFL_MQTT_PASSWORD``), may also publish the
+    federations' topics (``pfl/#``). ConfigError if ``mosquitto_ctrl`` is missing."""
+    ctrl = shutil.which("mosquitto_ctrl")
+    if ctrl is None:
+        raise ConfigError("mosquitto_ctrl is not installed (Debian: apt-get install mosquitto-clients)")
+    subprocess.run([ctrl, "dynsec", "init", str(path), admin], input=f"{password}\n{password}\n", text=True,
+                   check=True, capture_output=True)
+    conf = json.loads(path.read_text())
+    for role in conf["roles"]:
+        if role["rolename"] == "admin":
+            role["acls"].append({"acltype": "publishClientSend", "topic": "pfl/#", "allow": True})
+    path.write_text(json.dumps(conf))
+    return path

@@ -27,7 +27,14 @@ from .broker import free_port
 from .ratelimit import install_flood_filter
 from .settings import Settings, ensure_admin_token
 
-__all__ = ["BackgroundServer", "SubprocessServer", "start_background", "start_subprocess", "uvicorn_config"]
+__all__ = [
+    "BackgroundServer",
+    "SubprocessServer",
+    "start_background",
+    "start_subprocess",
+    "uvicorn_config",
+    "wait_healthy",
+]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -102,7 +109,7 @@ def uvicorn_config(app: FastAPI, settings: Settings, host: str, port: int, *,
     return cfg
 
 
-def _wait_healthy(url: str, timeout: float, alive: object = None) -> None:
+def wait_healthy(url: str, timeout: float, alive: object = None) -> None:
     deadline = time.monotonic() + timeout
     last: Exception | None = None
     while time.monotonic() < deadline:
@@ -156,7 +163,7 @@ def start_background(settings: Settings, host: str = "127.0.0.1", port: int | No
     server = uvicorn.Server(uvicorn_config(app, settings, host, port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="pfl-server", daemon=True)
     thread.start()
-    _wait_healthy(url, timeout, thread.is_alive)
+    wait_healthy(url, timeout, thread.is_alive)
     if settings.admin_token is None:
         raise InternalError("ensure_admin_token left no admin token")
     return BackgroundServer(url, settings.admin_token.get_secret_value(), server, thread, app.state.pfl)
@@ -207,7 +214,7 @@ def start_subprocess(env: dict[str, str], host: str = "127.0.0.1", port: int | N
         if out is not None:
             out.close()
     try:
-        _wait_healthy(url, timeout, lambda: proc.poll() is None)
+        wait_healthy(url, timeout, lambda: proc.poll() is None)
     except BaseException:
         proc.kill()
         proc.wait(10)

@@ -51,7 +51,8 @@ def _put(blobs: BlobAccess, dev: Device, sha256: str, body: Spooled) -> bool:
             responses={201: {"model": BlobStored}, 413: {"description": "over max_blob_bytes"}},
             openapi_extra={"requestBody": {"required": True, "content": {
                 "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}})
-async def put_blob(request: Request, sha256: Digest, dev: DeviceAuth, blobs: Blobs, response: Response) -> BlobStored:
+async def put_blob(request: Request, sha256: Digest, dev: DeviceAuth, blobs: Blobs,
+                   response: Response) -> BlobStored | Response:
     """A payload of pfl_edge.codec, named by its sha256; checked to decode against the federation's model."""
     _check_digest(sha256)
     # to a temp file as it arrives (an upload in flight holds a chunk, not its body), then checked and stored by

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,18 +16,10 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # `server` may be newer than the editable install's package list
     sys.path.insert(0, str(ROOT))
 
-from server.broker import EmbeddedBroker, free_port  # noqa: E402
+from server.broker import EmbeddedBroker, listening  # noqa: E402
 
 MOSQUITTO = shutil.which("mosquitto") or ("/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None)
 PG_HOST, PG_PORT = "127.0.0.1", 5432
-
-
-def _answers(host: str, port: int) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=1):
-            return True
-    except OSError:
-        return False
 
 
 @pytest.fixture(scope="session")
@@ -40,20 +29,10 @@ def broker_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         with EmbeddedBroker() as b:
             yield b.url
         return
-    port = free_port()
-    conf = tmp_path_factory.mktemp("mosquitto") / "mosquitto.conf"
-    conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n")
-    proc = subprocess.Popen([MOSQUITTO, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 10
-        while not _answers("127.0.0.1", port):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"mosquitto did not start on port {port}")
-            time.sleep(0.05)
-        yield f"mqtt://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    from mosquitto_kit import mosquitto  # beside this file
+
+    with mosquitto(tmp_path_factory.mktemp("mosquitto")) as url:
+        yield url
 
 
 def _pg_user() -> str | None:
@@ -73,7 +52,7 @@ def _pg_user() -> str | None:
 @pytest.fixture
 def pg_url() -> Iterator[str]:
     """A PostgreSQL URL whose search_path is a fresh schema, dropped afterwards."""
-    if not _answers(PG_HOST, PG_PORT):
+    if not listening(PG_PORT, PG_HOST):
         pytest.skip(f"PostgreSQL does not answer on {PG_HOST}:{PG_PORT}")
     import psycopg
 

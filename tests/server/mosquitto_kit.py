@@ -3,9 +3,7 @@ that may also publish ``pfl/#``, as docs/settings describe for the server), and 
 
 from __future__ import annotations
 
-import json
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -14,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from server.broker import free_port
+from server.broker import free_port, listening
+from server.broker_setup import init_dynsec
 
 MOSQUITTO = shutil.which("mosquitto") or ("/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None)
 CTRL = shutil.which("mosquitto_ctrl")
@@ -22,27 +21,11 @@ DYNSEC = Path("/usr/lib/x86_64-linux-gnu/mosquitto_dynamic_security.so")
 ADMIN = ("pfl-admin", "admin-password-for-tests")
 
 
-def _answers(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1):
-            return True
-    except OSError:
-        return False
-
-
 def _dynsec_file(folder: Path) -> Path:
-    """A dynamic-security.json from ``mosquitto_ctrl dynsec init`` whose admin role may also publish pfl/#."""
+    """A dynamic-security.json whose admin role may also publish pfl/# (the server's own set-up helper)."""
     if CTRL is None or not DYNSEC.exists():
         pytest.skip("mosquitto_ctrl or the dynamic-security plugin is missing")
-    path = folder / "dynamic-security.json"
-    subprocess.run([CTRL, "dynsec", "init", str(path), ADMIN[0]], input=f"{ADMIN[1]}\n{ADMIN[1]}\n", text=True,
-                   check=True, capture_output=True)
-    conf = json.loads(path.read_text())
-    for role in conf["roles"]:
-        if role["rolename"] == "admin":
-            role["acls"].append({"acltype": "publishClientSend", "topic": "pfl/#", "allow": True})
-    path.write_text(json.dumps(conf))
-    return path
+    return init_dynsec(folder / "dynamic-security.json", *ADMIN)
 
 
 @contextmanager
@@ -65,7 +48,7 @@ def mosquitto(folder: Path, *, dynsec: bool = False, tls: tuple[Path, Path] | No
     proc = subprocess.Popen([MOSQUITTO, "-c", str(conf)], stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 10
-        while not _answers(port):
+        while not listening(port):
             if proc.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"mosquitto did not start: {(folder / 'mosquitto.log').read_text()[-2000:]}")
             time.sleep(0.05)

@@ -28,12 +28,19 @@ from pfl_edge.codec import encode
 from pfl_edge.errors import CodecError
 from server.db import Device, Federation, Update, make_engine, make_sessionmaker
 from server.errors import Conflict, TooLarge, Unprocessable
-from server.fedmodel import fed_model
+from server.fedmodel import FedModel, fed_model
 from server.routers import health
 from server.services.enrolment import EnrolmentService
 from server.services.planning import Planner
 from server.services.spool import DecodePool, check_update, spool_body
 from server.services.worker import RoundWorker
+
+
+def _federation(fm: FedModel, round: int) -> Federation:
+    """A federation row in state ``open`` of ``round``, made directly (no server)."""
+    return Federation(id="f", config=fm.cfg.to_dict(), enrol_secret_hash="x", quorum=1.0, deadline_s=60,
+                      min_updates=1, min_devices=None, profile_capacity=False, round=round, state="open",
+                      init_digest="0" * 64, base_digest="0" * 64)
 
 
 @pytest.mark.parametrize("config", [FEDPER, DISPFL], ids=["fedper", "dispfl"])
@@ -43,9 +50,7 @@ def test_count_active_is_len_of_active(tmp_path: Path, config: dict[str, Any]) -
     fm = fed_model(dict(config, clients=8))
     sessions = make_sessionmaker(make_engine(f"sqlite:///{tmp_path / 'db.sqlite'}"))
     with sessions.begin() as s:
-        s.add(Federation(id="f", config=fm.cfg.to_dict(), enrol_secret_hash="x", quorum=1.0, deadline_s=60,
-                         min_updates=1, min_devices=None, profile_capacity=False, round=1, state="open",
-                         init_digest="0" * 64, base_digest="0" * 64))
+        s.add(_federation(fm, round=1))
         s.flush()
         for i in range(8):
             s.add(Device(id=f"d{i}", federation="f", token_hash=f"{i:064d}", profile="phone-mid", slot=i,
@@ -212,9 +217,7 @@ def test_slot_is_the_asked_or_lowest_free_one_found_in_sql(tmp_path: Path) -> No
     fm = fed_model(dict(FEDPER, clients=5))
     sessions = make_sessionmaker(make_engine(f"sqlite:///{tmp_path / 'db.sqlite'}"))
     with sessions.begin() as s:
-        s.add(Federation(id="f", config=fm.cfg.to_dict(), enrol_secret_hash="x", quorum=1.0, deadline_s=60,
-                         min_updates=1, min_devices=None, profile_capacity=False, round=0, state="open",
-                         init_digest="0" * 64, base_digest="0" * 64))
+        s.add(_federation(fm, round=0))
 
     def take(*slots: int) -> None:
         with sessions.begin() as s:
