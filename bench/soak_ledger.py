@@ -5,16 +5,18 @@ updates the database holds for that round.
 What counts:
 * **lost**: a ledger entry with no update row of that device, round and digest; or an update row accepted after
   its round closed (the close read the round's updates before it: that update is in no aggregate);
-  or a FedPer round whose published model is not the average of its update rows.
+  or a FedPer round whose published model is not the average of its update rows; or a closed round whose update
+  rows are not what its close took (``Round.inputs`` and ``inputs_digest``, written in the close's transaction:
+  FedPer and DisPFL).
 * **double counted**: more than one update row for a (federation, round, device).
 * **unlogged**: update rows no ledger names (a device killed between the server's answer and its ledger write,
   and never restarted to repeat the post); not lost, reported.
 * **inconsistent devices**: a device whose saved progress and model do not match what the server holds for it.
 
-Nothing on the server records which updates entered an aggregate: the check relies on the close taking every
-update row of its round (``RoundMachine._close``) and on recomputing FedPer's average from them. DisPFL has no
-server aggregate; its rounds are checked for rows accepted after the close (a neighbour's next task names the
-latest update of each device from before the round, ``Planner.latest_models``)."""
+Each close records the count and a digest of the (device, digest) pairs it took; the check holds every closed
+round's rows to that record, and recomputes FedPer's average from them besides. DisPFL has no server aggregate:
+a neighbour's next task names the latest update of each device from before the round (``Planner.latest_models``).
+"""
 
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ def check(database_url: str, blob_dir: Path, device_dirs: list[Path], *, recompu
         logged = _check_ledgers(device_dirs, by_key, out, StateDir)
         out["unlogged"] = len(set(by_key) - logged)
         _check_rounds(feds, rounds, rows, out)
+        _check_inputs(rounds, rows, out)
         out["rounds"] = _rounds_summary(feds, rounds, rows)
         out["devices"] = _check_devices(device_dirs, by_key, devices, StateDir)
         out["inconsistent_devices"] = sum(1 for d in out["devices"] if not d["consistent"])
@@ -97,6 +100,28 @@ def _check_rounds(feds: dict[str, Any], rounds: dict[tuple[str, int], Any], rows
                                        "why": f"accepted {u.accepted_at - r.closed_at:.3f} s after the close"})
     out["accepted_after_close"] = late
     out["lost"] += late
+
+
+def _check_inputs(rounds: dict[tuple[str, int], Any], rows: list[Any], out: dict[str, Any]) -> None:
+    """Each closed round's record of what its close took (``Round.inputs``, ``inputs_digest``: FedPer and DisPFL)
+    against its update rows now: a row the close did not take, or one it took that is gone, is lost."""
+    from server.db import inputs_digest
+
+    by_round: dict[tuple[str, int], list[tuple[str, str]]] = defaultdict(list)
+    for u in rows:
+        by_round[u.federation, u.round].append((u.device, u.digest))
+    checked = mismatched = 0
+    for key, r in rounds.items():
+        if r.inputs_digest is None:
+            continue  # not closed yet
+        checked += 1
+        pairs = by_round.get(key, [])
+        if (len(pairs), inputs_digest(pairs)) != (r.inputs, r.inputs_digest):
+            mismatched += 1
+            out["lost_detail"].append({"federation": key[0], "round": key[1], "rows": len(pairs),
+                                       "taken": r.inputs, "why": "the rows differ from what the close took"})
+    out["inputs_checked"], out["inputs_mismatched"] = checked, mismatched
+    out["lost"] += mismatched
 
 
 def _rounds_summary(feds: dict[str, Any], rounds: dict[tuple[str, int], Any], rows: list[Any]) -> dict[str, Any]:

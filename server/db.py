@@ -13,6 +13,7 @@ import hashlib
 import hmac
 import os
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from sqlalchemy import (
@@ -46,6 +47,7 @@ __all__ = [
     "Update",
     "hash_secret",
     "hash_token",
+    "inputs_digest",
     "make_engine",
     "make_sessionmaker",
     "now",
@@ -121,6 +123,10 @@ class Round(Base):
     active: Mapped[int] = mapped_column(Integer, default=0)  # devices given a task
     start_digest: Mapped[str | None] = mapped_column(String(64), nullable=True)  # FedPer: the model it starts from
     base_digest: Mapped[str | None] = mapped_column(String(64), nullable=True)  # FedPer: the average it produced
+    # what the close took, written in its transaction: the number of update rows and ``inputs_digest`` of their
+    # (device, digest) pairs; a check holds the rows of the round to it (exactly once, nothing lost)
+    inputs: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    inputs_digest: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
 class Update(Base):
@@ -186,6 +192,12 @@ class BlobRef(Base):
     digest: Mapped[str] = mapped_column(ForeignKey("pfl_blobs.digest"), primary_key=True)
     federation: Mapped[str] = mapped_column(ForeignKey("pfl_federations.id"), primary_key=True)
     uploader: Mapped[str] = mapped_column(String(64), primary_key=True)
+
+
+def inputs_digest(pairs: Iterable[tuple[str, str]]) -> str:
+    """sha256 of the sorted ``device:digest`` lines of a round's updates: what a round's close records of the
+    updates it took (``Round.inputs_digest``), recomputable from the update rows."""
+    return hashlib.sha256("\n".join(sorted(f"{dev}:{digest}" for dev, digest in pairs)).encode()).hexdigest()
 
 
 def make_engine(url: str) -> Engine:

@@ -66,6 +66,8 @@ def _trust(conn: Connection) -> None:
                         ("declared_samples", "INTEGER"), ("uploaded_bytes", "BIGINT NOT NULL DEFAULT 0")):
         _add_column("pfl_devices", column, ddl)(conn)
     _add_column("pfl_federations", "aggregation", "JSON")(conn)
+    _add_column("pfl_rounds", "inputs", "INTEGER")(conn)
+    _add_column("pfl_rounds", "inputs_digest", "VARCHAR(64)")(conn)
     _add_column("pfl_updates", "delta_norm", "FLOAT")(conn)
 
 

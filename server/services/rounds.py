@@ -22,7 +22,7 @@ from pfl_edge.aggregate import AggregationRule, clip_update, robust_aggregate, u
 from pfl_edge.codec import encode
 from pfl_edge.errors import InternalError
 
-from ..db import Device, Federation, Round, Update, now
+from ..db import Device, Federation, Round, Update, inputs_digest, now
 from ..fedmodel import FedModel
 from ..states import ENROLMENT_ROUND, RoundState, Transition, next_state
 from .blob_access import BlobAccess
@@ -144,9 +144,10 @@ class RoundMachine:
             known = self.store.existing(s, fed_id)
             fm, rule = self.store.model(known), aggregation_rule(known)
             start = self.store.round(s, fed_id, t).start_digest
-            ups = [(u.digest, u.n_samples, kp, u.delta_norm) for u, kp in s.execute(
-                select(Update, Device.kp).join(Device, Device.id == Update.device)
-                .where(Update.federation == fed_id, Update.round == t).order_by(Device.slot))]
+            taken = list(s.execute(select(Update, Device.kp).join(Device, Device.id == Update.device)
+                                   .where(Update.federation == fed_id, Update.round == t).order_by(Device.slot)))
+            ups = [(u.digest, u.n_samples, kp, u.delta_norm) for u, kp in taken]
+            took = inputs_digest((u.device, u.digest) for u, _ in taken)
         result: str | None = None
         if start is not None:  # a server model to aggregate into (none where devices exchange models)
             new = self.average(fm, start, ups, rule)
@@ -157,6 +158,7 @@ class RoundMachine:
                 return
             r = self.store.round(s, fed_id, t)
             r.state, r.closed_at, r.base_digest = RoundState.PUBLISHED.value, now(), result
+            r.inputs, r.inputs_digest = len(ups), took
             if result is not None:
                 fed.base_digest = result
         log.info("federation %s: round %d closed with %d updates", fed_id, t, len(ups))

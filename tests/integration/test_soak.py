@@ -61,6 +61,9 @@ def test_the_short_soak_loses_nothing_and_counts_nothing_twice(soak: tuple[dict[
     assert report["double_counted"] == 0
     assert report["inconsistent_devices"] == 0, report["ledger"]["devices"]
     assert report["ledger"]["unlogged"] == 0
+    # every closed round's rows are what its close took
+    assert report["ledger"]["inputs_checked"] >= report["rounds_closed"]["soak-fedper"]
+    assert report["ledger"]["inputs_mismatched"] == 0
     assert report["settle"]["settled"], report["settle"]  # after the faults, a round with every device's update
     assert report["rounds_closed"]["soak-fedper"] >= 2
     assert report["updates_accepted"] == report["ledger"]["ledger_entries"] > 0
@@ -90,7 +93,10 @@ def test_the_check_catches_a_lost_update_and_a_wrong_aggregate(soak: tuple[dict[
     got = ledger.check(f"sqlite:///{db}", run / "witness-blobs", dirs)
     assert got["aggregates"]["mismatched"] >= 1  # round 3 (and round t, short of the deleted update)
     assert any(d.get("round") == t and "no such update row" in d["why"] for d in got["lost_detail"])
-    assert got["lost"] >= 2
+    # the close of round t took the deleted row: its record no longer matches the rows
+    assert any(d.get("round") == t and "what the close took" in d["why"] for d in got["lost_detail"])
+    assert got["inputs_checked"] >= 3 and got["inputs_mismatched"] >= 1
+    assert got["lost"] >= 3
     shutil.rmtree(tmp_path, ignore_errors=True)
 
 

@@ -4,6 +4,7 @@ close a round without a dead device, and a server killed mid-round resumes it.""
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,6 +27,7 @@ from server_testkit import (
     train_one,
     wait_for,
 )
+from sqlalchemy.orm import Session
 
 from edge_runtime.data import load_local_data
 from pfl_edge.aggregate import weighted_average
@@ -35,6 +37,7 @@ from pfl_edge.federation import FederationConfig
 from pfl_edge.protocol import mqtt_client_id, round_topic, status_topic, task_topic
 from pfl_edge.split import take
 from pfl_edge.topology import neighbours
+from server.db import Round
 from server.launch import BackgroundServer, start_background, start_subprocess
 from server.settings import Settings
 
@@ -185,16 +188,23 @@ def test_quorum_deadline_and_a_dead_device(srv: BackgroundServer) -> None:
 
     base = take(devs[0].fm.init_state(), devs[0].fm.base_keys(2))
     agents[0].wait(task_topic("q", devs[0].id), lambda x: x["round"] == 1)
-    devs[0].send(1, perturbed(base, 0), n=10)
+    d0 = devs[0].send(1, perturbed(base, 0), n=10)
     time.sleep(1.3)  # past the deadline with 1 update: min_updates is 2, so the round waits
     assert fed_state(c, ADMIN, "q") == (1, "collecting")
-    devs[1].send(1, perturbed(base, 1), n=30)  # the second update closes it at once
+    d1 = devs[1].send(1, perturbed(base, 1), n=30)  # the second update closes it at once
     task = agents[0].wait(task_topic("q", devs[0].id), lambda x: x["round"] == 2)
     want = weighted_average([perturbed(base, 0), perturbed(base, 1)], [10, 30])
     _equal(devs[0].get(task["base"]).tensors, want)
     # the dead device's late update for round 1 is refused, and it never held the round up
     r = devs[2].update(1, devs[2].put(encode(perturbed(base, 2), model_id=devs[2].fm.model_id, round=1)))
     assert r.status_code == 409 and "round 2" in r.json()["detail"]
+    # the close recorded what it took: both updates, not the refused one (sha256 of the sorted device:digest lines)
+    took = hashlib.sha256("\n".join(sorted([f"{devs[0].id}:{d0}", f"{devs[1].id}:{d1}"])).encode()).hexdigest()
+    if srv.app_state is None:
+        raise AssertionError("no app state")
+    with Session(srv.app_state.engine) as s:
+        closed = s.get(Round, ("q", 1))
+        assert closed is not None and (closed.inputs, closed.inputs_digest) == (2, took)
     for a in agents[:2]:
         a.close()
 
