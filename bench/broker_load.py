@@ -16,10 +16,12 @@ import argparse
 import asyncio
 import hashlib
 import json
+import os
 import resource
 import struct
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -91,7 +93,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--devices", type=int, default=1000)
     ap.add_argument("--parallel", type=int, default=500, help="connections opened at once")
+    ap.add_argument("--out", type=Path, default=Path("bench/results/broker_load.json"))
     args = ap.parse_args()
+    report: dict[str, object] = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "devices": args.devices,
+                                 "parallel": args.parallel, "rounds": []}
     passwords = {f"dev-{i:06d}": hashlib.sha256(f"pw{i}".encode()).hexdigest() for i in range(args.devices)}
     hashes = {d: mqtt_hash(p) for d, p in passwords.items()}
 
@@ -112,10 +117,18 @@ def main() -> None:
             t0 = time.perf_counter()
             times = sorted(asyncio.run(fleet(host, port, passwords, rnd, args.parallel)))
             wall = time.perf_counter() - t0
+            row = {"round": rnd, "wall_s": wall, "per_s": args.devices / wall,
+                   "p50_ms": times[len(times) // 2] * 1e3, "p99_ms": times[int(len(times) * 0.99)] * 1e3,
+                   "sessions_kept": len(b.core.sessions)}
+            report["rounds"].append(row)  # type: ignore[attr-defined]
             print(f"round {rnd}: {args.devices} devices connected, authenticated, subscribed and got their task in "
-                  f"{wall:.2f} s ({args.devices / wall:.0f}/s); per device p50 {times[len(times) // 2] * 1e3:.0f} ms, "
-                  f"p99 {times[int(len(times) * 0.99)] * 1e3:.0f} ms; sessions kept {len(b.core.sessions)}")
+                  f"{wall:.2f} s ({row['per_s']:.0f}/s); per device p50 {row['p50_ms']:.0f} ms, "
+                  f"p99 {row['p99_ms']:.0f} ms; sessions kept {row['sessions_kept']}")
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    report["peak_rss_mib"], report["rss_growth_mib"] = rss / 1024, (rss - rss0) / 1024
+    report["load_average_after"] = list(os.getloadavg())
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
     print(f"peak RSS of this process (broker and clients): {rss / 1024:.0f} MiB (+{(rss - rss0) / 1024:.0f} MiB)")
 
 
