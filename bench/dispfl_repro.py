@@ -1,5 +1,5 @@
 """Reproduce, in kind, the DisPFL paper's main comparison on Fashion-MNIST with the fixed round bookkeeping
-(ALGORITHMS.md; issue 9): DisPFL against Local, FedAvg-FT, D-PSGD and D-PSGD-FT on the reference's two splits,
+(docs/algorithms.md; issue 9): DisPFL against Local, FedAvg-FT, D-PSGD and D-PSGD-FT on the reference's two splits,
 client-wise Dir(0.3) (``dirichlet-client:0.3``, equal client sizes) and pathological:2.
 
 The reference's optimiser for every method: SGD lr 0.1 x 0.998^round, momentum 0, weight decay 5e-4, gradient

@@ -1,4 +1,4 @@
-"""Reproduce, in kind, the FedPer paper's findings on Fashion-MNIST (ALGORITHMS.md; issue 2).
+"""Reproduce, in kind, the FedPer paper's findings on Fashion-MNIST (docs/algorithms.md; issue 2).
 
 One budget for every method: the cnn, 1,000 training samples per client, 2 local epochs, 30 rounds, batch 32,
 SGD lr 0.01 momentum 0.9, all clients every round. Tables:

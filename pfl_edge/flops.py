@@ -1,7 +1,7 @@
-"""FLOP counts as ALGORITHMS.md defines them (DisPFL's accounting).
+"""FLOP counts as docs/algorithms.md defines them (DisPFL's accounting).
 
 Per sample, forward: a convolution costs (2 * nnz(W) + C_out) * H_out * W_out, a linear layer
-2 * nnz(W) + nnz(b); norms, activations and pooling are not counted. Exactly as ALGORITHMS.md (and the DisPFL
+2 * nnz(W) + nnz(b); norms, activations and pooling are not counted. Exactly as docs/algorithms.md (and the DisPFL
 reference) write it: C_out for every convolution, with or without a bias. Training a sample costs 3 forwards.
 """
 

@@ -82,7 +82,7 @@ def prune_regrow(weights: Mapping[str, Tensor], masks: Mapping[str, Tensor], alp
 
     The weights are not touched: a client keeps its trained weights with the mask they were trained under (that
     pair is what its neighbours average), and its new mask selects the coordinates of its next start, where a
-    regrown coordinate takes its neighbours' average (ALGORITHMS.md).
+    regrown coordinate takes its neighbours' average (docs/algorithms.md).
     """
     if (grads is None) == (gen is None):
         raise ConfigError("prune_regrow needs exactly one of grads (regrow by gradient) or gen (random)")

@@ -1,6 +1,6 @@
 """The embedded MQTT 3.1.1 broker: ``server.broker_core`` in its own thread and event loop, on loopback by default.
 
-One command runs everything (DESIGN.md); deployments may point ``broker_url`` at Mosquitto or EMQX instead. Why a
+One command runs everything (docs/design.md); deployments may point ``broker_url`` at Mosquitto or EMQX instead. Why a
 small broker of our own instead of amqtt (the earlier default): amqtt 0.12 shared one session between two
 connections with the same client id (after a network blip the device's live connection went deaf, silently) and
 sent a subscriber of one exact topic every retained message of every federation; fixing that around the library

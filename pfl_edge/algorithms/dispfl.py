@@ -1,4 +1,4 @@
-"""DisPFL (Dai et al., ICML 2022; ALGORITHMS.md): personal sparse masks, no central aggregation.
+"""DisPFL (Dai et al., ICML 2022; docs/algorithms.md): personal sparse masks, no central aggregation.
 
 A client keeps three things: ``weights``, exactly as its last training left them (zero off ``support``);
 ``support``, the mask they were trained under (it travels with them: a neighbour counts each weight with the

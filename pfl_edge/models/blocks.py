@@ -14,7 +14,7 @@ __all__ = ["BlockModel", "Flatten", "SpatialMean"]
 
 
 class SpatialMean(nn.Module):
-    """Global average pooling as a mean over H and W: trainable on-device, unlike avg-pool (DESIGN.md)."""
+    """Global average pooling as a mean over H and W: trainable on-device, unlike avg-pool (docs/design.md)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.mean(dim=(2, 3))

@@ -1,5 +1,5 @@
 """The built-in models. All of them downsample with strided convolutions and pool with a spatial mean (or
-flatten), so that every block can be trained on-device with ExecuTorch (DESIGN.md, known operator limits)."""
+flatten), so that every block can be trained on-device with ExecuTorch (docs/design.md, known operator limits)."""
 
 from __future__ import annotations
 

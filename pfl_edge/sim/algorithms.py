@@ -136,7 +136,7 @@ class CentralPFL(Runner):
         deployed = central.deploy(everyone, self.clients, t)
         self._deployed = deployed
         acc, loss = ctx.trainer.evaluate(deployed, everyone.slots)
-        # training a sample costs 3 forwards; fine-tuning counts alike (ALGORITHMS.md's accounting)
+        # training a sample costs 3 forwards; fine-tuning counts alike (docs/algorithms.md's accounting)
         epochs = torch.zeros(ctx.num_clients, dtype=torch.int64)
         epochs[participants] += ctx.cfg.local_epochs
         if ctx.cfg.algorithm == "fedavg-ft" or (algo.finetunes_personal and self.personal_params):

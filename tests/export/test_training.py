@@ -49,7 +49,7 @@ def test_training_program_describes_itself_and_packages_beside_the_inference_one
     assert fedper.format == "executorch" and d["kind"] == "training" and d["mode"] == "fedper"
     assert d["trainable"] == [k for k, _ in prep.model.named_parameters()] and d["frozen"] == []
     assert d["batch_size"] == B and d["inputs"] == ["x", "y", "weight"]
-    # no XNNPACK delegate in a training program (DESIGN.md): the portable kernels run it
+    # no XNNPACK delegate in a training program (docs/design.md): the portable kernels run it
     assert not any("delegate" in op for op in d["operators"])
     assert any("convolution_backward" in op for op in d["operators"])  # the backward pass is in the graph
     packaged = package(fedper, tmp_path)

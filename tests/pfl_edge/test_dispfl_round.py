@@ -1,4 +1,4 @@
-"""DisPFL's round bookkeeping (ALGORITHMS.md): a neighbour's weights are counted with the mask they were trained
+"""DisPFL's round bookkeeping (docs/algorithms.md): a neighbour's weights are counted with the mask they were trained
 under, the receiving client's new mask is applied only after averaging, and a regrown coordinate starts from its
 neighbours' average; zeros never enter an average."""
 
