@@ -57,6 +57,7 @@ class Settings(BaseSettings):
     tick_s: float = Field(default=1.0, gt=0)  # how often deadlines and round transitions are checked
     decode_processes: int | None = Field(default=None, ge=0, le=1024)  # uploads' decode checks; None: one per core
     admin_token_file: Path | None = None  # the admin token read from this file (first line) when admin_token is unset
+    metrics_token: SecretStr | None = None  # read-only bearer token for GET /metrics (Prometheus); None: admin only
     # device tokens: a device rotates its own (POST /v1/devices/me/token) before they expire
     token_ttl_s: float = Field(default=30 * 86400.0, ge=60, le=10 * 365 * 86400.0)
     # enrolment attempts: a token bucket per client address and per federation, in memory; a refused attempt
