@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from ..errors import PflEdgeError
-from . import client, demo, export, info, profile, server, simulate
+from . import client, demo, export, info, profile, report, server, simulate
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     # the order here is the order of pfl-edge --help
     simulate.register(sub)
     demo.register(sub)
+    report.register(sub)
     server.register(sub)
     client.register(sub)
     info.register_check(sub)
