@@ -17,7 +17,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import fx, nn
 
+from .checkpoint import ModelSpec
 from .errors import ConfigError
+from .federation import FederationConfig, model_id
 from .models import BlockModel, Flatten, LinearBase, SpatialMean
 
 __all__ = [
@@ -31,12 +33,14 @@ __all__ = [
     "ProgramInfo",
     "TensorInfo",
     "TrainingInfo",
+    "build_card",
     "card_sections",
     "dataset_normalisation",
     "describe_blocks",
     "describe_layers",
     "describe_tensors",
     "own_images_normalisation",
+    "training_info",
 ]
 
 CARD_FORMAT: Literal["pfl-edge-model-card/1"] = "pfl-edge-model-card/1"
@@ -346,3 +350,35 @@ def card_sections(model: BlockModel, input_shape: Sequence[int], personal_keys: 
     """``layers``, ``blocks`` and ``tensors`` of a card, from the real model."""
     return {"layers": describe_layers(model, input_shape), "blocks": describe_blocks(model, personal_keys),
             "tensors": describe_tensors(model)}
+
+
+# ------------------------------------------------------------------------------------------- the card
+
+
+def training_info(cfg: FederationConfig) -> TrainingInfo:
+    """FederationConfig.train_config's SGD, its lr_at schedule and the epochs of a round."""
+    tc = cfg.train_config(1)
+    return TrainingInfo(
+        lr=tc.lr, lr_schedule=LrSchedule(formula="lr * lr_decay ** (t - 1)", lr=cfg.lr, lr_decay=cfg.lr_decay,
+                                          round_index="t: the round, from 1; round 0 (a late joiner's first "
+                                                      "fine-tuning) uses round 1's lr"),
+        momentum=tc.momentum, weight_decay=tc.weight_decay, clip_norm=tc.clip_norm, clip_unmasked=tc.clip_unmasked,
+        batch_size=tc.batch_size, local_epochs=cfg.local_epochs,
+        ft_epochs=cfg.ft_epochs if cfg.algorithm == "fedper-ft" else 0)
+
+
+def build_card(*, federation: str, cfg: FederationConfig, spec: ModelSpec, model: BlockModel, profile: str,
+               kp: int, density: float, base_keys: Sequence[str], programs: Sequence[ProgramInfo]) -> ModelCard:
+    """The card of ``federation``'s model for a device of ``profile`` keeping ``kp`` blocks (``base_keys``
+    travel; the rest stay on the device)."""
+    shape = [spec.in_channels, spec.image_size, spec.image_size]
+    base = set(base_keys)
+    personal = [k for k in model.state_dict() if k not in base]
+    return ModelCard(
+        model_id=model_id(spec), model=spec.model, federation=federation, profile=profile, algorithm=cfg.algorithm,
+        num_classes=spec.num_classes,
+        input=InputInfo(shape=shape, normalisation=dataset_normalisation(cfg.dataset, spec.in_channels),
+                        own_images=own_images_normalisation()),
+        base_keys=[k for k in model.state_dict() if k in base], personal_keys=personal, kp=kp,
+        density=density if cfg.algorithm == "dispfl" else 1.0, training=training_info(cfg), programs=list(programs),
+        **card_sections(model, shape, personal))

@@ -1,0 +1,113 @@
+"""The model as an artefact (docs/model.md): a federation's model card for a device profile, and the programs it
+lists, for the admin or the federation's devices. A program not exported yet is answered 503 with Retry-After
+while it is exported (``server.services.artefacts``)."""
+
+from __future__ import annotations
+
+import re
+import threading
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import FileResponse
+
+from device_profiles import get_profile, list_profiles
+from pfl_edge.errors import UnknownNameError
+from pfl_edge.federation import device_capacity
+from pfl_edge.modelcard import ModelCard, ProgramInfo, build_card
+from pfl_edge.protocol import API_PREFIX
+
+from ..db import Device
+from ..deps import Coord, FederationReader
+from ..errors import NotFound, Unprocessable
+from ..fedmodel import FedModel
+from ..services.artefacts import Artefacts, ProgramKey, ProgramRecord, training_modes
+
+__all__ = ["program_keys", "router"]
+
+router = APIRouter(prefix="/federations", tags=["models"])
+
+_FILE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,199}\.(onnx|pte)$")
+_CREATE = threading.Lock()
+_NOT_READY: dict[int | str, dict[str, Any]] = {
+    503: {"description": "a program is being exported: ask again after Retry-After seconds"}}
+
+
+def artefacts(request: Request) -> Artefacts:
+    """The app's program store under ``<data_dir>/programs``, made on first use."""
+    state = request.app.state
+    with _CREATE:
+        got: Artefacts | None = getattr(state, "artefacts", None)
+        if got is None:
+            got = state.artefacts = Artefacts(state.pfl.settings.data_dir / "programs")
+    return got
+
+
+ArtefactsDep = Annotated[Artefacts, Depends(artefacts)]
+
+
+def program_keys(fm: FedModel, *, kp: int, training_backend: str) -> list[ProgramKey]:
+    """The programs a device keeping ``kp`` blocks needs: ONNX inference always; the ExecuTorch training programs
+    of its algorithm when it trains with ExecuTorch."""
+    keys = [ProgramKey(fm.spec, "inference")]
+    if training_backend == "executorch":
+        for mode in training_modes(fm.cfg.algorithm, kp):
+            keys.append(ProgramKey(fm.spec, "training", mode, kp if mode == "personal" else None,
+                                   fm.cfg.batch_size))
+    return keys
+
+
+def _federation_programs(fm: FedModel) -> dict[str, ProgramKey]:
+    """Every program a card of this federation can list (any profile, any K_P), by file name."""
+    return {k.file: k for kp in range(fm.num_blocks + 1)
+            for k in program_keys(fm, kp=kp, training_backend="executorch")}
+
+
+def _info(fed: str, key: ProgramKey, rec: ProgramRecord) -> ProgramInfo:
+    return ProgramInfo(file=rec.file, kind=key.kind, runtime=key.runtime, mode=key.mode,  # type: ignore[arg-type]
+                       sha256=rec.sha256, bytes=rec.bytes, url=f"{API_PREFIX}/federations/{fed}/programs/{rec.file}",
+                       details=rec.details)
+
+
+@router.get("/{fed}/model", response_model=ModelCard, responses=_NOT_READY)
+def get_model_card(fed: str, reader: FederationReader, coord: Coord, arts: ArtefactsDep,
+                   profile: Annotated[str | None, Query(max_length=64)] = None) -> ModelCard:
+    """The model card for a device of ``profile`` (a device without ``profile``: its own)."""
+    dev = reader if isinstance(reader, Device) else None
+    name = profile or (dev.profile if dev is not None else None)
+    if name is None:
+        raise Unprocessable("give ?profile=NAME: the card depends on the device profile; valid profiles: "
+                            f"{', '.join(list_profiles())}")
+    try:
+        prof = get_profile(name)
+    except UnknownNameError:
+        raise Unprocessable(f"unknown device profile {name!r}; valid profiles: {', '.join(list_profiles())}") from None
+    with coord.store.read() as s:
+        row = coord.store.federation(s, fed)
+        fm, by_profile = coord.store.model(row), row.profile_capacity
+    if dev is not None and dev.profile == prof.name:
+        density, kp = dev.density, dev.kp  # its own: exactly what it was given at enrolment
+    else:
+        density, kp = device_capacity(fm.cfg, 0, profile_density=prof.density if by_profile else None,
+                                      profile_kp=prof.kp if by_profile else None)
+    if kp > fm.num_blocks:
+        raise Unprocessable(f"profile {prof.name!r} keeps {kp} personal blocks but model {fm.cfg.model!r} has "
+                            f"only {fm.num_blocks}")
+    keys = program_keys(fm, kp=kp, training_backend=prof.training_backend)
+    records = arts.ensure(keys)
+    return build_card(federation=fed, cfg=fm.cfg, spec=fm.spec, model=fm.model, profile=prof.name, kp=kp,
+                      density=density, base_keys=fm.base_keys(kp),
+                      programs=[_info(fed, k, r) for k, r in zip(keys, records, strict=True)])
+
+
+@router.get("/{fed}/programs/{file}", response_class=FileResponse, responses={
+    200: {"content": {"application/octet-stream": {}}}, **_NOT_READY})
+def get_program(fed: str, file: str, _reader: FederationReader, coord: Coord, arts: ArtefactsDep) -> FileResponse:
+    """A program of the federation's model cards, as raw bytes (its sha256 in the card and the ETag)."""
+    with coord.store.read() as s:
+        fm = coord.store.model(coord.store.federation(s, fed))
+    keys = _federation_programs(fm) if _FILE.match(file) else {}
+    if file not in keys:
+        raise NotFound(f"federation {fed!r} has no program {file!r:.100}")  # the same for foreign and unknown
+    rec = arts.ensure([keys[file]])[0]
+    return FileResponse(arts.path(file), media_type="application/octet-stream", headers={"ETag": f'"{rec.sha256}"'})
