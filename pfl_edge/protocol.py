@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Literal
+import sys
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -40,19 +41,25 @@ __all__ = [
     "MAX_ROUND",
     "PROTOCOL_VERSION",
     "AggregationSettings",
+    "BlobStored",
     "BrokerInfo",
     "DeviceStatus",
+    "Digest",
     "EnrolRequest",
     "Enrolment",
+    "ErrorBody",
     "FederationCreate",
     "FederationInfo",
     "MetricsReport",
+    "MetricsStored",
     "Neighbour",
     "RoundAnnouncement",
     "RoundState",
     "Task",
+    "TokenIssued",
     "UpdateAccepted",
     "UpdateRequest",
+    "ValidationIssue",
     "mqtt_client_id",
     "round_topic",
     "status_topic",
@@ -95,15 +102,20 @@ _MAX_CONFIG_KEYS, _MAX_CONFIG_DEPTH, _MAX_CONFIG_TEXT = 64, 4, 4_096
 _CONFIG_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$")
 
 
+_MAX_FLOAT = sys.float_info.max  # "finite": a bound NaN and Infinity fail, in pydantic and in JSON Schema
+
+Digest = Annotated[str, Field(pattern=DIGEST_RE.pattern, description="sha256, 64 lowercase hex characters")]
+
+
+def _config_field(description: str) -> Any:
+    """A config's field, its bounds stated in its JSON Schema too (``_bounded_config`` checks them all)."""
+    return Field(description=description, json_schema_extra={
+        "maxProperties": _MAX_CONFIG_KEYS, "propertyNames": {"pattern": _CONFIG_KEY_RE.pattern}})
+
+
 class _Msg(BaseModel):
     # NaN/Inf are refused in every message: a metric or loss must be a number a database can keep
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-
-def _digest(v: str) -> str:
-    if not DIGEST_RE.match(v):
-        raise ValueError("must be a sha256 digest: 64 lowercase hex characters")
-    return v
 
 
 def _bounded_config(v: dict[str, object]) -> dict[str, object]:
@@ -144,11 +156,14 @@ class AggregationSettings(_Msg):
     sample count (the mean's weight) is clamped to what it declared at enrolment and to ``max_samples`` (unset:
     the largest training share the federation's data set deals a client)."""
 
-    rule: Literal["mean", "clipped-mean", "median", "trimmed-mean"] = "mean"
-    max_update_norm: float | None = Field(default=None, gt=0, le=1e12)
-    norm_multiple: float | None = Field(default=3.0, ge=1, le=1e6)
-    trim: float = Field(default=0.2, ge=0, lt=0.5)  # trimmed-mean: the fraction dropped from each end
-    max_samples: int | None = Field(default=None, ge=1, le=2**31 - 1)
+    rule: Literal["mean", "clipped-mean", "median", "trimmed-mean"] = Field(default="mean", description=(
+        "mean: weighted by counted samples; clipped-mean: equal weights; median, trimmed-mean: per coordinate"))
+    max_update_norm: float | None = Field(default=None, gt=0, le=1e12,
+                                          description="absolute L2 bound of an update's difference; null: relative")
+    norm_multiple: float | None = Field(default=3.0, ge=1, le=1e6,
+                                        description="bound = this times the round's median update norm")
+    trim: float = Field(default=0.2, ge=0, lt=0.5, description="trimmed-mean: fraction dropped from each end")
+    max_samples: int | None = Field(default=None, ge=1, le=2**31 - 1, description="cap of one update's weight")
 
 
 class FederationCreate(_Msg):
@@ -156,18 +171,21 @@ class FederationCreate(_Msg):
     algorithm, model, dataset, partition, clients, rounds, local epochs, lr, kp, density, topology, seed, ...);
     ``clients`` is the number of devices the federation waits for before round 1."""
 
-    id: str = Field(pattern=_ID_RE)
-    enrol_secret: str = Field(min_length=8, max_length=256)
-    config: dict[str, object]
-    quorum: float = Field(default=1.0, gt=0, le=1)  # fraction of enrolled devices that closes a round early
-    # after this, a round closes with whatever quorum it has
-    deadline_s: float = Field(default=600.0, gt=0, le=MAX_DEADLINE_S)
-    min_updates: int = Field(default=1, ge=1, le=MAX_CLIENTS)  # a round past its deadline with fewer stays open
-    # round 1 opens once this many devices have enrolled (None: all ``clients`` slots); the others may join
-    # later, into free slots, and take part from the round after they join
-    min_devices: int | None = Field(default=None, ge=1, le=MAX_CLIENTS)
-    profile_capacity: bool = False  # density and K_P from each device's profile instead of the config
-    aggregation: AggregationSettings | None = None  # None: the weighted mean, the default norm bound
+    id: str = Field(pattern=_ID_RE, description="federation id, 1-64 of A-Z a-z 0-9 _ -")
+    enrol_secret: str = Field(min_length=8, max_length=256, description="what a device must show to enrol")
+    config: dict[str, object] = _config_field("FederationConfig keys: algorithm, model, dataset, ...")
+    quorum: float = Field(default=1.0, gt=0, le=1, description="fraction of a round's devices that closes it early")
+    deadline_s: float = Field(default=600.0, gt=0, le=MAX_DEADLINE_S, description=(
+        "seconds a round collects at most; then it closes with whatever it has (at least min_updates)"))
+    min_updates: int = Field(default=1, ge=1, le=MAX_CLIENTS,
+                             description="a round past its deadline with fewer updates stays open")
+    min_devices: int | None = Field(default=None, ge=1, le=MAX_CLIENTS, description=(
+        "round 1 opens once this many devices have enrolled (null: all clients); later ones join free slots "
+        "and take part from the round after they join"))
+    profile_capacity: bool = Field(default=False, description=(
+        "density and K_P from each device's profile instead of the config"))
+    aggregation: AggregationSettings | None = Field(default=None, description=(
+        "null: the weighted mean, each update clipped to 3x the round's median norm"))
 
     _config = field_validator("config")(_bounded_config)
 
@@ -183,53 +201,62 @@ class FederationCreate(_Msg):
 
 
 class FederationInfo(_Msg):
-    id: str = Field(pattern=_ID_RE)
-    config: dict[str, object]
-    round: int = Field(ge=0, le=MAX_ROUND)
-    state: RoundState
-    devices: int = Field(ge=0, le=MAX_CLIENTS)
-    quorum: float
-    deadline_s: float  # not bounded here: a row written before the bounds existed must still be readable
-    profile_capacity: bool
+    """A federation as it is now (``GET /v1/federations/{fed}``); a device reads ``state`` to learn it ended."""
+
+    id: str = Field(pattern=_ID_RE, description="federation id")
+    config: dict[str, object] = Field(description="its config, every key filled in (FederationConfig)")
+    round: int = Field(ge=0, le=MAX_ROUND, description="current round; 0 while enrolling, rounds when finished")
+    state: RoundState = Field(description="state of that round")
+    devices: int = Field(ge=0, le=MAX_CLIENTS, description="devices enrolled")
+    quorum: float = Field(description="fraction of a round's devices that closes it early")
+    # not bounded here: a row written before the bounds existed must still be readable
+    deadline_s: float = Field(description="seconds a round collects at most")
+    profile_capacity: bool = Field(description="density and K_P come from each device's profile")
 
 
 class EnrolRequest(_Msg):
-    federation: str = Field(pattern=_ID_RE)
-    enrol_secret: str = Field(max_length=256)
-    profile: str = Field(max_length=64)
-    name: str = Field(default="", max_length=64)  # a label for tables; not an identity
-    index: int | None = Field(default=None, ge=0, lt=MAX_CLIENTS)  # the data partition it holds, if it wants it
-    # chosen by the device and kept before it asks: the same nonce again (a retry whose answer was lost) gets
-    # the same device back, with a fresh token, instead of a second device in another slot
-    nonce: str | None = Field(default=None, pattern=r"^[0-9a-f]{32}$")
-    # its training samples (FedPer's averaging weight is clamped to this and to the federation's maximum)
-    n_samples: int | None = Field(default=None, ge=1, le=2**31 - 1)
+    """A device asks to join federation ``federation`` (``POST /v1/devices``; no token: the secret is the proof)."""
+
+    federation: str = Field(pattern=_ID_RE, description="the federation to join")
+    enrol_secret: str = Field(max_length=256, description="the federation's enrolment secret")
+    profile: str = Field(max_length=64, description="device profile name (device_profiles/), e.g. 'pixel-7'")
+    name: str = Field(default="", max_length=64, description="a label for tables; not an identity")
+    index: int | None = Field(default=None, ge=0, lt=MAX_CLIENTS, description=(
+        "the slot (data partition) it asks for; null: the lowest free one"))
+    nonce: str | None = Field(default=None, pattern=r"^[0-9a-f]{32}$", description=(
+        "32 lowercase hex chosen and stored by the device before asking: the same nonce again (a retry whose "
+        "answer was lost) gets the same device and slot back with a fresh token"))
+    n_samples: int | None = Field(default=None, ge=1, le=2**31 - 1, description=(
+        "its training samples; an update's weight counts as at most this"))
 
 
 class Enrolment(_Msg):
-    device_id: str = Field(pattern=_ID_RE)
-    token: str = Field(max_length=_NAME)
-    index: int = Field(ge=0, lt=MAX_CLIENTS)  # its slot in the federation: seeds, partition, topology
-    federation: str = Field(pattern=_ID_RE)
-    config: dict[str, object]
-    density: float = Field(gt=0, le=1)
-    kp: int = Field(ge=0, le=_MAX_KP)
-    broker_url: str = Field(max_length=2_048)
-    mqtt_username: str = Field(max_length=_NAME)
-    mqtt_password: str = Field(max_length=_NAME)
-    round: int = Field(ge=0, le=MAX_ROUND)  # the federation's round; a device joining late takes part from the next
-    init_digest: str  # the model every device starts from (FedPer: its base; DisPFL: the dense init)
+    """The answer to an enrolment (201): who the device is now and what it needs to take part."""
+
+    device_id: str = Field(pattern=_ID_RE, description="its id, in topics and its MQTT username")
+    token: str = Field(max_length=_NAME, description="bearer token for every later HTTP call")
+    index: int = Field(ge=0, lt=MAX_CLIENTS, description="its slot: data partition, seeds, topology position")
+    federation: str = Field(pattern=_ID_RE, description="the federation joined")
+    config: dict[str, object] = _config_field("the federation's whole config (FederationConfig keys)")
+    density: float = Field(gt=0, le=1, description="DisPFL: fraction of weights its sparse model keeps")
+    kp: int = Field(ge=0, le=_MAX_KP, description="FedPer: its personal blocks, counted from the output end")
+    broker_url: str = Field(max_length=2_048, description="mqtt://host:port or mqtts://host:port")
+    mqtt_username: str = Field(max_length=_NAME, description="MQTT username (its device id)")
+    mqtt_password: str = Field(max_length=_NAME, description="MQTT password, fresh at every enrolment")
+    round: int = Field(ge=0, le=MAX_ROUND, description=(
+        "the federation's round now; a device enrolling in round r > 0 takes part from round r + 1"))
+    init_digest: Digest = Field(description=(
+        "sha256 of the initial model (FedPer: the base for its kp; DisPFL: the dense init)"))
 
     _config = field_validator("config")(_bounded_config)
-    _check = field_validator("init_digest")(_digest)
 
 
 class Neighbour(_Msg):
-    index: int = Field(ge=0, lt=MAX_CLIENTS)
-    device_id: str = Field(pattern=_ID_RE)
-    digest: str
+    """DisPFL: an in-neighbour of this round and its latest sparse model."""
 
-    _check = field_validator("digest")(_digest)
+    index: int = Field(ge=0, lt=MAX_CLIENTS, description="its slot")
+    device_id: str = Field(pattern=_ID_RE, description="its device id (skip it if it is your own)")
+    digest: Digest = Field(description="sha256 of its latest sparse model (GET /v1/blobs/{digest})")
 
 
 class Task(_Msg):
@@ -237,71 +264,112 @@ class Task(_Msg):
     base part. DisPFL: average ``neighbours``' latest sparse models with its own, train, prune and regrow,
     upload its sparse model. ``final``: no training; evaluate on ``base`` and report (FedPer's last step)."""
 
-    federation: str = Field(pattern=_ID_RE)
-    round: int = Field(ge=0, le=MAX_ROUND)
-    algorithm: str = Field(max_length=_NAME)
-    base: str | None = None
-    neighbours: list[Neighbour] = Field(default_factory=list, max_length=MAX_CLIENTS)
-    deadline: float = Field(ge=0, le=1e11)  # unix time
-    final: bool = False
-
-    @field_validator("base")
-    @classmethod
-    def _base(cls, v: str | None) -> str | None:
-        return None if v is None else _digest(v)
+    federation: str = Field(pattern=_ID_RE, description="federation id")
+    round: int = Field(ge=0, le=MAX_ROUND, description="the round this task is for (>= 1)")
+    algorithm: str = Field(max_length=_NAME, description="fedavg, fedper, fedper-ft or dispfl")
+    base: Digest | None = Field(default=None, description=(
+        "FedPer/FedAvg: sha256 of the base part for this device's kp (its personal tensors left out); "
+        "DisPFL: null"))
+    neighbours: list[Neighbour] = Field(default_factory=list, max_length=MAX_CLIENTS, description=(
+        "DisPFL: its in-neighbours of this round that have a model; FedPer: empty"))
+    deadline: float = Field(ge=0, le=1e11, description="unix time (seconds, UTC) the round may close at")
+    final: bool = Field(default=False, description=(
+        "true: the federation's last step: no training, no update; evaluate on base, report round's metrics"))
 
 
 class RoundAnnouncement(_Msg):
-    federation: str = Field(pattern=_ID_RE)
-    round: int = Field(ge=0, le=MAX_ROUND)
-    state: RoundState
-    base: str | None = None
-    deadline: float | None = Field(default=None, ge=0, le=1e11)  # unix time
+    """The federation's round and state (retained on ``pfl/<fed>/round``): a doorbell, never an instruction."""
 
-    @field_validator("base")
-    @classmethod
-    def _base(cls, v: str | None) -> str | None:
-        return None if v is None else _digest(v)
+    federation: str = Field(pattern=_ID_RE, description="federation id")
+    round: int = Field(ge=0, le=MAX_ROUND, description="current round")
+    state: RoundState = Field(description="state of that round")
+    base: Digest | None = Field(default=None, description=(
+        "FedPer/FedAvg: sha256 of the server's whole model (every tensor, personal ones too): the model round "
+        "`round` started from while collecting/closing, the last round's result once finished. Not a device's "
+        "base (that is Task.base). DisPFL: null"))
+    deadline: float | None = Field(default=None, ge=0, le=1e11, description=(
+        "unix time the current round may close at; null before round 1"))
 
 
 class BrokerInfo(_Msg):
     """The MQTT broker as devices reach it now: a device that cannot reach the one its enrolment named asks
     again (the operator may have moved it)."""
 
-    broker_url: str = Field(max_length=2_048)
+    broker_url: str = Field(max_length=2_048, description="mqtt://host:port or mqtts://host:port")
 
 
 class DeviceStatus(_Msg):
-    device_id: str = Field(pattern=_ID_RE)
-    state: Literal["online", "offline"]
+    """A device's presence (retained on its status topic): ``online`` on connect, ``offline`` as its will."""
+
+    device_id: str = Field(pattern=_ID_RE, description="the publishing device's id (must match the topic)")
+    state: Literal["online", "offline"] = Field(description="online on connect; offline as its will")
 
 
 class UpdateRequest(_Msg):
     """A device's result of round ``t``: the digest of the blob it uploaded (its base part, or its sparse
     model), its sample count (FedPer's weight) and what it measured."""
 
-    digest: str
-    n_samples: int = Field(ge=1, le=2**31 - 1)
-    train_loss: float | None = None  # finite, as every float here
-    train_s: float | None = Field(default=None, ge=0, le=MAX_SECONDS)
-    bytes_down: int = Field(default=0, ge=0, le=MAX_COUNT)
-
-    _check = field_validator("digest")(_digest)
+    digest: Digest = Field(description="sha256 of the payload it PUT first")
+    n_samples: int = Field(ge=1, le=2**31 - 1, description="training samples (the averaging weight)")
+    train_loss: float | None = Field(default=None, ge=0, le=_MAX_FLOAT,
+                                     description="mean training cross-entropy of the round")
+    train_s: float | None = Field(default=None, ge=0, le=MAX_SECONDS, description="seconds spent training")
+    bytes_down: int = Field(default=0, ge=0, le=MAX_COUNT, description="bytes it downloaded for this round")
 
 
 class UpdateAccepted(_Msg):
-    round: int = Field(ge=0, le=MAX_ROUND)
-    accepted: bool  # False: an identical update was already accepted (idempotent retry)
-    updates: int = Field(ge=0, le=MAX_CLIENTS)  # accepted so far this round
+    """The answer to an update."""
+
+    round: int = Field(ge=0, le=MAX_ROUND, description="the update's round")
+    accepted: bool = Field(description="false: this very update had been accepted already (a retry)")
+    updates: int = Field(ge=0, le=MAX_CLIENTS, description="updates accepted so far this round")
 
 
 class MetricsReport(_Msg):
     """Evaluation of the model a device deploys after round ``t`` on its own test data."""
 
-    accuracy: float = Field(ge=0, le=1)
-    loss: float  # finite (no upper bound: a diverged model's loss is still worth reporting)
-    n_test: int = Field(ge=0, le=2**31 - 1)
-    bytes_up: int = Field(default=0, ge=0, le=MAX_COUNT)
-    bytes_down: int = Field(default=0, ge=0, le=MAX_COUNT)
-    step_ms: float | None = Field(default=None, ge=0, le=MAX_SECONDS)
-    train_s: float | None = Field(default=None, ge=0, le=MAX_SECONDS)
+    accuracy: float = Field(ge=0, le=1, description="fraction of its test samples classified right")
+    # no bound but finiteness: a diverged model's loss is still worth reporting
+    loss: float = Field(ge=0, le=_MAX_FLOAT, description="mean cross-entropy (natural log) on its test samples")
+    n_test: int = Field(ge=0, le=2**31 - 1, description="its test samples")
+    bytes_up: int = Field(default=0, ge=0, le=MAX_COUNT, description="bytes it uploaded in round t")
+    bytes_down: int = Field(default=0, ge=0, le=MAX_COUNT, description="bytes it downloaded in round t")
+    step_ms: float | None = Field(default=None, ge=0, le=MAX_SECONDS, description="ms per training step")
+    train_s: float | None = Field(default=None, ge=0, le=MAX_SECONDS, description="seconds it trained in round t")
+
+
+class TokenIssued(_Msg):
+    """A device's new token (the one it held before is refused from now on) and when it expires."""
+
+    device_id: str = Field(pattern=_ID_RE, description="the device the token is for")
+    token: str = Field(max_length=_NAME, description="bearer token for every later HTTP call")
+    expires: float = Field(ge=0, le=1e11, description="unix time (seconds, UTC) the token stops working")
+
+
+class MetricsStored(_Msg):
+    """The answer to a metrics report (an upsert: a second report of the round replaces the first)."""
+
+    round: int = Field(ge=0, le=MAX_ROUND, description="the round the metrics were stored for")
+    device_id: str = Field(pattern=_ID_RE, description="the reporting device")
+
+
+class BlobStored(_Msg):
+    """The answer to ``PUT /v1/blobs/{sha256}``: 201 if new for this device, 200 if it had sent these bytes."""
+
+    digest: Digest = Field(description="sha256 of the stored bytes (the path's)")
+    size: int = Field(ge=0, le=MAX_COUNT, description="bytes stored")
+    created: bool = Field(description="false: this device had already sent these bytes")
+
+
+class ValidationIssue(_Msg):
+    """One reason a request was refused by validation (at most 16 are listed, then one of type 'truncated')."""
+
+    loc: list[str | int] = Field(max_length=8, description="where: e.g. ['body', 'n_samples'], ['path', 't']")
+    msg: str = Field(max_length=200, description="what was wrong, never the input itself")
+    type: str = Field(max_length=200, description="pydantic's error type, e.g. 'less_than_equal'")
+
+
+class ErrorBody(_Msg):
+    """Every refusal's body (4xx, 5xx): one message, or (422 from validation) a list of issues."""
+
+    detail: str | list[ValidationIssue] = Field(description="what was wrong and what is valid")

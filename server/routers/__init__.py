@@ -4,10 +4,10 @@ from fastapi import APIRouter
 
 from pfl_edge.protocol import API_PREFIX
 
-from . import blobs, devices, federations, health, rounds
+from . import blobs, devices, federations, health, rounds, spec
 
-__all__ = ["api", "blobs", "devices", "federations", "health", "rounds"]
+__all__ = ["api", "blobs", "devices", "federations", "health", "rounds", "spec"]
 
 api = APIRouter(prefix=API_PREFIX)
-for _area in (federations, devices, blobs, rounds):
+for _area in (federations, devices, blobs, rounds, spec):
     api.include_router(_area.router)

@@ -8,10 +8,9 @@ import logging
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Request, Response
-from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 
-from pfl_edge.protocol import DIGEST_RE
+from pfl_edge.protocol import DIGEST_RE, BlobStored
 
 from ..db import Device
 from ..deps import BlobReader, Blobs, DeviceAuth
@@ -26,12 +25,6 @@ router = APIRouter(prefix="/blobs", tags=["blobs"])
 log = logging.getLogger(__name__)
 
 Digest = Annotated[str, Path(description="sha256 of the blob's bytes, 64 lowercase hex characters")]
-
-
-class BlobStored(BaseModel):
-    digest: str
-    size: int
-    created: bool  # False: this device had already sent these bytes
 
 
 def _check_digest(sha256: str) -> None:

@@ -4,25 +4,14 @@ rotates its own token before it expires."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict
 
-from pfl_edge.protocol import BrokerInfo, Enrolment, EnrolRequest
+from pfl_edge.protocol import BrokerInfo, Enrolment, EnrolRequest, TokenIssued
 
 from ..deps import DeviceAuth, Enrol
 
 __all__ = ["TokenIssued", "router"]
 
 router = APIRouter(prefix="/devices", tags=["devices"])
-
-
-class TokenIssued(BaseModel):
-    """A device's new token (the one it held before is refused from now on) and when it expires (unix time)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    device_id: str
-    token: str
-    expires: float
 
 
 @router.post("", response_model=Enrolment, status_code=201)

@@ -7,10 +7,9 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
-from pfl_edge.protocol import FederationCreate, FederationInfo
+from pfl_edge.protocol import FederationCreate, FederationInfo, TokenIssued
 
 from ..deps import AdminAuth, Enrol, FederationReader, MetricsDep
-from .devices import TokenIssued
 
 __all__ = ["router"]
 

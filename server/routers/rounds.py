@@ -7,9 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path
-from pydantic import BaseModel
 
-from pfl_edge.protocol import MAX_ROUND, MetricsReport, Task, UpdateAccepted, UpdateRequest
+from pfl_edge.protocol import MAX_ROUND, MetricsReport, MetricsStored, Task, UpdateAccepted, UpdateRequest
 
 from ..coordinator import Coordinator
 from ..deps import DeviceAuth, MetricsDep, UpdatesDep, coordinator
@@ -20,11 +19,6 @@ __all__ = ["MetricsStored", "router"]
 router = APIRouter(prefix="/rounds", tags=["rounds"])
 
 RoundNo = Annotated[int, Path(ge=0, le=MAX_ROUND, description="the round")]
-
-
-class MetricsStored(BaseModel):
-    round: int
-    device_id: str
 
 
 @router.get("/current/task", response_model=Task, responses={404: {"description": "no task for this device now"}})
