@@ -28,8 +28,9 @@ from .errors import ApiError
 from .limits import install as install_limits
 from .mqtt import MqttLink
 from .ratelimit import enrol_gate
-from .routers import api, health
+from .routers import api, dashboard, health, prom
 from .services.spool import DecodePool
+from .services.telemetry import install as install_telemetry
 from .settings import Settings, ensure_admin_token, secure_data_dir
 
 __all__ = ["AppState", "create_app"]
@@ -68,8 +69,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.admin_token = settings.admin_token.get_secret_value() if settings.admin_token else ""
     app.add_exception_handler(ApiError, _api_error)  # type: ignore[arg-type]  # narrower than Exception
     install_limits(app)  # body, header and JSON bounds before parsing; 422s that never echo the input
+    install_telemetry(app)  # request latency and bytes by route template, for /metrics (outermost: sees refusals)
     app.include_router(health.router)
     app.include_router(api)
+    app.include_router(prom.router)
+    app.include_router(dashboard.router)
     return app
 
 

@@ -1,12 +1,13 @@
-"""The HTTP API of ``pfl_edge.protocol``, one router per area; ``api`` gathers those under ``/v1``."""
+"""The HTTP API of ``pfl_edge.protocol``, one router per area; ``api`` gathers those under ``/v1``. Beside it, at
+the root: ``/healthz`` (health), ``/metrics`` (prom, Prometheus) and ``/dashboard`` (the operator's page)."""
 
 from fastapi import APIRouter
 
 from pfl_edge.protocol import API_PREFIX
 
-from . import blobs, devices, federations, health, rounds, spec
+from . import blobs, dashboard, devices, federations, health, prom, rounds, spec
 
-__all__ = ["api", "blobs", "devices", "federations", "health", "rounds", "spec"]
+__all__ = ["api", "blobs", "dashboard", "devices", "federations", "health", "prom", "rounds", "spec"]
 
 api = APIRouter(prefix=API_PREFIX)
 for _area in (federations, devices, blobs, rounds, spec):

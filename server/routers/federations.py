@@ -21,6 +21,12 @@ def create_federation(body: FederationCreate, _admin: AdminAuth, enrol: Enrol) -
     return enrol.create_federation(body)
 
 
+@router.get("", response_model=list[FederationInfo])
+def list_federations(_admin: AdminAuth, enrol: Enrol, metrics: MetricsDep) -> list[FederationInfo]:
+    """Every federation, oldest first (admin): what the dashboard's federation picker lists."""
+    return [enrol.federation_info(f) for f in metrics.federation_ids()]
+
+
 @router.get("/{fed}", response_model=FederationInfo)
 def get_federation(fed: str, _reader: FederationReader, enrol: Enrol) -> FederationInfo:
     return enrol.federation_info(fed)

@@ -1,19 +1,38 @@
 """Metrics: what devices report of each round (an upsert per device and round), the per-round summary the
-admin reads, and the listing of a federation's devices with their traffic."""
+admin reads (and the dashboard draws), the listing of a federation's devices with their traffic, and the
+database's counters that ``/metrics`` exposes to Prometheus (they survive restarts)."""
 
 from __future__ import annotations
 
+import math
+import statistics
+from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import case, func, select
 
 from pfl_edge.protocol import MetricsReport
 
-from ..db import Blob, Device, Metric, Round, Update, now
+from ..db import Blob, Device, Federation, Metric, Round, Update, now
 from ..errors import Conflict
 from .store import Store
 
-__all__ = ["Metrics"]
+__all__ = ["FederationCounters", "Metrics"]
+
+
+@dataclass(frozen=True)
+class FederationCounters:
+    """One federation's counters and gauges as the database holds them (``server.routers.prom``)."""
+
+    federation: str
+    round: int
+    state: str
+    rounds_closed: int  # rounds with a close time
+    updates_accepted: int  # rows of the updates ledger (garbage collection keeps them)
+    bytes_received: int  # distinct blob bytes its devices uploaded (Device.uploaded_bytes)
+    bytes_down_reported: int  # bytes its devices say they downloaded, summed over their updates
+    devices_enrolled: int  # not revoked
+    devices_online: int  # not revoked, and online by their MQTT status
 
 
 class Metrics:
@@ -41,9 +60,12 @@ class Metrics:
                 row.reported_at = now()
 
     def summary(self, fed_id: str) -> dict[str, Any]:
-        """Every round: its state, updates, devices given a task, mean accuracy, wall time and per-device metrics."""
+        """Every round: its state, updates, devices given a task, mean accuracy, wall time and per-device metrics;
+        and what the dashboard draws of it: its opening, deadline and close (unix seconds), the updates its quorum
+        needs, the spread of the devices' accuracies, and the bytes devices report for it."""
         with self.store.read() as s:
-            self.store.federation(s, fed_id)
+            fed = self.store.federation(s, fed_id)
+            quorum = fed.quorum
             rounds = {r.round: r for r in s.scalars(select(Round).where(Round.federation == fed_id))}
             counts = dict(s.execute(select(Update.round, func.count()).where(Update.federation == fed_id)
                                     .group_by(Update.round)).all())
@@ -52,20 +74,8 @@ class Metrics:
                 per.setdefault(m.round, {})[m.device] = {
                     "accuracy": m.accuracy, "loss": m.loss, "n_test": m.n_test, "bytes_up": m.bytes_up,
                     "bytes_down": m.bytes_down, "step_ms": m.step_ms, "train_s": m.train_s}
-        out = []
-        for t in sorted(set(rounds) | set(per) | set(counts)):
-            r = rounds.get(t)
-            devs = per.get(t, {})
-            accs = [d["accuracy"] for d in devs.values()]
-            out.append({
-                "round": t,
-                "state": r.state if r else None,
-                "updates": counts.get(t, 0),
-                "active": r.active if r else None,
-                "mean_accuracy": sum(accs) / len(accs) if accs else None,
-                "wall_s": (r.closed_at - r.opened_at) if r and r.closed_at is not None else None,
-                "devices": devs,
-            })
+        out = [_round_row(t, rounds.get(t), counts.get(t, 0), per.get(t, {}), quorum)
+               for t in sorted(set(rounds) | set(per) | set(counts))]
         return {"federation": fed_id, "rounds": out}
 
     def devices(self, fed_id: str) -> list[dict[str, Any]]:
@@ -85,3 +95,63 @@ class Metrics:
                             "joined_round": d.joined_round, "last_round": last, "bytes_up": int(up),
                             "bytes_down": int(down)})
         return out
+
+    def federation_ids(self) -> list[str]:
+        """Every federation's id, oldest first."""
+        with self.store.read() as s:
+            return list(s.scalars(select(Federation.id).order_by(Federation.created_at, Federation.id)))
+
+    def counters(self) -> list[FederationCounters]:
+        """Every federation's counters from the database, in a fixed number of grouped queries."""
+        with self.store.read() as s:
+            feds = list(s.execute(select(Federation.id, Federation.round, Federation.state).order_by(Federation.id)))
+            closed = dict(s.execute(select(Round.federation, func.count()).where(Round.closed_at.is_not(None))
+                                    .group_by(Round.federation)).all())
+            upd = {f: (int(n), int(b)) for f, n, b in s.execute(
+                select(Update.federation, func.count(), func.coalesce(func.sum(Update.bytes_down), 0))
+                .group_by(Update.federation))}
+            live = Device.revoked_at.is_(None)
+            devs = {f: (int(n), int(on or 0)) for f, n, on in s.execute(
+                select(Device.federation, func.count(), func.sum(case((Device.online, 1), else_=0)))
+                .where(live).group_by(Device.federation))}
+            sent = dict(s.execute(select(Device.federation, func.coalesce(func.sum(Device.uploaded_bytes), 0))
+                                  .group_by(Device.federation)).all())  # a revoked device's uploads still count
+        out = []
+        for f, t, state in feds:
+            n, down = upd.get(f, (0, 0))
+            enrolled, online = devs.get(f, (0, 0))
+            out.append(FederationCounters(f, int(t), str(state), int(closed.get(f, 0)), n, int(sent.get(f, 0)),
+                                          down, enrolled, online))
+        return out
+
+    def blob_store(self) -> tuple[int, int]:
+        """The blob store's blobs and bytes, as the database records them (the store holds exactly those)."""
+        with self.store.read() as s:
+            n, size = s.execute(select(func.count(), func.coalesce(func.sum(Blob.size), 0)).select_from(Blob)).one()
+        return int(n), int(size)
+
+
+def _round_row(t: int, r: Round | None, updates: int, devs: dict[str, dict[str, Any]], quorum: float) -> dict[str, Any]:
+    """One round of ``Metrics.summary``."""
+    accs = sorted(d["accuracy"] for d in devs.values())
+    active = r.active if r else None
+    return {
+        "round": t,
+        "state": r.state if r else None,
+        "updates": updates,
+        "active": active,
+        # updates that close it before its deadline (server.states.quorum_reached): every device given a task,
+        # or the fraction ``quorum`` of them rounded up, whichever is fewer
+        "quorum_updates": min(active, math.ceil(quorum * active - 1e-9)) if active is not None else None,
+        "mean_accuracy": sum(accs) / len(accs) if accs else None,
+        "min_accuracy": accs[0] if accs else None,
+        "median_accuracy": statistics.median(accs) if accs else None,
+        "max_accuracy": accs[-1] if accs else None,
+        "opened_at": r.opened_at if r else None,
+        "deadline": r.deadline if r else None,
+        "closed_at": r.closed_at if r else None,
+        "wall_s": (r.closed_at - r.opened_at) if r and r.closed_at is not None else None,
+        "bytes_up": sum(int(d["bytes_up"]) for d in devs.values()),  # as its devices report them
+        "bytes_down": sum(int(d["bytes_down"]) for d in devs.values()),
+        "devices": devs,
+    }
