@@ -5,10 +5,10 @@ from fastapi import APIRouter
 
 from pfl_edge.protocol import API_PREFIX
 
-from . import blobs, dashboard, devices, federations, health, prom, rounds, spec
+from . import blobs, dashboard, devices, federations, health, models, prom, rounds, spec
 
-__all__ = ["api", "blobs", "dashboard", "devices", "federations", "health", "prom", "rounds", "spec"]
+__all__ = ["api", "blobs", "dashboard", "devices", "federations", "health", "models", "prom", "rounds", "spec"]
 
 api = APIRouter(prefix=API_PREFIX)
-for _area in (federations, devices, blobs, rounds, spec):
+for _area in (federations, devices, blobs, rounds, spec, models):
     api.include_router(_area.router)

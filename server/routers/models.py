@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 import threading
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import FileResponse
@@ -71,8 +71,10 @@ def _info(fed: str, key: ProgramKey, rec: ProgramRecord) -> ProgramInfo:
 
 @router.get("/{fed}/model", response_model=ModelCard, responses=_NOT_READY)
 def get_model_card(fed: str, reader: FederationReader, coord: Coord, arts: ArtefactsDep,
-                   profile: Annotated[str | None, Query(max_length=64)] = None) -> ModelCard:
-    """The model card for a device of ``profile`` (a device without ``profile``: its own)."""
+                   profile: Annotated[str | None, Query(max_length=64)] = None,
+                   training_backend: Literal["torch", "executorch"] | None = None) -> ModelCard:
+    """The model card for a device of ``profile`` (a device without ``profile``: its own); ``training_backend``
+    where the device trains otherwise than its profile says (``executorch``: the card lists training programs)."""
     dev = reader if isinstance(reader, Device) else None
     name = profile or (dev.profile if dev is not None else None)
     if name is None:
@@ -93,7 +95,7 @@ def get_model_card(fed: str, reader: FederationReader, coord: Coord, arts: Artef
     if kp > fm.num_blocks:
         raise Unprocessable(f"profile {prof.name!r} keeps {kp} personal blocks but model {fm.cfg.model!r} has "
                             f"only {fm.num_blocks}")
-    keys = program_keys(fm, kp=kp, training_backend=prof.training_backend)
+    keys = program_keys(fm, kp=kp, training_backend=training_backend or prof.training_backend)
     records = arts.ensure(keys)
     return build_card(federation=fed, cfg=fm.cfg, spec=fm.spec, model=fm.model, profile=prof.name, kp=kp,
                       density=density, base_keys=fm.base_keys(kp),
