@@ -1,6 +1,8 @@
 """Versioned binary wire format for a set of named float tensors: what every payload of pfl-edge is on the wire.
 
-No pickle: a payload is plain bytes that any language can parse.
+No pickle: a payload is plain bytes that any language can parse. The normative specification, byte for byte, is
+docs/codec.md (with golden test vectors in docs/vectors, written by :mod:`pfl_edge.codec.vectors`); this summary
+and the code follow it.
 
 Layout (all integers little-endian)::
 
