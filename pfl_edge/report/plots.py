@@ -72,8 +72,9 @@ def _rounds(s: Mapping[str, Any], ax: Any) -> None:
     ax.bar(xs, [r["wall_s"] or 0.0 for r in rows], color=colours, alpha=0.7)
     ax.set_ylabel("round wall time, s (red: short of quorum)")
     ax2 = ax.twinx()
-    ax2.plot(xs, [r["updates"] for r in rows], "o-", color="tab:green", ms=3, label="updates")
-    ax2.plot(xs, [r["active"] for r in rows], "x:", color="tab:olive", ms=4, label="devices given a task")
+    ms = 3 if len(rows) <= 50 else 0  # markers would merge into a bar of their own
+    ax2.plot(xs, [r["updates"] for r in rows], "o-", color="tab:green", ms=ms, label="updates")
+    ax2.plot(xs, [r["active"] for r in rows], "x:", color="tab:olive", ms=ms, label="devices given a task")
     ax2.set_ylabel("count")
     counts = [c for r in rows for c in (r["updates"], r["active"]) if c is not None]
     ax2.set_ylim(0, max(counts, default=1) * 1.35 or 1)  # headroom: the legend sits above the lines

@@ -47,7 +47,8 @@ def _headline(s: Mapping[str, Any]) -> list[str]:
         f"as the devices reported{server}",
         f"{fin['rounds_recorded']} rounds recorded (planned: {s['rounds_planned'] or '-'}); "
         f"round wall time in all {_f(fin['round_wall_s'], 1)} s",
-        "rounds closed short of quorum: " + (", ".join(map(str, short)) if short else "none")
+        "rounds closed short of quorum: " + (", ".join(map(str, short[:20])) if short else "none")
+        + (f" ... ({len(short)} in all)" if len(short) > 20 else "")
         + ("" if s["quorum"] is not None else " (quorum unknown)"),
     ]
 
