@@ -44,7 +44,7 @@ def _fetch(url: str, headers: dict[str, str], verify: ssl.SSLContext | bool, tim
     try:
         with httpx.stream("GET", url, headers=headers, verify=verify, timeout=timeout) as r:
             if r.status_code != 200:
-                detail = r.read()[:300].decode("utf-8", "replace")
+                detail = next(r.iter_raw(300), b"")[:300].decode("utf-8", "replace")  # the first bytes only
                 raise ConfigError(f"GET {url}: the server answered {r.status_code}: {detail}")
             if r.headers.get("content-encoding", "identity") != "identity":
                 raise DataError(f"GET {url}: a compressed answer ({r.headers['content-encoding']}) is not read")
