@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import ssl
+import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit
@@ -38,7 +39,8 @@ _SAVED = {"info": "federation.json", "metrics": "metrics.json", "devices": "devi
 
 
 def _fetch(url: str, headers: dict[str, str], verify: ssl.SSLContext | bool, timeout: float, limit: int) -> bytes:
-    """GET ``url``, reading at most ``limit`` bytes of its body (the Content-Length is not trusted)."""
+    """GET ``url``, reading at most ``limit`` bytes of its body (the Content-Length is not trusted) within about
+    ``timeout`` seconds in all."""
     import httpx
 
     try:
@@ -48,9 +50,11 @@ def _fetch(url: str, headers: dict[str, str], verify: ssl.SSLContext | bool, tim
                 raise ConfigError(f"GET {url}: the server answered {r.status_code}: {detail}")
             if r.headers.get("content-encoding", "identity") != "identity":
                 raise DataError(f"GET {url}: a compressed answer ({r.headers['content-encoding']}) is not read")
-            body = bytearray()
+            body, deadline = bytearray(), time.monotonic() + timeout
             for chunk in r.iter_raw():
                 body += chunk
+                if time.monotonic() > deadline:  # httpx's timeout is per read: a slow drip would never end
+                    raise ConfigError(f"GET {url}: the answer took over {timeout:g} s (--timeout)")
                 if len(body) > limit:
                     raise DataError(f"GET {url}: the answer is over {limit} bytes, the limit of a report input")
             return bytes(body)
