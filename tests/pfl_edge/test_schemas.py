@@ -1,0 +1,155 @@
+"""The protocol's JSON Schemas (pfl_edge.schemas): the committed docs/schemas are what the models make now, each
+is a valid draft 2020-12 schema that says what every field is, accepts the messages the models accept and
+refuses what they refuse (an extra field, NaN, a round out of range, a malformed digest)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import jsonschema_rs
+import pytest
+from pydantic import BaseModel, ValidationError
+
+from pfl_edge import protocol as P
+from pfl_edge import schemas
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "schemas"
+D1, D2 = "a" * 64, "0123456789abcdef" * 4
+
+# one valid message of each kind, as a device or the server sends it
+GOOD: dict[str, dict[str, Any]] = {
+    "FederationCreate": {"id": "f1", "enrol_secret": "12345678", "config": {"algorithm": "fedper", "clients": 2},
+                         "aggregation": {"rule": "trimmed-mean", "trim": 0.1}},
+    "FederationInfo": {"id": "f1", "config": {"clients": 2}, "round": 3, "state": "collecting", "devices": 2,
+                       "quorum": 1.0, "deadline_s": 600.0, "profile_capacity": False},
+    "AggregationSettings": {"rule": "median", "max_update_norm": 5.0},
+    "EnrolRequest": {"federation": "f1", "enrol_secret": "12345678", "profile": "phone-mid", "nonce": "ab" * 16},
+    "Enrolment": {"device_id": "dev-1", "token": "t", "index": 0, "federation": "f1", "config": {"kp": 2},
+                  "density": 0.5, "kp": 2, "broker_url": "mqtt://h:1883", "mqtt_username": "dev-1",
+                  "mqtt_password": "p", "round": 0, "init_digest": D1},
+    "TokenIssued": {"device_id": "dev-1", "token": "t", "expires": 1.8e9},
+    "BrokerInfo": {"broker_url": "mqtts://h:8883"},
+    "Task": {"federation": "f1", "round": 2, "algorithm": "dispfl", "base": None, "deadline": 1.8e9,
+             "neighbours": [{"index": 1, "device_id": "dev-2", "digest": D2}], "final": False},
+    "Neighbour": {"index": 1, "device_id": "dev-2", "digest": D2},
+    "RoundAnnouncement": {"federation": "f1", "round": 2, "state": "finished", "base": D1, "deadline": None},
+    "DeviceStatus": {"device_id": "dev-1", "state": "offline"},
+    "BlobStored": {"digest": D1, "size": 10, "created": True},
+    "UpdateRequest": {"digest": D1, "n_samples": 48, "train_loss": 0.5, "train_s": 1.5, "bytes_down": 100},
+    "UpdateAccepted": {"round": 2, "accepted": False, "updates": 1},
+    "MetricsReport": {"accuracy": 0.9, "loss": 0.3, "n_test": 32, "step_ms": 4.5},
+    "MetricsStored": {"round": 1, "device_id": "dev-1"},
+    "ErrorBody": {"detail": [{"loc": ["body", "n_samples"], "msg": "too small", "type": "greater_than_equal"}]},
+    "ValidationIssue": {"loc": ["path", "t"], "msg": "m", "type": "t"},
+}
+
+# (message, change) pairs that both pydantic and the schema must refuse
+BAD: list[tuple[str, dict[str, Any]]] = [
+    ("UpdateRequest", {"personal": {"w": 1}}),  # an extra field
+    ("UpdateRequest", {"digest": "A" * 64}),  # upper-case hex
+    ("UpdateRequest", {"digest": "../../etc/passwd"}),
+    ("UpdateRequest", {"n_samples": 0}),
+    ("UpdateRequest", {"train_loss": math.nan}),
+    ("UpdateRequest", {"train_loss": math.inf}),
+    ("MetricsReport", {"loss": math.nan}),
+    ("MetricsReport", {"loss": -math.inf}),
+    ("MetricsReport", {"accuracy": math.nan}),
+    ("MetricsReport", {"accuracy": 1.5}),
+    ("Task", {"round": P.MAX_ROUND + 1}),
+    ("Task", {"round": -1}),
+    ("Task", {"round": 1.5}),
+    ("Task", {"base": "xyz"}),
+    ("Task", {"deadline": math.nan}),
+    ("RoundAnnouncement", {"state": "paused"}),
+    ("RoundAnnouncement", {"round": P.MAX_ROUND + 1}),
+    ("DeviceStatus", {"state": "busy"}),
+    ("DeviceStatus", {"device_id": "a/b"}),
+    ("EnrolRequest", {"nonce": "xyz"}),
+    ("EnrolRequest", {"index": P.MAX_CLIENTS}),
+    ("FederationCreate", {"config": {f"k{i}": i for i in range(65)}}),  # over 64 keys
+    ("FederationCreate", {"config": {"bad key": 1}}),
+    ("FederationCreate", {"quorum": 0}),
+    ("Enrolment", {"density": 0}),
+    ("Neighbour", {"digest": D1[:-1]}),
+    ("UpdateAccepted", {"updates": -1}),
+    ("BlobStored", {"size": -1}),
+    ("TokenIssued", {"expires": math.inf}),
+    ("ErrorBody", {"detail": 3}),
+]
+
+
+def _validator(name: str) -> Any:
+    return jsonschema_rs.validator_for(json.loads((DOCS / f"{name}.json").read_text()))
+
+
+def _model(name: str) -> type[BaseModel]:
+    return schemas.message_types()[name]
+
+
+def test_the_committed_schemas_are_the_generated_ones() -> None:
+    made = {f"{n}.json": schemas.dumps(s) for n, s in schemas.schemas().items()}
+    made["index.json"] = schemas.dumps(schemas.index())
+    on_disk = {p.name: p.read_text(encoding="utf-8") for p in DOCS.glob("*.json")}
+    assert set(on_disk) == set(made), "run: python -m pfl_edge.schemas --out docs/schemas"
+    for name, text in made.items():
+        assert on_disk[name] == text, f"docs/schemas/{name} is stale: run python -m pfl_edge.schemas"
+
+
+def test_every_message_has_a_schema() -> None:
+    names = set(schemas.message_types())
+    assert {"Task", "RoundAnnouncement", "Enrolment", "UpdateRequest", "MetricsReport", "TokenIssued",
+            "ErrorBody", "DeviceStatus", "BrokerInfo", "BlobStored", "MetricsStored"} <= names
+    models = {n for n in P.__all__ if isinstance(getattr(P, n), type) and issubclass(getattr(P, n), BaseModel)}
+    assert models <= names  # every message the protocol module defines
+    assert set(GOOD) == {m.__name__ for m in schemas.MESSAGES}
+
+
+@pytest.mark.parametrize("name", sorted(schemas.message_types()))
+def test_each_schema_is_valid_and_described(name: str) -> None:
+    doc = json.loads((DOCS / f"{name}.json").read_text())
+    jsonschema_rs.meta.validate(doc)  # against the draft 2020-12 meta-schema
+    assert doc["$schema"] == schemas.DIALECT and doc["$id"] == f"{name}.json" and doc["title"] == name
+    if _model(name) in schemas.MESSAGES:
+        assert doc["description"] and doc["additionalProperties"] is False
+        for field, prop in doc["properties"].items():
+            assert prop.get("description"), f"{name}.{field} has no description"
+
+
+@pytest.mark.parametrize("name", sorted(GOOD))
+def test_good_messages_validate(name: str) -> None:
+    msg = _model(name).model_validate(GOOD[name])  # what pydantic accepts ...
+    assert _validator(name).is_valid(msg.model_dump(mode="json"))  # ... as it is sent
+    assert _validator(name).is_valid(GOOD[name])  # and as written, defaults left out
+
+
+@pytest.mark.parametrize(("name", "change"), BAD, ids=[f"{n}-{next(iter(c))}" for n, c in BAD])
+def test_bad_messages_are_refused_by_both(name: str, change: dict[str, Any]) -> None:
+    bad = {**GOOD[name], **change}
+    with pytest.raises(ValidationError):
+        _model(name).model_validate(bad)
+    assert not _validator(name).is_valid(bad)
+
+
+def test_the_schema_states_the_bounds_the_model_enforces() -> None:
+    task = json.loads((DOCS / "Task.json").read_text())["properties"]
+    assert task["round"]["maximum"] == P.MAX_ROUND and task["round"]["minimum"] == 0
+    loss = json.loads((DOCS / "MetricsReport.json").read_text())["properties"]["loss"]
+    assert loss["maximum"] == 1.7976931348623157e308  # finite: NaN and Infinity fail it
+    ann = json.loads((DOCS / "RoundAnnouncement.json").read_text())["properties"]
+    assert "whole model" in ann["base"]["description"] and "Task.base" in ann["base"]["description"]
+
+
+def test_write_replaces_only_its_own_files(tmp_path: Path) -> None:
+    keep = tmp_path / "notes.json"
+    keep.write_text("{}")
+    schemas.write(tmp_path)
+    index = json.loads((tmp_path / "index.json").read_text())
+    (tmp_path / "Gone.json").write_text("{}")  # a message an earlier index listed, removed since
+    index["schemas"].append({"name": "Gone", "url": "Gone.json"})
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    schemas.write(tmp_path)
+    assert keep.exists() and not (tmp_path / "Gone.json").exists() and (tmp_path / "Task.json").exists()
+    assert schemas.main(["--out", str(tmp_path)]) == 0
