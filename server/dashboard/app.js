@@ -67,6 +67,7 @@
     return s < 120 ? `${s.toFixed(1)} s` : `${(s / 60).toFixed(1)} min`;
   }
   const label = (d) => d.name || `slot ${d.index}`;
+  const sparse = (info) => (info.config || {}).algorithm === "dispfl";
 
   function text(id, value) { $(id).textContent = value; }
 
@@ -123,7 +124,7 @@
     return acc;
   }
 
-  function renderDevices(devices, rounds) {
+  function renderDevices(info, devices, rounds) {
     const acc = latestAccuracy(rounds);
     const body = $("devices").tBodies[0];
     const rows = devices.map((d) => {
@@ -137,7 +138,7 @@
       name.title = d.device_id;
       cell(tr, d.profile);
       cell(tr, String(d.index), "n");
-      cell(tr, num(d.density, 2), "n");
+      cell(tr, sparse(info) ? num(d.density, 2) : "dense", "n");
       cell(tr, String(d.kp), "n");
       cell(tr, d.online ? "online" : "offline");
       cell(tr, d.last_round === null ? "–" : String(d.last_round), "n");
@@ -203,12 +204,21 @@
       { name: "down", color: P[4], values: withBytes.map((r) => r.bytes_down) },
     ], { fmtY: bytes, xLabel: "round" });
     legend("legend-bytes", [["up (device → server)", P[0]], ["down (server → device)", P[4]]]);
-    PflCharts.bars($("chart-density"), devices.map(label),
-      [{ name: "density", color: P[2], values: devices.map((d) => d.density) }],
-      { fmtY: (v) => v.toFixed(2), yMax: 1, xLabel: "device" });
-    const algo = (info.config || {}).algorithm;
-    text("density-hint", algo === "dispfl" ? "fraction of weights each device keeps" :
-      `${algo || "this algorithm"} trains dense models (density 1); K_P is in the fleet table`);
+    // DisPFL: the fraction of weights each device's sparse mask keeps. Others train dense models, so the panel
+    // shows what does differ per device there: K_P, the blocks it keeps personal.
+    if (sparse(info)) {
+      text("density-title", "Mask density per device");
+      text("density-hint", "fraction of weights each device's mask keeps");
+      PflCharts.bars($("chart-density"), devices.map(label),
+        [{ name: "density", color: P[2], values: devices.map((d) => d.density) }],
+        { fmtY: (v) => v.toFixed(2), yMax: 1, xLabel: "device" });
+    } else {
+      text("density-title", "Personal blocks (K_P) per device");
+      text("density-hint", `${(info.config || {}).algorithm} trains dense models: no masks`);
+      PflCharts.bars($("chart-density"), devices.map(label),
+        [{ name: "K_P", color: P[2], values: devices.map((d) => d.kp) }],
+        { fmtY: (v) => String(v), yMax: Math.max(1, ...devices.map((d) => d.kp)), xLabel: "device" });
+    }
   }
 
   // ---------------------------------------------------------------------------------------------- polling
@@ -219,13 +229,15 @@
     if (!S.fed || !ids.includes(S.fed)) S.fed = ids.length ? ids[ids.length - 1] : null;
     const same = sel.options.length === ids.length && ids.every((id, i) => sel.options[i].value === id);
     if (!same) {
-      sel.replaceChildren(...feds.map((f) => {
+      sel.replaceChildren(...ids.map((id) => {
         const o = document.createElement("option");
-        o.value = f.id;
-        o.textContent = `${f.id} (${(f.config || {}).algorithm || "?"}, round ${f.round}, ${f.state})`;
+        o.value = id;
         return o;
       }));
     }
+    feds.forEach((f, i) => {
+      sel.options[i].textContent = `${f.id} (${(f.config || {}).algorithm || "?"}, round ${f.round}, ${f.state})`;
+    });
     if (S.fed) sel.value = S.fed;
     return S.fed;
   }
@@ -238,7 +250,7 @@
         const base = `/v1/federations/${encodeURIComponent(fed)}`;
         const [info, metrics, devices] = await Promise.all([api(base), api(`${base}/metrics`), api(`${base}/devices`)]);
         renderOverview(info, devices, metrics.rounds);
-        renderDevices(devices, metrics.rounds);
+        renderDevices(info, devices, metrics.rounds);
         renderRounds(metrics.rounds);
         renderCharts(info, devices, metrics.rounds);
       }

@@ -68,7 +68,7 @@ def scrape(c: TestClient, token: str = SCRAPER) -> Samples:
 def client(tmp_path: Path, broker_url: str) -> Iterator[TestClient]:
     settings = Settings(data_dir=tmp_path / "data", database_url=f"sqlite:///{tmp_path / 'state.db'}",
                         broker_url=broker_url, admin_token=ADMIN, metrics_token=SCRAPER,  # type: ignore[arg-type]
-                        tick_s=0.05)
+                        tick_s=0.05, decode_processes=0)  # uploads checked inline: no process pool to start
     with TestClient(create_app(settings)) as c:
         yield c
 
