@@ -32,6 +32,10 @@ def split_payload(payload: bytes) -> tuple[dict[str, Any], bytes]:
 def _build(header: dict[str, Any] | str, data: bytes, *, version: int = 1, magic: bytes = b"PFLE") -> bytes:
     """A payload with a correct trailer, so the fault put in it is the one a decoder finds."""
     head = (header if isinstance(header, str) else json.dumps(header, separators=(",", ":"))).encode()
+    return _raw(head, data, version=version, magic=magic)
+
+
+def _raw(head: bytes, data: bytes, *, version: int = 1, magic: bytes = b"PFLE") -> bytes:
     body = magic + struct.pack("<BI", version, len(head)) + head + data
     return body + hashlib.sha256(body).digest()
 
@@ -135,6 +139,45 @@ def _mask_faults(b: bytes, c: bytes) -> list[Negative]:
     ]
 
 
-def faults(a: bytes, b: bytes, c: bytes) -> list[Negative]:
-    """Every negative vector, from docs/codec.md's examples a (two dense tensors), b (bitmap) and c (rice1)."""
-    return _framing(a) + _header_faults(a) + _mask_faults(b, c)
+def _entry_faults(a: bytes, b: bytes, c: bytes) -> list[Negative]:
+    """One vector for each remaining check of codec.md section 7, so every check has one."""
+    h, data = split_payload(a)
+    raw = json.dumps(h, separators=(",", ":"))
+    dc = split_payload(c)[1]
+    return [
+        Negative("over_max_bytes", "D1: a 144-byte payload against max_bytes 100", a,
+                 "payload of 144 bytes is over the limit of 100 bytes", {"max_bytes": 100}),
+        Negative("header_not_utf8", "H1: a byte 0xff in the model id (not UTF-8)",
+                 _raw(raw.encode().replace(b"deep0", b"deep\xff"), data), "not JSON"),
+        Negative("extra_header_key", "H2: a fourth member \"x\"", _edit(a, lambda x: x.update(x=1)),
+                 "exactly the fields model, round and tensors"),
+        Negative("model_not_string", "H3: model 5", _edit(a, lambda x: x.update(model=5)), "model is not a string"),
+        Negative("tensors_not_list", "H5: tensors is an object", _edit(a, lambda x: x.update(tensors={})),
+                 "tensors is not a list"),
+        Negative("entry_six_fields", "E1: an entry of 6 fields", _edit(a, lambda x: x["tensors"][0].append(0)),
+                 "must be a list of 5 or 9 fields"),
+        Negative("name_not_string", "E2: a tensor named 7", _edit(a, _put(0, 0, [7])), "tensor name 7 is not a string"),
+        Negative("unknown_dtype", "E4: dtype f8", _edit(a, _put(0, 2, ["f8"])), "has value dtype 'f8'"),
+        Negative("negative_offset", "E5: offset -1", _edit(a, _put(0, 3, [-1])), "has an invalid offset -1"),
+        Negative("bitmap_k_nonzero", "E8: a bitmap with k = 1", _edit(b, _put(0, 6, [1])),
+                 "has an invalid Rice parameter 1"),
+        Negative("ones_over_n", "E9: 11 ones in a tensor of 10", _edit(b, _put(0, 7, [11])),
+                 "has an invalid count of ones 11"),
+        Negative("values_ones_mismatch", "E10: 6 ones but 20 bytes of f4 values", _edit(b, _put(0, 4, [20])),
+                 "has 6 ones in its mask but 20 bytes of f4 values"),
+        Negative("negative_mask_length", "E11: mask_nbytes -1", _edit(b, _put(0, 8, [-1])),
+                 "has an invalid mask length -1"),
+        Negative("rice_stream_without_codewords", "E13: rice1 with 0 ones and a 3-byte stream",
+                 _edit(c, _put(0, 4, [0, "rice1", 2, 0]), dc[16:]), "where no codeword is expected"),
+        Negative("rice_too_short", "E15: a 1-byte stream for 4 codewords with k = 2 (at least 2 bytes)",
+                 _edit(c, _put(0, 8, [1]), dc[:17]), "too short for 4 codewords with k=2"),
+    ]
+
+
+def faults(a: bytes, b: bytes, c: bytes, e: bytes) -> list[Negative]:
+    """Every negative vector, from docs/codec.md's examples a (two dense tensors), b (bitmap), c (rice1) and
+    e (f16)."""
+    he, de = split_payload(e)
+    inf = Negative("inf_f16", "V1: an f16 +Inf (0x7c00) in place of 65504, trailer correct",
+                   _build(he, de[:6] + b"\x00\x7c"), "holds NaN or Inf")
+    return _framing(a) + _header_faults(a) + _mask_faults(b, c) + _entry_faults(a, b, c) + [inf]

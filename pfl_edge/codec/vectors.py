@@ -180,9 +180,9 @@ def positives() -> list[Positive]:
 
 
 def negatives() -> list[Negative]:
-    """The negative vectors, each a fault put into one of the worked examples a, b and c."""
+    """The negative vectors, each a fault put into one of the worked examples."""
     by = {p.name: p.payload() for p in _examples()}
-    return faults(by["example_a"], by["example_b"], by["example_c"])
+    return faults(by["example_a"], by["example_b"], by["example_c"], by["example_e"])
 
 
 def content(p: Positive, payload: bytes) -> dict[str, Any]:

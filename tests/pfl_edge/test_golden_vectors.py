@@ -107,6 +107,13 @@ def test_negative_is_refused(neg: dict[str, Any]) -> None:
     assert neg["error"] in str(err.value)
 
 
+def test_every_check_of_codec_md_has_a_negative_vector() -> None:
+    section = (ROOT / "docs" / "codec.md").read_text().split("## 7.", 1)[1].split("## 8.", 1)[0]
+    checks = set(re.findall(r"^\| ([DHEVM]\d+) \|", section, re.M))
+    assert len(checks) >= 40
+    assert checks == {n["about"].split(":")[0] for n in NEGATIVE}
+
+
 def test_regenerating_gives_the_checked_in_files(tmp_path: Path) -> None:
     written = {p.name for p in generate(tmp_path)}
     assert written == {p.name for p in VECTORS.iterdir()}, "docs/vectors holds other files than the generator writes"
