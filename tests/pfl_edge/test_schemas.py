@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -153,3 +154,24 @@ def test_write_replaces_only_its_own_files(tmp_path: Path) -> None:
     schemas.write(tmp_path)
     assert keep.exists() and not (tmp_path / "Gone.json").exists() and (tmp_path / "Task.json").exists()
     assert schemas.main(["--out", str(tmp_path)]) == 0
+
+
+def _doc_examples() -> list[tuple[str, Any]]:
+    """Every JSON block of docs/protocol.md marked ``<!-- schema: Name -->``, with that name."""
+    text = (DOCS.parent / "protocol.md").read_text()
+    found = re.findall(r"<!-- schema: (\w+) -->\n```json\n(.*?)\n```", text, flags=re.S)
+    return [(name, json.loads(body)) for name, body in found]
+
+
+def test_the_protocol_doc_examples_satisfy_their_schemas() -> None:
+    examples = _doc_examples()
+    names = {n for n, _ in examples}
+    assert {"EnrolRequest", "Enrolment", "Task", "RoundAnnouncement", "DeviceStatus", "BlobStored", "UpdateRequest",
+            "UpdateAccepted", "MetricsReport", "MetricsStored", "FederationInfo", "TokenIssued", "ErrorBody"} <= names
+    for name, body in examples:
+        errors = [e.message for e in _validator(name).iter_errors(body)]
+        assert not errors, f"docs/protocol.md: a {name} example is invalid: {errors}"
+        _model(name).model_validate(body)  # and the server's models take it
+    finals = [b for n, b in examples if n == "Task" and b["final"]]
+    metrics_paths = re.findall(r"`POST /v1/rounds/(\d+)/metrics`", (DOCS.parent / "protocol.md").read_text())
+    assert finals and str(finals[0]["round"]) in metrics_paths  # the final task's metrics: its own round

@@ -49,6 +49,7 @@ class Exchange:
     response: Any = None
     request_schema: str | None = None
     response_schema: str | None = None
+    device: str | None = None  # the device that sent or received it
 
 
 @dataclass
@@ -56,6 +57,7 @@ class Capture:
     srv: BackgroundServer
     c: httpx.Client
     log: list[Exchange] = field(default_factory=list)
+    who: dict[str, str] = field(default_factory=dict)  # token -> device id
 
     def call(self, step: str, method: str, path: str, *, token: str | None = None, body: Any = None,
              content: bytes | None = None, req: str | None = None, resp: str | None = None) -> httpx.Response:
@@ -64,12 +66,13 @@ class Capture:
         shown: Any = r.json() if r.headers.get("content-type", "").startswith("application/json") else (
             f"<{len(r.content)} bytes>")
         sent = body if content is None else f"<{len(content)} bytes>"
-        self.log.append(Exchange(step, method, path, r.status_code, sent, shown, req, resp))
+        self.log.append(Exchange(step, method, path, r.status_code, sent, shown, req, resp,
+                                 None if token is None else self.who.get(token)))
         return r
 
-    def mqtt(self, step: str, topic: str, payload: bytes, schema: str) -> dict[str, Any]:
+    def mqtt(self, step: str, topic: str, payload: bytes, schema: str, device: str) -> dict[str, Any]:
         msg = json.loads(payload)
-        self.log.append(Exchange(step, "MQTT", topic, None, None, msg, None, schema))
+        self.log.append(Exchange(step, "MQTT", topic, None, None, msg, None, schema, device))
         return dict(msg)
 
 
@@ -84,6 +87,7 @@ class Device:
                 "index": index, "nonce": self.nonce, "n_samples": 48}
         self.e = cap.call("enrol", "POST", "/v1/devices", body=body, req="EnrolRequest", resp="Enrolment").json()
         self.id, self.token = self.e["device_id"], self.e["token"]
+        cap.log[-1].device, cap.who[self.token] = self.id, self.id
         self.cfg = FederationConfig.from_dict(self.e["config"])
         self.data = load_local_data(self.cfg, self.e["index"])
         self.split = split_keys(self.data.model, self.e["kp"], local_norm_stats=self.cfg.local_norm_stats)
@@ -102,7 +106,7 @@ class Device:
         online = json.dumps({"device_id": self.id, "state": "online"}).encode()
         self.mq.c.publish(f"pfl/{FED}/device/{self.id}/status", online, qos=1, retain=True).wait_for_publish(10)
         cap.log.append(Exchange("status", "MQTT", f"pfl/{FED}/device/{self.id}/status", None, None,
-                                json.loads(online), None, "DeviceStatus"))
+                                json.loads(online), None, "DeviceStatus", self.id))
 
     def download(self, digest: str) -> dict[str, torch.Tensor]:
         r = self.cap.call("download", "GET", f"/v1/blobs/{digest}", token=self.token)
@@ -116,7 +120,8 @@ class Device:
         msgs = self.mq.all[self.heard:]
         self.heard += len(msgs)
         for topic, payload, _retained in msgs:
-            self.cap.mqtt("mqtt", topic, payload, "Task" if topic.endswith("/task") else "RoundAnnouncement")
+            self.cap.mqtt("mqtt", topic, payload, "Task" if topic.endswith("/task") else "RoundAnnouncement",
+                          self.id)
 
     def task(self) -> dict[str, Any]:
         self.bell()
@@ -192,6 +197,7 @@ def run(srv: BackgroundServer) -> list[Exchange]:
         cap.call("broker", "GET", "/v1/devices/me/broker", token=a.token, resp="BrokerInfo")
         r = cap.call("token", "POST", "/v1/devices/me/token", token=a.token, resp="TokenIssued")
         a.token = r.json()["token"]
+        cap.who[a.token] = a.id
         _errors(cap, a)
         return cap.log
     finally:
