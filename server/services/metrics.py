@@ -79,21 +79,21 @@ class Metrics:
         return {"federation": fed_id, "rounds": out}
 
     def devices(self, fed_id: str) -> list[dict[str, Any]]:
-        """Enrolled devices in slot order: profile, slot, density, K_P, liveness, last round, bytes up and down."""
+        """Enrolled devices in slot order: profile, slot, density, K_P, liveness, last round, bytes up and down.
+        Bytes up are the distinct blob bytes the device uploaded (``Device.uploaded_bytes``: garbage collection of
+        old blobs does not shrink it), bytes down what it reported downloading with its updates."""
         with self.store.read() as s:
             self.store.federation(s, fed_id)
             stats = {row[0]: row[1:] for row in s.execute(
-                select(Update.device, func.max(Update.round), func.coalesce(func.sum(Blob.size), 0),
-                       func.coalesce(func.sum(Update.bytes_down), 0))
-                .join(Blob, Blob.digest == Update.digest).where(Update.federation == fed_id)
-                .group_by(Update.device))}
+                select(Update.device, func.max(Update.round), func.coalesce(func.sum(Update.bytes_down), 0))
+                .where(Update.federation == fed_id).group_by(Update.device))}
             out = []
             for d in s.scalars(select(Device).where(Device.federation == fed_id).order_by(Device.slot)):
-                last, up, down = stats.get(d.id, (None, 0, 0))
+                last, down = stats.get(d.id, (None, 0))
                 out.append({"device_id": d.id, "name": d.name, "profile": d.profile, "index": d.slot,
                             "density": d.density, "kp": d.kp, "online": d.online, "last_seen": d.last_seen,
-                            "joined_round": d.joined_round, "last_round": last, "bytes_up": int(up),
-                            "bytes_down": int(down)})
+                            "joined_round": d.joined_round, "last_round": last, "bytes_up": int(d.uploaded_bytes or 0),
+                            "bytes_down": int(down), "revoked": d.revoked_at is not None})
         return out
 
     def federation_ids(self) -> list[str]:

@@ -93,6 +93,7 @@ def test_counters_follow_a_round(client: TestClient) -> None:
         assert d.update(1, d.put(payload)).status_code == 200
     wait_for(lambda: fed_state(client, ADMIN, "pm") == (2, "collecting"), what="round 2")
     after = scrape(client)
+    _dashboard_data(client, devs, [len(encode(perturbed(base, i), model_id=fm.model_id, round=1)) for i in range(3)])
 
     assert get(after, "pfl_rounds_closed_total", **fed) == 1
     assert get(after, "pfl_updates_accepted_total", **fed) == 3
@@ -118,6 +119,26 @@ def test_counters_follow_a_round(client: TestClient) -> None:
     routes = {dict(k[1]).get("route") for k in after if "route" in dict(k[1])}
     assert not any(re.search(r"[0-9a-f]{64}|/pm(/|$)", r or "") for r in routes), routes
     assert "/v1/federations/{fed}" in routes
+
+
+def _dashboard_data(c: TestClient, devs: list[Dev], sizes: list[int]) -> None:
+    """What the dashboard reads of the round just closed: its times, quorum, accuracy spread and bytes."""
+    accs, ups = [0.5, 0.75, 0.625], [1000, 3000, 2000]
+    for d, a, up in zip(devs, accs, ups, strict=True):
+        r = c.post("/v1/rounds/1/metrics", headers=d.h,
+                   json={"accuracy": a, "loss": 1.0, "n_test": 32, "bytes_up": up, "bytes_down": 2 * up})
+        assert r.status_code == 200, r.text
+    r1 = next(r for r in c.get("/v1/federations/pm/metrics", headers=bearer(ADMIN)).json()["rounds"]
+              if r["round"] == 1)
+    assert (r1["updates"], r1["active"], r1["quorum_updates"], r1["state"]) == (3, 3, 3, "published")
+    assert r1["opened_at"] <= r1["closed_at"] < r1["deadline"]
+    assert r1["wall_s"] == pytest.approx(r1["closed_at"] - r1["opened_at"])
+    assert (r1["min_accuracy"], r1["median_accuracy"], r1["max_accuracy"]) == (0.5, 0.625, 0.75)
+    assert r1["mean_accuracy"] == pytest.approx(sum(accs) / 3)
+    assert (r1["bytes_up"], r1["bytes_down"]) == (sum(ups), 2 * sum(ups))
+    listed = {d["device_id"]: d for d in c.get("/v1/federations/pm/devices", headers=bearer(ADMIN)).json()}
+    assert [listed[d.id]["bytes_up"] for d in devs] == sizes  # each device's upload, byte for byte
+    assert all(listed[d.id]["last_round"] == 1 and not listed[d.id]["revoked"] for d in devs)
 
 
 def test_only_the_admin_or_metrics_token_reads_it(client: TestClient) -> None:
