@@ -186,9 +186,11 @@ def _entry(e: object, max_bytes: int) -> Entry:
         raise RefError("E3")
     if dtype not in ("f4", "f2"):
         raise RefError("E4")
-    n = 1
+    n = nonzero = 1
     for s in shape:
-        n *= s
+        n, nonzero = n * s, nonzero * max(s, 1)
+    if nonzero > 2**63 - 1:  # codec.md "Computing n": an empty tensor no runtime can allocate
+        raise RefError("E3")
     size = 4 if dtype == "f4" else 2
     if not _ints(offset, nbytes) or offset < 0 or nbytes < 0:
         raise RefError("E5")
@@ -378,3 +380,27 @@ def test_reference_decoder_refuses(neg: dict[str, Any]) -> None:
     with pytest.raises(RefError) as err:
         _ref_decode((VECTORS / neg["file"]).read_bytes(), **neg["decode_args"])
     assert str(err.value).split()[0] == neg["about"].split(":")[0]
+
+
+def _huge_empty() -> bytes:
+    """example_a with w's shape eight times 2^28 then 0: n = 0, but no runtime can hold that shape."""
+    payload = (VECTORS / "example_a.bin").read_bytes()
+    hlen = int.from_bytes(payload[5:9], "little")
+    h = json.loads(payload[9: 9 + hlen])
+    h["tensors"][0][1:5] = [[1 << 28] * 8 + [0], "f4", 0, 0]
+    h["tensors"][1][3] = 0
+    head = json.dumps(h, separators=(",", ":")).encode()
+    body = b"PFLE\x01" + len(head).to_bytes(4, "little") + head + payload[9 + hlen + 8: -32]
+    return body + hashlib.sha256(body).digest()
+
+
+def test_reference_decoder_refuses_an_unallocatable_empty_shape() -> None:
+    with pytest.raises(RefError, match="E3"):
+        _ref_decode(_huge_empty())
+
+
+@pytest.mark.xfail(strict=True, raises=RuntimeError,
+                   reason="codec defect: the shape passes the header checks, then torch's reshape overflows")
+def test_codec_refuses_an_unallocatable_empty_shape() -> None:
+    with pytest.raises(CodecError):
+        decode(_huge_empty())
