@@ -97,8 +97,8 @@
     text("ov-algorithm", `${cfg.algorithm || "?"} · ${cfg.model || ""} · ${cfg.dataset || ""}`);
     text("ov-round", `${info.round} / ${cfg.rounds ?? "?"}`);
     text("ov-state", info.state);
-    const live = devices.filter((d) => d.online).length;
-    text("ov-online", `${live} / ${devices.length}`);
+    const enrolled = devices.filter((d) => !d.revoked);
+    text("ov-online", `${enrolled.filter((d) => d.online).length} / ${enrolled.length}`);
     text("ov-quorum", `${(100 * info.quorum).toFixed(0)} %`);
     text("ov-deadline", `${info.deadline_s} s`);
     const cur = rounds.find((r) => r.round === info.round);
@@ -140,7 +140,7 @@
       cell(tr, String(d.index), "n");
       cell(tr, sparse(info) ? num(d.density, 2) : "dense", "n");
       cell(tr, String(d.kp), "n");
-      cell(tr, d.online ? "online" : "offline");
+      cell(tr, d.revoked ? "revoked" : d.online ? "online" : "offline");
       cell(tr, d.last_round === null ? "–" : String(d.last_round), "n");
       cell(tr, ago(d.last_seen));
       cell(tr, bytes(d.bytes_up), "n");
