@@ -17,11 +17,16 @@ HTTP (JSON unless said; every call but enrolment and the health check carries ``
 - ``POST /v1/federations`` (admin token): :class:`FederationCreate` -> :class:`FederationInfo`
 - ``GET /v1/federations/{fed}``: :class:`FederationInfo`
 - ``POST /v1/devices``: :class:`EnrolRequest` -> :class:`Enrolment`
+- ``POST /v1/devices/me/token``: :class:`TokenIssued` (a device rotates its own token)
 - ``GET /v1/devices/me/broker``: :class:`BrokerInfo` (where the broker is now, for a device that cannot reach it)
-- ``PUT /v1/blobs/{sha256}`` (raw bytes) and ``GET /v1/blobs/{sha256}``
+- ``GET /v1/rounds/current/task``: :class:`Task` (what a device acts on; MQTT only rings the bell)
+- ``PUT /v1/blobs/{sha256}`` (raw bytes) -> :class:`BlobStored`, and ``GET /v1/blobs/{sha256}``
 - ``POST /v1/rounds/{t}/updates``: :class:`UpdateRequest` -> :class:`UpdateAccepted`
-- ``POST /v1/rounds/{t}/metrics``: :class:`MetricsReport`
+- ``POST /v1/rounds/{t}/metrics``: :class:`MetricsReport` -> :class:`MetricsStored`
 - ``GET /v1/federations/{fed}/metrics``: every round's metrics per device
+
+Refusals are :class:`ErrorBody`. Every message's JSON Schema: ``pfl_edge.schemas`` (docs/schemas, and
+``GET /v1/schemas``); docs/protocol.md says what each field means.
 """
 
 from __future__ import annotations
