@@ -118,6 +118,9 @@ def _parse_header(raw: memoryview, max_bytes: int, expected: Mapping[str, Sequen
     return _Header(model=model, round=rnd, entries=entries)
 
 
+_MAX_ELEMENTS = 2**63 - 1  # what torch (and any int64 index) can address
+
+
 def _parse_entry(item: object, max_bytes: int) -> _Entry:
     if not isinstance(item, list) or len(item) not in (_DENSE_LEN, _SPARSE_LEN):
         raise _bad(f"a tensor entry must be a list of {_DENSE_LEN} or {_SPARSE_LEN} fields, got {item!r:.200}")
@@ -134,6 +137,10 @@ def _parse_entry(item: object, max_bytes: int) -> _Entry:
             f" from 0 to max_bytes ({max_bytes})"
         )
     numel = math.prod(shape)
+    if math.prod(s for s in shape if s) > _MAX_ELEMENTS:  # an empty tensor still has to be reshapeable
+        raise _bad(
+            f"tensor {name!r} has an invalid shape {shape!r:.200}: its non-zero dimensions multiply past 2^63 - 1"
+        )
     if not isinstance(dtype, str) or dtype not in _DTYPES:  # a list or object would not even hash
         raise _bad(f"tensor {name!r} has value dtype {dtype!r:.100}; known: {sorted(_DTYPES)}")
     for field, value in (("offset", offset), ("length", nbytes)):
