@@ -22,6 +22,7 @@ from types import ModuleType
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from sqlalchemy import create_engine, text
 
@@ -103,6 +104,53 @@ def test_the_two_codecs_read_each_other_in_every_mask_coding() -> None:
     assert all(np.array_equal(decode(dense).tensors[k].numpy(), tensors[k]) for k in shapes)
 
 
+VECTORS = Path(__file__).resolve().parents[2] / "docs" / "vectors"
+
+
+def _bits(a: np.ndarray) -> list[str]:
+    return [format(int(x), "08x") for x in np.ascontiguousarray(a, dtype=np.float32).reshape(-1).view(np.uint32)]
+
+
+def test_the_spec_codec_meets_the_golden_vectors() -> None:
+    """docs/vectors: every positive vector decodes to its JSON (bit for bit) and, where it is f32, the spec
+    device's encoder writes the same bytes from that JSON; every negative vector is refused."""
+    sc = _spec_codec()
+    positives = sorted(p for p in VECTORS.glob("*.json") if p.name != "index.json")
+    assert len(positives) >= 10
+    encoded = 0
+    for p in positives:
+        want = json.loads(p.read_text())
+        data = (VECTORS / f"{want['vector']}.bin").read_bytes()
+        got = sc.decode(data)
+        assert (got.model_id, got.round, list(got.tensors)) == (want["model"], want["round"],
+                                                                 [t["name"] for t in want["tensors"]])
+        tensors, masks = {}, {}
+        for t in want["tensors"]:
+            a = got.tensors[t["name"]]
+            assert list(a.shape) == t["shape"], (p.name, t["name"])
+            sent = np.zeros(a.size, dtype=bool)
+            sent[t["mask_ones"] if t["coding"] else slice(None)] = True
+            assert _bits(a.reshape(-1)[sent]) == t["f32_bits"], (p.name, t["name"])
+            assert not a.reshape(-1)[~sent].any()
+            if t["coding"]:
+                assert got.codings[t["name"]] == t["coding"]
+                np.testing.assert_array_equal(got.masks[t["name"]].reshape(-1), sent)
+                masks[t["name"]] = sent.reshape(t["shape"])
+            tensors[t["name"]] = a
+        if all(t["dtype"] == "f4" for t in want["tensors"]):
+            assert sc.encode(tensors, model_id=want["model"], round=want["round"], masks=masks) == data, p.name
+            encoded += 1
+    assert encoded >= 10
+    negatives = json.loads((VECTORS / "index.json").read_text())
+    assert len(negatives) >= 20
+    for case in negatives:
+        args = dict(case["decode_args"])
+        if "expected" in args:
+            args["expected"] = {k: tuple(v) for k, v in args["expected"].items()}
+        with pytest.raises(sc.CodecError):
+            sc.decode((VECTORS / case["file"]).read_bytes(), **args)
+
+
 def _start_spec_device(fed: Federation, slot: int, **flags: Any) -> subprocess.Popen[bytes]:
     """The spec device as its own process: a plain script run, beside (not inside) this repository's packages."""
     state = fed.root / "devices" / f"spec-{slot:02d}"
@@ -166,8 +214,11 @@ def test_fedper_round_with_the_spec_device(tmp_path: Path) -> None:
     try:
         spec_id = json.loads((state / "enrolment.json").read_text())["device_id"]
         updates = _rows(fed, "SELECT round, device, digest, n_samples FROM pfl_updates WHERE federation = :f")
+        metrics = _rows(fed, "SELECT round, device FROM pfl_metrics WHERE federation = :f")
     finally:
         fed.close()
+    # metrics of round t - 1 during round t, and of round T at the final task: every round once
+    assert sorted(m.round for m in metrics if m.device == spec_id) == list(range(1, rounds + 1))
     for t in range(1, rounds + 1):
         mine = [u for u in updates if u.round == t and u.device == spec_id]
         assert len(mine) == 1 and mine[0].n_samples == SPEC_SAMPLES, t  # accepted, counted with its weight
@@ -200,9 +251,11 @@ def test_dispfl_rounds_with_the_spec_device(tmp_path: Path) -> None:
     try:
         enr = json.loads((state / "enrolment.json").read_text())
         updates = _rows(fed, "SELECT round, device, digest FROM pfl_updates WHERE federation = :f")
+        metrics = _rows(fed, "SELECT round, device FROM pfl_metrics WHERE federation = :f")
         blobs = {u.digest: decode(_blob(fed, u.digest)) for u in updates}
     finally:
         fed.close()
+    assert sorted(m.round for m in metrics if m.device == enr["device_id"]) == list(range(1, rounds + 1))
     first_mask: dict[str, np.ndarray] = {}
     for t in range(rounds + 1):
         mine = [u for u in updates if u.round == t and u.device == enr["device_id"]]

@@ -83,20 +83,28 @@ class Server:
         self.bytes_down += len(r.content)
         return r.content
 
-    def upload(self, payload: bytes, t: int, n_samples: int, loss: float) -> str:
-        """PUT the blob under its sha256, then POST it as this device's update of round t."""
+    def upload(self, payload: bytes, t: int, n_samples: int, loss: float) -> bool:
+        """PUT the blob under its sha256, then POST it as this device's update of round t. False: 409, the round
+        closed without it (protocol.md "Errors": drop this round's work)."""
         digest = hashlib.sha256(payload).hexdigest()
         self.ok("PUT", f"{API}/blobs/{digest}", content=payload, headers={"Content-Type": "application/octet-stream"})
         body = {"digest": digest, "n_samples": n_samples, "train_loss": loss, "bytes_down": self.bytes_down}
-        got = self.ok("POST", f"{API}/rounds/{t}/updates", json=body)
+        r = self.call("POST", f"{API}/rounds/{t}/updates", json=body)
+        if r.status_code == 409:
+            log.warning("round %d: update refused (%s); dropped", t, r.text[:200])
+            return False
+        if r.status_code != 200:
+            raise RuntimeError(f"update of round {t}: {r.status_code} {r.text[:300]}")
+        got = r.json()
         log.info("round %d: update %s accepted=%s (%d updates)", t, digest[:12], got["accepted"], got["updates"])
-        return digest
+        return True
 
 
 class Doorbell:
-    """MQTT (protocol.md "Topics"): subscribe to this device's own task topic with the enrolment's credentials;
-    a message only wakes the HTTP poll (a device acts on GET /v1/rounds/current/task alone). Announces its status
-    ``online`` (retained) and leaves ``offline`` as its last will."""
+    """MQTT (protocol.md "MQTT topics", "A minimal device" step 2): with the enrolment's credentials, subscribe to
+    the federation's round topic and this device's own task topic; a message that passes the checks of "What a
+    device checks on every MQTT message" (1-3) only wakes the HTTP poll, which is what the device acts on (4).
+    Announces its status ``online`` (retained) and leaves ``offline`` as its last will (5)."""
 
     def __init__(self, enr: dict[str, Any]) -> None:
         import paho.mqtt.client as mqtt
@@ -104,7 +112,8 @@ class Doorbell:
 
         self.event = threading.Event()
         fed, dev = enr["federation"], enr["device_id"]
-        self.topic = f"pfl/{fed}/device/{dev}/task"
+        self.fed, self.done = fed, -1  # done: the last round whose task it finished (the loop keeps it)
+        self.topics = (f"pfl/{fed}/round", f"pfl/{fed}/device/{dev}/task")
         self.status_topic = f"pfl/{fed}/device/{dev}/status"
         url = urlsplit(enr["broker_url"])
         self.client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"pfl-{dev}",
@@ -123,14 +132,27 @@ class Doorbell:
 
     def _connected(self, client: Any, userdata: Any, flags: Any, reason: Any, props: Any = None) -> None:
         log.info("mqtt: connected (%s)", reason)
-        client.subscribe(self.topic, qos=1)
+        client.subscribe([(t, 1) for t in self.topics])
         client.publish(self.status_topic, json.dumps({"device_id": self.dev, "state": "online"}), qos=1, retain=True)
 
     def _message(self, client: Any, userdata: Any, msg: Any) -> None:
-        if msg.topic != self.topic:  # never act on a topic that is not ours
+        if msg.topic not in self.topics:  # string equality: a broker may deliver other retained topics
             log.warning("mqtt: ignoring a message on %s", msg.topic)
             return
-        log.info("mqtt: bell on %s", msg.topic)
+        if not msg.payload or len(msg.payload) > 2**20:  # a cleared retained message, or far too big
+            return
+        try:
+            body = json.loads(msg.payload)
+        except ValueError:
+            log.warning("mqtt: not JSON on %s", msg.topic)
+            return
+        if not isinstance(body, dict) or body.get("federation") != self.fed or type(body.get("round")) is not int:
+            log.warning("mqtt: ignoring a message that is not for %s", self.fed)
+            return
+        rnd = body["round"]
+        if msg.topic.endswith("/task") and rnd < self.done:  # a stale task
+            return
+        log.info("mqtt: bell on %s (round %d)", msg.topic, rnd)
         self.event.set()
 
     def wait(self, seconds: float) -> None:
@@ -166,21 +188,31 @@ def enrol(srv: Server, args: argparse.Namespace) -> dict[str, Any]:
     return enr
 
 
-class Models:
-    """Downloads and decodes models. The first one (the enrolment's ``init_digest``) fixes the model id and the
-    tensor names and shapes; every later payload is decoded against them (codec.md section 7: D9, D10; a base
-    or a neighbour's model may hold fewer tensors) and limited to the server's blob size."""
+DATASETS = {"fashion-mnist": (10, 1, 28), "synthetic": (10, 1, 28), "cifar10": (10, 3, 32)}
 
-    def __init__(self, srv: Server) -> None:
+
+def model_id(config: dict[str, Any]) -> str:
+    """protocol.md "The model id": <model>/<num_classes>/<in_channels>x<image_size>/<base><linear_kp>."""
+    classes, channels, size = DATASETS[config["dataset"]]
+    kp = config["kp"] if config["base"] == "linear" else 0
+    return f"{config['model']}/{classes}/{channels}x{size}/{config['base']}{kp}"
+
+
+class Models:
+    """Downloads and decodes models, each checked against the federation's model id (codec.md D9). The first
+    one (the enrolment's ``init_digest``) fixes the tensor names and shapes; every later payload is decoded
+    against them (D10; a base or a neighbour's model may hold fewer tensors), within the server's blob size."""
+
+    def __init__(self, srv: Server, config: dict[str, Any]) -> None:
         self.srv = srv
-        self.model_id: str | None = None
+        self.model_id = model_id(config)
         self.shapes: dict[str, tuple[int, ...]] | None = None
 
     def get(self, digest: str) -> codec.Payload:
         got = codec.decode(self.srv.blob(digest), expected=self.shapes, model_id=self.model_id,
                            max_bytes=MAX_BLOB, allow_missing=True)
         if self.shapes is None:
-            self.model_id, self.shapes = got.model_id, {k: a.shape for k, a in got.tensors.items()}
+            self.shapes = {k: a.shape for k, a in got.tensors.items()}
         return got
 
 
@@ -218,7 +250,7 @@ class FedPer:
 
     def __init__(self, srv: Server, enr: dict[str, Any], args: argparse.Namespace) -> None:
         self.srv, self.enr, self.args = srv, enr, args
-        self.models = Models(srv)
+        self.models = Models(srv, enr["config"])
         self.trained: int | None = None  # the round it last trained in
         self.loss = 0.0
 
@@ -228,16 +260,15 @@ class FedPer:
     def handle(self, task: dict[str, Any]) -> None:
         t = int(task["round"])
         base = self.models.get(task["base"])
-        if task.get("final"):  # no training: evaluate on the last base and report the round last trained in
-            if self.trained is not None:
-                report(self.srv, self.trained, self.loss)
+        if task.get("final"):  # round T: no training, no update; evaluate on the last average, report round T
+            report(self.srv, t, self.loss)
             return
         new = {k: (a + np.float32(self.args.delta)).astype(np.float32) for k, a in base.tensors.items()}
         self.loss = float(np.mean([np.abs(new[k] - base.tensors[k]).mean() for k in new]))
         payload = codec.encode(new, model_id=base.model_id, round=t)
         save(self.args, t, payload, new, {})
-        self.srv.upload(payload, t, self.args.n_samples, self.loss)
-        if self.trained is not None:
+        accepted = self.srv.upload(payload, t, self.args.n_samples, self.loss)
+        if accepted and self.trained is not None:  # metrics of round t - 1, after the update was accepted
             report(self.srv, self.trained, self.loss)
         self.trained = t
 
@@ -251,7 +282,7 @@ class DisPFL:
         self.srv, self.enr, self.args = srv, enr, args
         self.w: dict[str, np.ndarray] = {}
         self.mask: dict[str, np.ndarray] = {}
-        self.models = Models(srv)
+        self.models = Models(srv, enr["config"])
 
     def start(self) -> None:
         init = self.models.get(self.enr["init_digest"])
@@ -260,10 +291,10 @@ class DisPFL:
         self.w = {k: (a * self.mask[k]).astype(np.float32) for k, a in init.tensors.items()}
         self.send(0, 0.0)
 
-    def send(self, t: int, loss: float) -> None:
-        payload = codec.encode(self.w, model_id=init_id(self.models), round=t, masks=self.mask)
+    def send(self, t: int, loss: float) -> bool:
+        payload = codec.encode(self.w, model_id=self.models.model_id, round=t, masks=self.mask)
         save(self.args, t, payload, self.w, self.mask)
-        self.srv.upload(payload, t, self.args.n_samples, loss)
+        return self.srv.upload(payload, t, self.args.n_samples, loss)
 
     def handle(self, task: dict[str, Any]) -> None:
         t = int(task["round"])
@@ -282,19 +313,17 @@ class DisPFL:
         before = {k: (avg[k] * self.mask[k]).astype(np.float32) for k in avg}
         self.w = {k: ((before[k] + np.float32(self.args.delta)) * self.mask[k]).astype(np.float32) for k in before}
         loss = float(np.mean([np.abs(self.w[k] - before[k]).mean() for k in self.w]))
-        report(self.srv, t, loss)
-        self.send(t, loss)
-
-
-def init_id(models: Models) -> str:
-    assert models.model_id is not None  # set by the first download
-    return models.model_id
+        if self.send(t, loss):  # metrics of round t, after its update was accepted
+            report(self.srv, t, loss)
 
 
 def report(srv: Server, t: int, loss: float) -> None:
-    """POST /v1/rounds/{t}/metrics. It has no test data: n_test 0, accuracy 0, loss as the class docs say."""
+    """POST /v1/rounds/{t}/metrics. It has no test data: n_test 0, accuracy 0, loss as the module docs say."""
     body = {"accuracy": 0.0, "loss": loss, "n_test": 0, "bytes_down": srv.bytes_down}
-    srv.ok("POST", f"{API}/rounds/{t}/metrics", json=body)
+    r = srv.call("POST", f"{API}/rounds/{t}/metrics", json=body)
+    if r.status_code != 200:  # 409: a round it may not report (any more); nothing to redo
+        log.warning("round %d: metrics refused: %s %s", t, r.status_code, r.text[:200])
+        return
     log.info("round %d: metrics sent", t)
 
 
@@ -343,6 +372,8 @@ def run(args: argparse.Namespace) -> None:
                 except codec.CodecError as e:  # a model that does not decode: log it, sit this round out
                     log.error("round %d: %s", task["round"], e)
                 done = task["round"] if not task.get("final") else 10**9
+                if bell is not None:
+                    bell.done = done
                 continue
             if fin:
                 log.info("the federation is finished")
@@ -363,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--enrol-secret", required=True)
     p.add_argument("--state-dir", required=True)
     p.add_argument("--index", type=int, default=None, help="the slot (data partition) it asks for")
-    p.add_argument("--profile", default="spec-device")
+    p.add_argument("--profile", default="phone-mid", help="a profile name the server knows (device_profiles/)")
     p.add_argument("--name", default="spec-device")
     p.add_argument("--n-samples", type=int, default=40, help="declared at enrolment and sent with every update")
     p.add_argument("--delta", type=float, default=0.01, help="what its training adds to every trained weight")
