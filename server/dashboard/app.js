@@ -139,7 +139,7 @@
       cell(tr, d.profile);
       cell(tr, String(d.index), "n");
       cell(tr, sparse(info) ? num(d.density, 2) : "dense", "n");
-      cell(tr, String(d.kp), "n");
+      cell(tr, sparse(info) ? "–" : String(d.kp), "n"); // K_P is FedPer's; DisPFL keeps no blocks apart
       cell(tr, d.revoked ? "revoked" : d.online ? "online" : "offline");
       cell(tr, d.last_round === null ? "–" : String(d.last_round), "n");
       cell(tr, ago(d.last_seen));
