@@ -43,6 +43,7 @@ from pfl_edge.protocol import (
 from .control import Control
 from .data import LocalData, load_image_folder, load_local_data
 from .http import Http, ServerError, ServerUnavailable
+from .programs import ProgramSource
 from .state import Progress, RoundStats, StateDir
 from .tasks import Downloads, TaskSource, UnusableModel, all_finite, finite_metric, mismatch
 from .trainer import DeviceTrainer, device_clients
@@ -70,7 +71,7 @@ class AgentConfig:
     max_blob_bytes: int = 256 * 1024 * 1024
     exit_when_done: bool = True
     training_backend: str | None = None  # torch | executorch; None: the profile's
-    training_program: str | None = None  # an exported ExecuTorch training program (else exported here, once)
+    training_program: str | None = None  # an exported ExecuTorch training program (else the server's)
     # how its registered data set is dealt (dataset, partition, clients, seed), where it differs from the config
     data_overrides: dict[str, Any] = field(default_factory=dict)
 
@@ -167,9 +168,13 @@ class Agent:
     def _training_backend(self) -> TrainingBackend:
         """The profile's training backend (or the one asked for), from the one registry of backends."""
         name = self.cfg.training_backend or self.profile.training_backend
+        # ExecuTorch programs come from the server's model card, downloaded and checked (docs/model.md)
+        source = ProgramSource(self.http, self.enr.federation, self.store.root / "programs",
+                               model_id=model_id(self.data.spec), max_bytes=self.cfg.max_blob_bytes,
+                               training_backend=self.cfg.training_backend)
         return get_training_backend(name).for_device(BackendRequest(
             self.data.model, self.data.spec, self.profile, self.algo.program_mode, self.fed.batch_size,
-            self.fed.seed, self.cfg.training_program, self.store.root / "programs"))
+            self.cfg.training_program, source.training))
 
     def _init_model(self, enr: Enrolment) -> None:
         # the server sends the initial model (FedPer: its base; the personal blocks start from the federation's

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import warnings
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -59,17 +59,18 @@ class TrainStats:
 @dataclass(frozen=True, eq=False)
 class BackendRequest:
     """What a device asks of its training backend: its model, the program mode its algorithm trains with
-    (``fedper``: whole model; ``dispfl``: masked, with the dense gradient), the federation's batch size and seed,
-    an exported program if it has one, and where it may export and keep one."""
+    (``fedper``: whole model; ``dispfl``: masked, with the dense gradient), the federation's batch size, and where
+    an ExecuTorch program comes from: a packaged file (``program``, beside its manifest) or ``download(mode)``,
+    the server's program of that mode and its details, checked against the model card
+    (``edge_runtime.programs.ProgramSource.training``)."""
 
     model: nn.Module
     spec: ModelSpec
     profile: Profile
     mode: str
     batch_size: int
-    seed: int
     program: str | None = None
-    cache_dir: Path | None = None
+    download: Callable[[str], tuple[bytes, Mapping[str, Any]]] | None = None
 
 
 class TrainingBackend(Protocol):
@@ -214,12 +215,19 @@ class ExecuTorchBackend:
 
     @classmethod
     def for_device(cls, req: BackendRequest) -> ExecuTorchBackend:
-        """The program ``req.program``, or one exported once for the device's mode into ``req.cache_dir`` (each
-        round's weights are swapped into it, never re-exported)."""
-        path = req.program
-        if path is None:
-            path = str(_export_program(req))
-        backend = cls.from_file(path)
+        """The program ``req.program``, or the server's for the device's mode (each round's weights are swapped
+        into it, never re-exported; a device exports nothing)."""
+        if req.program is not None:
+            backend = cls.from_file(req.program)
+        elif req.download is not None:
+            program, details = req.download(req.mode)
+            backend = cls(program, details)
+        else:
+            raise ConfigError("an ExecuTorch training backend needs a program: the server's (from its model card) "
+                              "or --training-program")
+        if backend.frozen:  # the device's modes (fedper, dispfl) train every parameter
+            raise ConfigError(f"the training program (mode {backend.details.get('mode')!r}) freezes "
+                              f"{len(backend.frozen)} tensors; this device trains all of them (mode {req.mode!r})")
         if backend.batch_size < req.batch_size:
             raise ConfigError(f"the training program takes batches of {backend.batch_size}, the federation trains "
                               f"with {req.batch_size}: export one at the federation's batch size")
@@ -333,20 +341,6 @@ class ExecuTorchBackend:
             for k, g in grads.items():
                 out[k] += g if share == 1.0 else g * share
         return {k: out[k] for k in self.trainable}
-
-
-def _export_program(req: BackendRequest) -> Path:
-    from export import lower_executorch_training, package, prepare
-
-    if req.cache_dir is None:
-        raise ConfigError("an ExecuTorch training backend needs a program or a directory to export one into")
-    found = sorted(req.cache_dir.glob(f"*-train-{req.mode}.pte")) if req.cache_dir.exists() else []
-    if found:
-        return found[0]
-    log.info("exporting an ExecuTorch training program (%s, batch %d)", req.mode, req.batch_size)
-    prep = prepare(req.profile, spec=req.spec, seed=req.seed)
-    lowered = lower_executorch_training(prep, mode=req.mode, batch_size=req.batch_size)
-    return Path(package(lowered, req.cache_dir).path)
 
 
 TRAINING_BACKENDS: dict[str, type[TorchBackend] | type[ExecuTorchBackend]] = {
