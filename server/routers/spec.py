@@ -11,7 +11,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from pfl_edge import schemas
-from pfl_edge.protocol import API_PREFIX
+from pfl_edge.protocol import API_PREFIX, ErrorBody
 
 from ..errors import NotFound
 
@@ -32,7 +32,10 @@ def schema_index() -> dict[str, Any]:
     return schemas.index(f"{API_PREFIX}/schemas/")
 
 
-@router.get("/{name}.json", responses={404: {"description": "no message of that name"}})
+@router.get("/{name}.json", response_class=JSONResponse, responses={
+    200: {"description": "a JSON Schema, draft 2020-12", "content": {"application/schema+json": {
+        "schema": {"type": "object"}}}},
+    404: {"description": "no message of that name", "model": ErrorBody}})
 def get_schema(name: str) -> JSONResponse:
     """One message's JSON Schema (draft 2020-12), e.g. ``Task.json``."""
     doc = _all().get(name)
