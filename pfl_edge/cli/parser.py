@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from ..errors import PflEdgeError
-from . import client, demo, export, info, profile, report, server, simulate
+from . import bundle, client, demo, export, info, profile, report, server, simulate
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.register(sub)
     server.register(sub)
     client.register(sub)
+    bundle.register(sub)
     info.register_check(sub)
     export.register(sub)
     profile.register(sub)

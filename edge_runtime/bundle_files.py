@@ -1,0 +1,234 @@
+"""The text files of a device bundle (edge_runtime.bundle): device.json, start.sh, install.sh, the systemd unit,
+README.txt, and the pinned requirements taken from this environment's installed packages."""
+
+from __future__ import annotations
+
+import json
+import platform
+import shlex
+import sys
+from dataclasses import dataclass
+from importlib import metadata
+
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+__all__ = ["DIST", "BundleSpec", "pinned", "render_files", "requirements_text"]
+
+DIST = "pfl-edge"
+# pinned for aarch64 too, but whose aarch64 Linux wheels (or their build on the board) need checking there
+CHECK_ON_AARCH64 = ("torch", "executorch", "onnxruntime", "coremltools", "torchao", "pytorch-tokenizers")
+
+
+@dataclass(frozen=True)
+class BundleSpec:
+    server: str
+    federation: str
+    profile: str
+    name: str
+    has_secret: bool
+    has_ca: bool
+    training_program: str | None  # file under model/programs/ passed as --training-program
+    programs: list[str]
+    wheel: str  # file under wheels/
+    install_dir: str
+    user: str
+    client_args: tuple[str, ...]
+    model_id: str
+    training_backend: str | None = None  # passed to `pfl-edge client` when set (else the profile's)
+
+
+def render_files(spec: BundleSpec) -> dict[str, tuple[str, int]]:
+    """Relative path -> (text, mode) of every generated file."""
+    device = {"format": "pfl-edge-device/1", "server": spec.server, "federation": spec.federation,
+              "profile": spec.profile, "name": spec.name, "model_id": spec.model_id,
+              "model_card": "model/card.json", "programs": [f"model/programs/{p}" for p in spec.programs],
+              "training_program": f"model/programs/{spec.training_program}" if spec.training_program else None,
+              "enrol_secret_file": "enrol-secret" if spec.has_secret else None,
+              "ca_file": "ca.pem" if spec.has_ca else None, "state_dir": "state"}
+    return {"device.json": (json.dumps(device, indent=1) + "\n", 0o644), "start.sh": (_start(spec), 0o755),
+            "install.sh": (_install(spec), 0o755), "pfl-edge-device.service": (_unit(spec), 0o644),
+            "README.txt": (_readme(spec), 0o644)}
+
+
+def _start(spec: BundleSpec) -> str:
+    q = shlex.quote
+    args = [f"--server {q(spec.server)}", f"--federation {q(spec.federation)}", f"--profile {q(spec.profile)}",
+            f"--name {q(spec.name)}", '--state-dir "$here/state"']
+    if spec.has_secret:
+        args.append('--enrol-secret-file "$here/enrol-secret"')
+    if spec.has_ca:
+        args.append('--ca-file "$here/ca.pem"')
+    if spec.training_backend:
+        args.append(f"--training-backend {q(spec.training_backend)}")
+    if spec.training_program:
+        args.append(f'--training-program "$here/model/programs/{spec.training_program}"')
+    args += [q(a) for a in spec.client_args]
+    joined = " \\\n    ".join(args)
+    return f"""#!/bin/sh
+# Runs this device: `pfl-edge client` from the bundle's virtual environment (install.sh made it), its state (enrolment,
+# token, personal blocks, progress) in ./state. Arguments given to this script are passed on to `pfl-edge client`.
+set -eu
+here="$(cd "$(dirname "$0")" && pwd)"
+mkdir -p "$here/state"
+chmod 700 "$here/state"
+exec "$here/venv/bin/pfl-edge" client \\
+    {joined} \\
+    "$@"
+"""
+
+
+def _install(spec: BundleSpec) -> str:
+    return f"""#!/bin/sh
+# Creates ./venv (Python 3.11 or newer) and installs the pinned requirements (requirements.txt; on aarch64,
+# requirements-aarch64.txt), then the bundled pfl-edge wheel without its dependencies. Run it where the bundle will
+# stay (a virtual environment cannot be moved), as the user that runs the device.
+#   PYTHON           the interpreter to build the environment from (default python3)
+#   TORCH_INDEX_URL  where torch comes from (default the CPU-only build: https://download.pytorch.org/whl/cpu);
+#                    empty: pip's own configuration decides
+set -eu
+here="$(cd "$(dirname "$0")" && pwd)"
+python="${{PYTHON:-python3}}"
+"$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || {{
+    echo "install.sh: pfl-edge needs Python 3.11 or newer; set PYTHON to one" >&2; exit 1; }}
+req="$here/requirements.txt"
+case "$(uname -m)" in aarch64|arm64) req="$here/requirements-aarch64.txt" ;; esac
+"$python" -m venv "$here/venv"
+pip="$here/venv/bin/python -m pip"
+torch="$(grep '^torch==' "$req" || true)"
+index="${{TORCH_INDEX_URL-https://download.pytorch.org/whl/cpu}}"
+if [ -n "$torch" ] && [ -n "$index" ]; then
+    $pip install --index-url "$index" "$torch"
+fi
+$pip install -r "$req"
+$pip install --no-deps "$here/wheels/{spec.wheel}"
+"$here/venv/bin/pfl-edge" list >/dev/null
+echo "installed; run $here/start.sh (or the systemd unit pfl-edge-device.service)"
+"""
+
+
+def _unit(spec: BundleSpec) -> str:
+    d = spec.install_dir
+    return f"""# systemd unit for this device. The bundle is expected in {d} (set with pfl-edge bundle --install-dir),
+# owned by user {spec.user}, with install.sh already run there as that user:
+#   sudo cp pfl-edge-device.service /etc/systemd/system/ && sudo systemctl enable --now pfl-edge-device
+[Unit]
+Description=pfl-edge device {spec.name} (federation {spec.federation}, profile {spec.profile})
+Wants=network-online.target
+After=network-online.target
+
+[Service]
+Type=simple
+User={spec.user}
+Group={spec.user}
+WorkingDirectory={d}
+ExecStart={d}/start.sh
+Restart=on-failure
+RestartSec=10
+Environment=PYTHONUNBUFFERED=1 HOME={d}/state MPLCONFIGDIR={d}/state/.matplotlib
+NoNewPrivileges=yes
+PrivateTmp=yes
+ProtectSystem=full
+ProtectHome=yes
+UMask=0077
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def _readme(spec: BundleSpec) -> str:
+    progs = "\n".join(f"    model/programs/{p}" for p in spec.programs) or "    (none)"
+    return f"""pfl-edge device bundle: device {spec.name!s}, profile {spec.profile}, federation {spec.federation},
+server {spec.server}, model {spec.model_id}.
+
+Contents
+  device.json              what this device is: server URL, federation, profile, name, and the files below
+                           (paths relative to this folder; null where absent)
+  enrol-secret             the federation's enrolment secret (mode 0600; only needed until the device enrols)
+  ca.pem                   the CA the server's HTTPS certificate chains to (when the bundle was made with one)
+  model/card.json          the model card: input, normalisation, layers, blocks, tensors, the personal part,
+                           local training settings and the programs below (docs/model.md in the repository)
+  model/programs/          the programs, each checked against the card's sha256:
+{progs}
+                           *.onnx: inference (ONNX Runtime); *.pte: training (ExecuTorch). manifest.json beside
+                           them: one entry per program ("path" and the card's details), read by the device agent
+  requirements.txt         pinned Python packages (Linux x86_64), from the environment that built the bundle
+  requirements-aarch64.txt the same pins for Linux aarch64 boards (see the comments in it)
+  wheels/{spec.wheel}
+                           pfl-edge itself
+  install.sh               makes ./venv and installs the above (PYTHON, TORCH_INDEX_URL: see the script)
+  start.sh                 runs the device: pfl-edge client with this bundle's settings; state in ./state
+  pfl-edge-device.service  systemd unit (User={spec.user}, WorkingDirectory={spec.install_dir}, Restart=on-failure)
+
+Linux board (Raspberry Pi, Jetson, a PC)
+  1. copy this folder to {spec.install_dir}, owned by user {spec.user}: it holds a secret, keep it 0700
+  2. as that user: ./install.sh            (needs Python 3.11+ and network access to the package index)
+  3. try it: ./start.sh -v                 (add the device's data, e.g. ./start.sh --data-dir /srv/images)
+  4. as a service: sudo cp pfl-edge-device.service /etc/systemd/system/ &&
+     sudo systemctl enable --now pfl-edge-device
+  The device enrols once (the secret), then keeps its identity, token and personal blocks in ./state.
+
+Android phone
+  The Python parts (install.sh, start.sh, requirements, wheels/, the unit) are not for phones. A phone app reads
+  device.json (server, federation, profile, name), enrol-secret and ca.pem, model/card.json, and runs
+  model/programs/*.pte with ExecuTorch (training) and *.onnx with ONNX Runtime (inference), speaking the protocol
+  in the repository's docs/protocol.md. Ship these files inside the app or push them to its private storage.
+"""
+
+
+# --------------------------------------------------------------------------------------------------- requirements
+def _environment(machine: str | None) -> dict[str, str]:
+    env = {k: str(v) for k, v in default_environment().items()}
+    if machine is not None:
+        env["platform_machine"] = machine
+    return env
+
+
+def pinned(machine: str | None = None) -> list[tuple[str, str | None]]:
+    """(name, installed version; None when not installed here) of pfl-edge's runtime dependencies, with theirs,
+    markers evaluated for this machine or for ``machine`` on Linux (pfl-edge's own extras left out; a dependency's
+    requested extras, such as psycopg[binary], followed)."""
+    env = _environment(machine)
+    todo = [(Requirement(r), "") for r in metadata.requires(DIST) or []]
+    versions: dict[str, str | None] = {}
+    done: set[tuple[str, str]] = set()  # (package, extra) whose requirements were followed
+    while todo:
+        req, extra = todo.pop()
+        if req.marker is not None and not req.marker.evaluate({**env, "extra": extra}):
+            continue
+        key = canonicalize_name(req.name)
+        for want in ("", *sorted(req.extras)):
+            if (key, want) in done:
+                continue
+            done.add((key, want))
+            try:
+                dist = metadata.distribution(req.name)
+            except metadata.PackageNotFoundError:
+                versions[key] = None
+                break
+            versions[key] = dist.version.split("+", 1)[0]  # 2.13.0+cpu: the local label is the index's business
+            todo += [(Requirement(r), want) for r in dist.requires or []]
+    return sorted(versions.items())
+
+
+def requirements_text(machine: str | None) -> str:
+    here = f"{platform.system()} {platform.machine()}, Python {sys.version.split()[0]}"
+    head = [f"# pfl-edge's runtime dependencies and theirs, pinned to what was installed where this bundle was "
+            f"built ({here}).",
+            "# torch: install.sh takes it from the CPU-only index first (TORCH_INDEX_URL)."]
+    if machine is not None:
+        head += [f"# For Linux {machine}: the same versions, markers evaluated for {machine}. To check there "
+                 f"(wheels for {machine} may be missing",
+                 "# at these versions, or build from source for a long time): " + ", ".join(CHECK_ON_AARCH64) + ".",
+                 "# A package marked 'not installed where built' is needed on this platform only: pin it there."]
+    lines = []
+    for name, version in pinned(machine):
+        if version is None:
+            lines.append(f"{name}  # not installed where built")
+        else:
+            check = "  # check on this platform" if machine is not None and name in CHECK_ON_AARCH64 else ""
+            lines.append(f"{name}=={version}{check}")
+    return "\n".join(head + lines) + "\n"
+
