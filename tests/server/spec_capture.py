@@ -14,6 +14,7 @@ import secrets
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -164,6 +165,10 @@ def _state(cap: Capture) -> tuple[int, str]:
     return int(j["round"]), str(j["state"])
 
 
+def _reached(cap: Capture, want: tuple[int, str]) -> Callable[[], bool]:
+    return lambda: _state(cap) == want
+
+
 def _errors(cap: Capture, d: Device) -> None:
     """The refusals a device meets, as the server words them."""
     cap.call("error", "GET", "/v1/rounds/current/task", resp="ErrorBody")  # no token: 401
@@ -183,7 +188,7 @@ def run(srv: BackgroundServer) -> list[Exchange]:
     devs = [Device(cap, i) for i in range(2)]
     try:
         for t in (1, 2):
-            wait_for(lambda t=t: _state(cap) == (t, "collecting"), 60, f"round {t}")
+            wait_for(_reached(cap, (t, "collecting")), 60, f"round {t}")
             for d in devs:
                 d.act(d.task())
         wait_for(lambda: _state(cap)[1] == "finished", 60, "finished")
@@ -208,7 +213,7 @@ def run(srv: BackgroundServer) -> list[Exchange]:
 
 def serve(tmp: Path) -> BackgroundServer:
     return start_background(Settings(data_dir=tmp / "data", database_url=f"sqlite:///{tmp / 'state.db'}",
-                                     tick_s=0.05))  # type: ignore[arg-type]
+                                     tick_s=0.05))
 
 
 if __name__ == "__main__":
