@@ -1,8 +1,10 @@
 """A second device, written from the specification alone (tests/spec_device/: docs/protocol.md, docs/codec.md),
 takes part in real FedPer and DisPFL rounds beside agent devices. The device shares no code with this repository
-(checked from its source); the test side uses the repository's codec and launcher to check what it sent.
+(checked from its source, and from the modules its process imported); the test side uses the repository's codec
+and launcher to check what it sent.
 
-- its codec and ``pfl_edge.codec`` read each other's payloads, every mask coding included;
+- its codec and ``pfl_edge.codec`` read each other's payloads, every mask coding included, refuse the same
+  corrupted payloads, and it meets every golden and negative vector of docs/vectors;
 - FedPer: its update is accepted every round and each published base is the n_samples-weighted mean of the three
   uploaded base parts, recomputed here in float64;
 - DisPFL: its sparse uploads are accepted, decode to exactly its own values and mask, agents that have it as an
@@ -14,6 +16,7 @@ import ast
 import hashlib
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 import time
@@ -31,6 +34,7 @@ from pfl_edge.codec import decode, encode
 
 SPEC = Path(__file__).resolve().parents[1] / "spec_device"
 THIRD_PARTY = {"httpx", "paho", "numpy", "onnxruntime"}
+REPOSITORY = {"pfl_edge", "edge_runtime", "server", "export", "device_profiles", "tests", "bench"}
 CONFIG: dict[str, Any] = dict(dataset="synthetic", partition="pathological:2", clients=3, samples_per_client=48,
                               test_per_client=32, local_epochs=1, batch_size=16, lr=0.05, workers=1, seed=5)
 # plain weighted mean: no clipping of update norms, no cap below the declared sample counts
@@ -70,7 +74,7 @@ def test_the_spec_device_imports_nothing_of_this_repository() -> None:
                 continue
             for root in roots:
                 assert root in sys.stdlib_module_names or root in THIRD_PARTY or root in local, (path.name, root)
-                assert root not in {"importlib", "pfl_edge", "edge_runtime", "server", "export", "device_profiles"}
+                assert root not in REPOSITORY | {"importlib"}, (path.name, root)
 
 
 def _random(shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
@@ -102,6 +106,54 @@ def test_the_two_codecs_read_each_other_in_every_mask_coding() -> None:
     assert all(np.array_equal(back.masks[k].numpy(), masks[k]) for k in masks)
     dense = sc.encode({k: tensors[k] for k in shapes}, model_id="m-2", round=1)
     assert all(np.array_equal(decode(dense).tensors[k].numpy(), tensors[k]) for k in shapes)
+
+
+def test_the_two_codecs_refuse_the_same_corrupted_payloads() -> None:
+    """Payloads corrupted in their header numbers or data (trailer recomputed, so the checks past the sha256
+    run): the spec device's decoder accepts exactly those the repository's decoder accepts, with equal values."""
+    sc = _spec_codec()
+    rng = np.random.default_rng(11)
+    checked = refused = 0
+    for i in range(40):
+        n = int(rng.integers(1, 200))
+        m = rng.random(n) < (0.03, 0.5, 0.97, 0.2)[i % 4]
+        v = np.where(m, rng.standard_normal(n), 0).astype(np.float32)
+        good = encode({"x": torch.from_numpy(v), "d": torch.ones(2, 3)}, model_id="m", round=i,
+                      masks={"x": torch.from_numpy(m)})
+        for _ in range(25):
+            bad = _corrupt(good, rng)
+            try:
+                ref: Any = decode(bad)
+            except Exception:
+                ref = None
+            try:
+                ours: Any = sc.decode(bad)
+            except sc.CodecError:
+                ours = None
+            assert (ref is None) == (ours is None), bad[9:9 + int.from_bytes(bad[5:9], "little")]
+            if ref is not None:
+                assert all(np.array_equal(ref.tensors[k].numpy(), ours.tensors[k]) for k in ref.tensors)
+            checked, refused = checked + 1, refused + (ref is None)
+    assert refused > checked // 3 and refused < checked  # both outcomes were exercised
+
+
+def _corrupt(good: bytes, rng: np.random.Generator) -> bytes:
+    hlen = int.from_bytes(good[5:9], "little")
+    head, data = good[9:9 + hlen].decode(), good[9 + hlen:-32]
+    if rng.random() < 0.5:  # one number of the header moved by -3 ... 3
+        spans = [(a, b) for a, b in _numbers(head)]
+        a, b = spans[int(rng.integers(0, len(spans)))]
+        head = head[:a] + str(max(0, int(head[a:b]) + int(rng.integers(-3, 4)))) + head[b:]
+    else:  # one bit of the data flipped
+        flipped = bytearray(data)
+        flipped[int(rng.integers(0, len(flipped)))] ^= 1 << int(rng.integers(0, 8))
+        data = bytes(flipped)
+    body = good[:5] + len(head).to_bytes(4, "little") + head.encode() + data
+    return body + hashlib.sha256(body).digest()
+
+
+def _numbers(text: str) -> list[tuple[int, int]]:
+    return [(mm.start(), mm.end()) for mm in re.finditer(r"\d+", text)]
 
 
 VECTORS = Path(__file__).resolve().parents[2] / "docs" / "vectors"
@@ -155,7 +207,8 @@ def _start_spec_device(fed: Federation, slot: int, **flags: Any) -> subprocess.P
     """The spec device as its own process: a plain script run, beside (not inside) this repository's packages."""
     state = fed.root / "devices" / f"spec-{slot:02d}"
     state.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, str(SPEC / "device.py"), "--server", fed.url, "--federation", fed.fed,
+    # -X importtime lists every module the process imports (on stderr, into its log): checked after the run
+    cmd = [sys.executable, "-X", "importtime", str(SPEC / "device.py"), "--server", fed.url, "--federation", fed.fed,
            f"--enrol-secret={fed.secret}", "--index", str(slot), "--state-dir", str(state),
            "--n-samples", str(SPEC_SAMPLES), "--profile", "phone-mid"]
     cmd += [f"--{k.replace('_', '-')}={v}" for k, v in flags.items()]
@@ -188,6 +241,15 @@ def _run(tmp_path: Path, config: dict[str, Any], timeout_s: float = 90) -> tuple
         raise
 
 
+def _assert_imported_nothing_of_the_repository(fed: Federation) -> None:
+    """At run time too: no module of this repository was imported by the spec device's process."""
+    lines = (fed.root / "devices" / f"spec-{SPEC_SLOT:02d}.log").read_text().splitlines()
+    modules = {line.rsplit("|", 1)[1].strip() for line in lines if line.startswith("import time:") and "|" in line}
+    roots = {m.split(".")[0] for m in modules}
+    assert {"numpy", "httpx", "paho", "codec"} <= roots  # the listing works
+    assert not roots & REPOSITORY, sorted(roots & REPOSITORY)
+
+
 def _log(fed: Federation, i: int) -> str:
     p = fed.root / "devices" / (f"spec-{i:02d}.log" if i == SPEC_SLOT else f"device-{i:02d}.log")
     return p.read_text()[-3000:] if p.exists() else ""
@@ -213,6 +275,7 @@ def test_fedper_round_with_the_spec_device(tmp_path: Path) -> None:
     fed, state = _run(tmp_path, {**CONFIG, "algorithm": "fedper", "kp": 2, "rounds": rounds})
     try:
         spec_id = json.loads((state / "enrolment.json").read_text())["device_id"]
+        _assert_imported_nothing_of_the_repository(fed)
         updates = _rows(fed, "SELECT round, device, digest, n_samples FROM pfl_updates WHERE federation = :f")
         metrics = _rows(fed, "SELECT round, device FROM pfl_metrics WHERE federation = :f")
     finally:
@@ -250,6 +313,7 @@ def test_dispfl_rounds_with_the_spec_device(tmp_path: Path) -> None:
                                  "rounds": rounds})
     try:
         enr = json.loads((state / "enrolment.json").read_text())
+        _assert_imported_nothing_of_the_repository(fed)
         updates = _rows(fed, "SELECT round, device, digest FROM pfl_updates WHERE federation = :f")
         metrics = _rows(fed, "SELECT round, device FROM pfl_metrics WHERE federation = :f")
         blobs = {u.digest: decode(_blob(fed, u.digest)) for u in updates}
