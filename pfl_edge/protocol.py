@@ -290,8 +290,8 @@ class RoundAnnouncement(_Msg):
     state: RoundState = Field(description="state of that round")
     base: Digest | None = Field(default=None, description=(
         "FedPer/FedAvg: sha256 of the server's whole model (every tensor, personal ones too): the model round "
-        "`round` started from while collecting/closing, the last round's result once finished. Not a device's "
-        "base (that is Task.base). DisPFL: null"))
+        "`round` started from while collecting/closing (round 0 and 1: the initial model), the last round's "
+        "result once finished. Not a device's base (that is Task.base). DisPFL: null"))
     deadline: float | None = Field(default=None, ge=0, le=1e11, description=(
         "unix time the current round may close at; null before round 1"))
 
