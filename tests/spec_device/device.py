@@ -245,8 +245,9 @@ def erk_mask(shapes: dict[str, tuple[int, ...]], density: float, rng: np.random.
 
 
 class FedPer:
-    """protocol.md "A round, step by step", FedPer: download the base, train, upload the base part only (here:
-    exactly the base's tensors, so a personal block can never leave), then report the round it last trained in."""
+    """protocol.md "Rounds, tasks and metrics", FedPer: download the base, train, upload the base part only (here:
+    exactly the base's tensors, so a personal block can never leave), then post the metrics of round t - 1 if it
+    trained then; at the final task (round T) post the metrics of round T."""
 
     def __init__(self, srv: Server, enr: dict[str, Any], args: argparse.Namespace) -> None:
         self.srv, self.enr, self.args = srv, enr, args
@@ -274,9 +275,10 @@ class FedPer:
 
 
 class DisPFL:
-    """protocol.md "DisPFL": round 0 uploads the initial sparse model; round t averages the in-neighbours'
-    latest models with its own, each counted where the mask that travels with it covers a coordinate, applies
-    its own mask, trains, reports round t and uploads the trained weights with the mask they were trained under."""
+    """protocol.md "Rounds, tasks and metrics" and "Local training", DisPFL: round 0 uploads the initial sparse
+    model; round t averages the in-neighbours' latest models with its own, each counted where the mask that
+    travels with it covers a coordinate, applies its own mask, trains, uploads the trained weights with the mask
+    they were trained under, and once that update is accepted posts the metrics of round t."""
 
     def __init__(self, srv: Server, enr: dict[str, Any], args: argparse.Namespace) -> None:
         self.srv, self.enr, self.args = srv, enr, args
