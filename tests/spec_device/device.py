@@ -11,7 +11,8 @@ It does not learn. Its "training" is deterministic so that a test can check ever
   mask (ERK at its density, drawn once from ``--seed``) stays the one it started with.
 
 It has no test data: its metrics say ``n_test`` 0, accuracy 0 and, as loss, the mean absolute change its
-training made (a number a reader can check).
+training made (a number a reader can check). protocol.md says a device without test data posts no metrics; this
+one posts them so that the tests can check their round numbers.
 
 Run: ``python tests/spec_device/device.py --server URL --federation FED --enrol-secret S --index 2 --state-dir D``
 """
