@@ -346,10 +346,12 @@ def describe_blocks(model: BlockModel, personal_keys: Sequence[str]) -> list[Blo
     return out
 
 
-def card_sections(model: BlockModel, input_shape: Sequence[int], personal_keys: Sequence[str]) -> Mapping[str, Any]:
-    """``layers``, ``blocks`` and ``tensors`` of a card, from the real model."""
-    return {"layers": describe_layers(model, input_shape), "blocks": describe_blocks(model, personal_keys),
-            "tensors": describe_tensors(model)}
+def card_sections(model: BlockModel, input_shape: Sequence[int], personal_keys: Sequence[str], *,
+                  layers: Sequence[Layer] | None = None) -> Mapping[str, Any]:
+    """``layers`` (traced unless given: a caller may keep them per model id), ``blocks`` and ``tensors`` of a
+    card, from the real model."""
+    return {"layers": list(layers) if layers is not None else describe_layers(model, input_shape),
+            "blocks": describe_blocks(model, personal_keys), "tensors": describe_tensors(model)}
 
 
 # ------------------------------------------------------------------------------------------- the card
@@ -368,9 +370,10 @@ def training_info(cfg: FederationConfig) -> TrainingInfo:
 
 
 def build_card(*, federation: str, cfg: FederationConfig, spec: ModelSpec, model: BlockModel, profile: str,
-               kp: int, density: float, base_keys: Sequence[str], programs: Sequence[ProgramInfo]) -> ModelCard:
+               kp: int, density: float, base_keys: Sequence[str], programs: Sequence[ProgramInfo],
+               layers: Sequence[Layer] | None = None) -> ModelCard:
     """The card of ``federation``'s model for a device of ``profile`` keeping ``kp`` blocks (``base_keys``
-    travel; the rest stay on the device)."""
+    travel; the rest stay on the device); ``layers``: ``describe_layers(model, ...)`` if already known."""
     shape = [spec.in_channels, spec.image_size, spec.image_size]
     base = set(base_keys)
     personal = [k for k in model.state_dict() if k not in base]
@@ -381,4 +384,4 @@ def build_card(*, federation: str, cfg: FederationConfig, spec: ModelSpec, model
                         own_images=own_images_normalisation()),
         base_keys=[k for k in model.state_dict() if k in base], personal_keys=personal, kp=kp,
         density=density if cfg.algorithm == "dispfl" else 1.0, training=training_info(cfg), programs=list(programs),
-        **card_sections(model, shape, personal))
+        **card_sections(model, shape, personal, layers=layers))

@@ -14,7 +14,7 @@ from fastapi.responses import FileResponse
 from device_profiles import get_profile, list_profiles
 from pfl_edge.errors import UnknownNameError
 from pfl_edge.federation import device_capacity
-from pfl_edge.modelcard import ModelCard, ProgramInfo, build_card
+from pfl_edge.modelcard import Layer, ModelCard, ProgramInfo, build_card, describe_layers
 from pfl_edge.protocol import API_PREFIX
 
 from ..db import Device
@@ -44,6 +44,16 @@ def artefacts(request: Request) -> Artefacts:
 
 
 ArtefactsDep = Annotated[Artefacts, Depends(artefacts)]
+
+_LAYERS: dict[str, list[Layer]] = {}  # by model id: tracing a large model takes about a second
+
+
+def _layers(fm: FedModel) -> list[Layer]:
+    got = _LAYERS.get(fm.model_id)
+    if got is None:
+        s = fm.spec
+        got = _LAYERS[fm.model_id] = describe_layers(fm.model, (s.in_channels, s.image_size, s.image_size))
+    return got
 
 
 def program_keys(fm: FedModel, *, kp: int, training_backend: str) -> list[ProgramKey]:
@@ -99,7 +109,8 @@ def get_model_card(fed: str, reader: FederationReader, coord: Coord, arts: Artef
     records = arts.ensure(keys)
     return build_card(federation=fed, cfg=fm.cfg, spec=fm.spec, model=fm.model, profile=prof.name, kp=kp,
                       density=density, base_keys=fm.base_keys(kp),
-                      programs=[_info(fed, k, r) for k, r in zip(keys, records, strict=True)])
+                      programs=[_info(fed, k, r) for k, r in zip(keys, records, strict=True)],
+                      layers=_layers(fm))
 
 
 @router.get("/{fed}/programs/{file}", response_class=FileResponse, responses={

@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -92,10 +93,11 @@ class ProgramKey:
     def file(self) -> str:
         ident = json.dumps([PROGRAM_FORMAT, model_id(self.spec), self.kind, self.mode, self.kp, self.batch_size])
         h = hashlib.sha256(ident.encode()).hexdigest()[:12]
+        name = re.sub(r"[^a-z0-9-]+", "-", self.spec.model.lower())[:40].strip("-") or "model"  # a plain name
         if self.kind == "inference":
-            return f"{self.spec.model}-inference-{h}.onnx"
+            return f"{name}-inference-{h}.onnx"
         kp = f"-kp{self.kp}" if self.kp is not None else ""
-        return f"{self.spec.model}-train-{self.mode}{kp}-b{self.batch_size}-{h}.pte"
+        return f"{name}-train-{self.mode}{kp}-b{self.batch_size}-{h}.pte"
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "spec": asdict(self.spec)}

@@ -285,14 +285,16 @@ def test_a_late_device_joins_from_the_next_round(tmp_path: Path, algorithm: str)
 
 @pytest.mark.parametrize("algorithm", ["fedper", "dispfl"])
 def test_a_device_training_with_executorch_ends_where_the_simulator_does(tmp_path: Path, algorithm: str) -> None:
-    """Device 0 trains with an ExecuTorch training program (exported on the device, weights swapped in every
-    round); the others in eager PyTorch. All end with the simulator's models, within float tolerance."""
+    """Device 0 trains with an ExecuTorch training program (the server's, downloaded through its model card and
+    checked; weights swapped in every round); the others in eager PyTorch. All end with the simulator's models,
+    within float tolerance."""
     extra = {"densities": (0.5, 1.0, 0.3), "topology": "random:2"} if algorithm == "dispfl" else {"kp": 2}
     cfg = SimConfig(algorithm=algorithm, clients=3, **extra, **BASE)
     fed = _run(tmp_path / "run", cfg.to_dict(), ["phone-mid"] * 3, broker="embedded",
                extra={0: ["--training-backend", "executorch"]})
     fed.close()
-    assert list((tmp_path / "run" / "devices" / "device-00" / "programs").glob("*.pte"))
+    programs = tmp_path / "run" / "devices" / "device-00" / "programs"
+    assert list(programs.glob("*.pte")) and not (programs / "manifest.json").exists()  # downloaded, not exported
     _assert_simulator_models(cfg, tmp_path)
 
 
