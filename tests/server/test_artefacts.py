@@ -282,3 +282,18 @@ def test_the_device_refuses_a_card_of_another_model_and_downloads_once(app: dict
     path = next(tmp_path.glob("*.pte"))
     path.write_bytes(b"x" * len(data))  # damaged on disk: fetched again, never used
     assert src.training("fedper")[0] == data
+
+
+def test_a_dispfl_card_shares_every_tensor_and_carries_the_devices_density() -> None:
+    from server_testkit import DISPFL
+
+    from pfl_edge.modelcard import build_card
+
+    fm = fed_model(DISPFL)
+    keys = program_keys(fm, kp=0, training_backend="executorch")
+    assert [(k.kind, k.mode) for k in keys] == [("inference", None), ("training", "dispfl")]
+    card = build_card(federation="x", cfg=fm.cfg, spec=fm.spec, model=fm.model, profile="phone-low", kp=0,
+                      density=0.3, base_keys=fm.base_keys(0), programs=[])
+    assert card.base_keys == list(fm.model.state_dict()) and card.personal_keys == []
+    assert card.density == 0.3 and not any(b.personal for b in card.blocks)
+    assert card.training.clip_unmasked is True  # DisPFL clips the whole gradient before masking it
