@@ -151,7 +151,8 @@ def test_a_bundle_device_takes_part(tmp_path: Path) -> None:
         fed.close()
 
 
-@pytest.mark.slow  # the install alone: about 5 minutes here (90 packages, torch and executorch's among them)
+# about 5 minutes here: the install alone 191 s (89 pinned packages, torch and executorch among them)
+@pytest.mark.slow
 def test_a_bundle_installs_into_a_fresh_environment_and_takes_part(tmp_path: Path) -> None:
     fed = start_server(tmp_path / "run")
     try:
