@@ -183,6 +183,28 @@ def test_dockerfile_runs_the_server_as_a_fixed_non_root_user_with_a_healthcheck(
                          .read_text(), re.M)
 
 
+def test_every_copied_path_reaches_the_build_and_no_secret_does() -> None:
+    """What COPY names exists and .dockerignore lets it through; what holds secrets or bulk is kept out."""
+    import fnmatch
+
+    ignored = [ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines()
+               if ln.strip() and not ln.startswith("#")]
+
+    def excluded(rel: str) -> bool:
+        parts = rel.split("/")
+        prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+        return any(fnmatch.fnmatch(p, pat) or fnmatch.fnmatch(p, pat.removeprefix("**/"))
+                   for pat in ignored for p in prefixes)
+
+    for word, rest in dockerfile():
+        if word == "COPY":
+            for src in rest.split()[:-1]:
+                assert (ROOT / src).exists(), f"COPY {src}: not in the repository"
+                assert not excluded(src), f"COPY {src}: excluded by .dockerignore"
+    for private in (".env", "prod.env", ".venv", ".git", "tests", "server/__pycache__/x.pyc"):
+        assert excluded(private), f"{private} would be sent to the build"
+
+
 # -------------------------------------------------------------------------- the image's command, run here
 def _free_port() -> int:
     with socket.socket() as s:
