@@ -241,7 +241,11 @@ def test_a_card_cannot_name_another_file_or_host(tmp_path: Path, field: str, val
     from pfl_edge.errors import PflEdgeError
 
     calls: list[httpx.Request] = []
-    http = _http(lambda req: calls.append(req) or httpx.Response(200, content=b"x"))
+    def handler(req: httpx.Request) -> httpx.Response:
+        calls.append(req)
+        return httpx.Response(200, content=b"x")
+
+    http = _http(handler)
     with pytest.raises(PflEdgeError):
         bundle.fetch_program(http, "f", _info(b"x", **{field: value}), tmp_path, time.monotonic() + 60)
     assert calls == []  # the admin token went nowhere
