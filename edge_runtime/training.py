@@ -19,7 +19,6 @@ both backends see the same batches for the same generator.
 from __future__ import annotations
 
 import json
-import logging
 import warnings
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
@@ -43,8 +42,6 @@ __all__ = [
     "TrainingBackend",
     "get_training_backend",
 ]
-
-log = logging.getLogger("pfl_edge.client")
 
 _PREFIX = "net."  # export.training wraps the model as ``net``; the runtime names parameters after it
 
