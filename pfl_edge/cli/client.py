@@ -60,7 +60,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--data-dir", help="the user's own labelled images instead: one folder per class")
     p.add_argument("--threads", type=int, help="torch threads (default: the profile's)")
     p.add_argument("--training-backend", choices=["torch", "executorch"],
-                   help="default: the profile's (an executorch program is exported once into the state dir)")
+                   help="default: the profile's (an executorch program is downloaded from the server's model "
+                        "card into the state dir, its sha256 checked)")
     p.add_argument("--training-program", help="an exported ExecuTorch training program (.pte beside its manifest)")
     p.add_argument("--patience", type=float, default=300.0, help="seconds to keep retrying a missing server")
     p.add_argument("-v", "--verbose", action="store_true")
