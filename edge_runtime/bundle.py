@@ -202,14 +202,27 @@ def build_wheel(dest: Path, wheel: Path | None = None) -> Path:
 
 # --------------------------------------------------------------------------------------------------- the bundle
 def write_bundle(opts: BundleOptions) -> Path:
-    """Build the bundle in ``opts.out`` (a new or empty folder, made 0700: it holds the enrolment secret)."""
+    """Build the bundle in ``opts.out`` (a new or empty folder, made 0700: it holds the enrolment secret). It is
+    built in a hidden folder beside it and moved into place whole: a failed build leaves nothing behind."""
     # an unknown profile fails here, before any download
     executorch = (opts.training_backend or _profile_backend(opts.profile)) == "executorch"
     out = opts.out
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"--out {out} exists and is not an empty folder")
-    out.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(out, 0o700)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))  # 0700
+    try:
+        _fill(opts, work, executorch)
+        if out.exists():
+            out.rmdir()
+        os.replace(work, out)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return out
+
+
+def _fill(opts: BundleOptions, out: Path, executorch: bool) -> None:
     programs = out / "model" / "programs"
     programs.mkdir(parents=True)
     http = Http(opts.server, opts.wait_s, ca_file=str(opts.ca_file) if opts.ca_file else None)
@@ -244,7 +257,6 @@ def write_bundle(opts: BundleOptions) -> Path:
         os.chmod(out / rel, mode)
     (out / "requirements.txt").write_text(requirements_text(None))
     (out / "requirements-aarch64.txt").write_text(requirements_text("aarch64"))
-    return out
 
 
 def _profile_backend(profile: str) -> str:

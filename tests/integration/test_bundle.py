@@ -249,3 +249,15 @@ def test_a_card_cannot_name_another_file_or_host(tmp_path: Path, field: str, val
     with pytest.raises(PflEdgeError):
         bundle.fetch_program(http, "f", _info(b"x", **{field: value}), tmp_path, time.monotonic() + 60)
     assert calls == []  # the admin token went nowhere
+
+
+def test_a_failed_bundle_leaves_nothing(tmp_path: Path) -> None:
+    from edge_runtime.bundle import BundleOptions, write_bundle
+    from edge_runtime.fleet import free_port
+    from edge_runtime.http import ServerUnavailable
+
+    opts = BundleOptions(server=f"http://127.0.0.1:{free_port()}", federation="f", profile=PROFILE,
+                         out=tmp_path / "b", admin_token="t", enrol_secret="s", wait_s=1.5)
+    with pytest.raises(ServerUnavailable):
+        write_bundle(opts)
+    assert list(tmp_path.iterdir()) == []  # neither the bundle nor its half-built folder (with the secret)
