@@ -204,6 +204,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                    deadline_s=cfg.deadline_s)
         print(f"server {fed.url}  federation 'demo': {cfg.algorithm}, {cfg.devices} devices of fleet "
               f"{cfg.fleet!r}, {cfg.rounds} rounds, {cfg.dataset} {cfg.partition}", flush=True)
+        # the token rides in the fragment, which the browser never sends to the server
+        print(f"dashboard: {fed.url}/dashboard#token={fed.admin_token}  (live while the demo runs)", flush=True)
         if cfg.training_backend is not None:
             print(f"every device trains with {cfg.training_backend} (pfl-edge demo --training-backend profile: "
                   "each with its profile's backend)", flush=True)
@@ -220,8 +222,16 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     (out / "devices.json").write_text(json.dumps(devices, indent=1))
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     _plot(metrics, out / "accuracy.png", f"{cfg.algorithm}: {cfg.devices} devices ({cfg.fleet})")
+    _report(out)
     print(_final_text(summary, out), flush=True)
     return summary
+
+
+def _report(out: Path) -> None:
+    """``pfl-edge report`` of the run folder, into OUT/report/ (what a person opens first)."""
+    from pfl_edge.report import load_runs, summarise, write_report
+
+    write_report(summarise(load_runs(out)[0]), out / "report")
 
 
 def _follow(fed: Federation, cfg: DemoConfig, t0: float) -> bool:
@@ -306,8 +316,8 @@ def _final_text(summary: dict[str, Any], out: Path) -> str:
     acc = summary["final_mean_acc"]
     state = "finished" if summary["finished"] else "did NOT finish"
     return (f"\nfederation {state} in {summary['wall_s']:.0f} s; final mean device accuracy "
-            f"{'-' if acc is None else f'{acc:.3f}'}. Run folder: {out}/ (metrics.json, summary.json, accuracy.png, "
-            f"server.log, devices/)")
+            f"{'-' if acc is None else f'{acc:.3f}'}. Report: {out}/report/report.html; run folder: {out}/ "
+            "(metrics.json, summary.json, accuracy.png, server.log, devices/)")
 
 
 def _plot(metrics: dict[str, Any], path: Path, title: str) -> None:
