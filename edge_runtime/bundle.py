@@ -245,7 +245,7 @@ def _fill(opts: BundleOptions, out: Path, executorch: bool) -> None:
         shutil.copy2(opts.ca_file, out / "ca.pem")
     train = training_program(card) if executorch else None
     if executorch and train is None:
-        log.warning("the card lists no ExecuTorch training program: the device will export its own at its start")
+        log.warning("the card lists no ExecuTorch training program: the device will fetch one at its start")
     spec = BundleSpec(server=opts.server, federation=opts.federation, profile=opts.profile,
                       name=opts.name or opts.profile, has_secret=opts.enrol_secret is not None,
                       has_ca=opts.ca_file is not None, training_program=train.file if train else None,

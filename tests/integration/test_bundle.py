@@ -130,9 +130,9 @@ def _run_federation(fed: Federation, out: Path, home: Path, log: Path) -> None:
     for rnd in metrics["rounds"]:
         if rnd["round"] >= 1:
             assert rnd["updates"] == 2 and bundled["device_id"] in rnd["devices"], rnd
-    # it trained with the bundled ExecuTorch program, not one it exported itself into its state
-    exported = out / "state" / "programs"
-    assert not exported.exists() or not any(exported.iterdir())
+    # it trained with the bundled ExecuTorch program, not one it fetched (or made) into its state
+    fetched = out / "state" / "programs"
+    assert not fetched.exists() or not any(fetched.iterdir())
 
 
 def test_a_bundle_device_takes_part(tmp_path: Path) -> None:
