@@ -4,6 +4,7 @@ who may read what, the blobs the server makes itself, and the base part of a mod
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -162,13 +163,14 @@ class BlobAccess:
                       allow_missing=expected is None)
 
     def check_update(self, digest: str, fm: FedModel, expected: dict[str, tuple[int, ...]],
-                     start: str | None) -> tuple[int, float | None]:
+                     start: str | None, ones: Mapping[str, int] | None = None) -> tuple[int, float | None]:
         """``load(digest, fm, expected)``'s check (CodecError if refused) and the update's norm from the model
-        ``start`` (None: no norm), run in the decode pool: (the payload's round, its norm)."""
+        ``start`` (None: no norm), run in the decode pool: (the payload's round, its norm). ``ones``: DisPFL's
+        most ones per tensor's mask (``spool.check_ones``), None where masks are not checked."""
         limit = max(DEFAULT_MAX_BYTES, self.store.decode_limit(fm))
         begin = None if start is None else (start, self._source(start), fm.shapes)
         return self.decoder.call(check_update, self._source(digest), expected=expected, model_id=fm.model_id,
-                                 max_bytes=limit, start=begin)
+                                 max_bytes=limit, start=begin, ones=ones)
 
     def _source(self, digest: str) -> Path | bytes:
         """A stored blob as the decode pool takes it: its file where the store is a directory, else its bytes."""

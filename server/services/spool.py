@@ -18,11 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pfl_edge.codec import decode
+from pfl_edge.codec import Decoded, decode
+from pfl_edge.errors import CodecError
 
 from ..errors import TooLarge
 
-__all__ = ["DecodePool", "Spooled", "check_payload", "check_update", "spool_body"]
+__all__ = ["DecodePool", "Spooled", "check_ones", "check_payload", "check_update", "spool_body"]
 
 T = TypeVar("T")
 
@@ -82,15 +83,36 @@ def check_payload(source: Path | bytes, expected: Mapping[str, Sequence[int]], m
 _STARTS: dict[str, Mapping[str, Any]] = {}  # in a worker: the last few rounds' start models, decoded
 
 
+def check_ones(d: Decoded, allowed: Mapping[str, int]) -> None:
+    """DisPFL: CodecError unless every tensor of ``allowed`` carries at most its count of ones in its mask (a
+    tensor sent without a mask counts as all ones), and at least one where its count is at least one: a mask
+    emptied where ERK keeps weights is a broken device, which prune-and-regrow never makes."""
+    for k, cap in allowed.items():
+        t = d.tensors.get(k)
+        if t is None:  # not sent: decode's check of the expected names refuses that
+            continue
+        m = d.masks.get(k)
+        ones = t.numel() if m is None else int(m.sum())
+        sent = "sent dense, all ones" if m is None else f"of {t.numel()}"
+        if ones > cap or (ones == 0 and cap > 0):
+            bound = f"at most {cap}" if ones > cap else f"at least 1 and at most {cap}"
+            raise CodecError(f"tensor {k!r} has {ones} ones in its mask ({sent}); ERK at the device's density "
+                             f"allows {bound}")
+
+
 def check_update(source: Path | bytes, expected: Mapping[str, Sequence[int]], model_id: str, max_bytes: int,
-                 start: tuple[str, Path | bytes, Mapping[str, Sequence[int]]] | None) -> tuple[int, float | None]:
+                 start: tuple[str, Path | bytes, Mapping[str, Sequence[int]]] | None,
+                 ones: Mapping[str, int] | None = None) -> tuple[int, float | None]:
     """An update's payload decoded whole against exactly ``expected`` (CodecError if refused): the round in its
     header, and its norm from the round's start model ``start`` = (digest, its source, the model's shapes), which
-    each process decodes once per round (None without one)."""
+    each process decodes once per round (None without one). ``ones``: DisPFL's most ones per tensor's mask
+    (:func:`check_ones`; None: no mask check)."""
     from pfl_edge.aggregate import update_norm
 
     data = source.read_bytes() if isinstance(source, Path) else source
     d = decode(data, expected=expected, model_id=model_id, max_bytes=max_bytes)
+    if ones is not None:
+        check_ones(d, ones)
     if start is None:
         return d.round, None
     digest, src, shapes = start

@@ -7,10 +7,17 @@ A device's sample count is its averaging weight, and a number it reports about i
 largest training share its data set deals a client (slack for devices with their own data). A device that
 declared nothing at enrolment (the agent learns its data only once enrolled) is bound by its first accepted
 update's count: it can never weigh more later. Each update's norm from its round's start model is computed here,
-where the upload is decoded anyway, and kept (``Update.delta_norm``) for the round's norm bound at close."""
+where the upload is decoded anyway, and kept (``Update.delta_norm``) for the round's norm bound at close.
+
+A DisPFL device's mask is its own, but not its density: that is the capacity the server gave it at enrolment
+(``Device.density``), and ERK at that density fixes each parameter tensor's count of ones (``int(density_l *
+numel)``, pfl_edge.sparse; prune-and-regrow keeps it). An update whose mask holds more ones than that in any
+tensor (a tensor sent dense where ERK keeps it sparse counts as all ones), or none where ERK keeps some, is
+refused (``erk_ones``; docs/protocol.md, DisPFL masks)."""
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from collections.abc import Callable
@@ -22,6 +29,7 @@ from pfl_edge.aggregate import AggregationRule
 from pfl_edge.errors import CodecError
 from pfl_edge.federation import deal
 from pfl_edge.protocol import AggregationSettings, UpdateAccepted, UpdateRequest
+from pfl_edge.sparse import erk_densities
 
 from ..db import BlobRef, Device, Federation, Update
 from ..errors import Conflict, Unprocessable
@@ -30,11 +38,12 @@ from ..states import ENROLMENT_ROUND, RoundState
 from .blob_access import BlobAccess
 from .store import Store
 
-__all__ = ["SAMPLE_FACTOR", "Updates", "aggregation_rule", "counted_samples", "sample_cap"]
+__all__ = ["SAMPLE_FACTOR", "Updates", "aggregation_rule", "counted_samples", "erk_ones", "sample_cap"]
 
 SAMPLE_FACTOR = 2
 _DEALT: weakref.WeakKeyDictionary[FedModel, int] = weakref.WeakKeyDictionary()
-_DEALT_LOCK = threading.Lock()
+_CACHE_LOCK = threading.Lock()
+_ERK: weakref.WeakKeyDictionary[FedModel, dict[float, dict[str, int]]] = weakref.WeakKeyDictionary()
 
 
 def _settings(fed: Federation) -> AggregationSettings:
@@ -52,11 +61,24 @@ def sample_cap(fed: Federation, fm: FedModel) -> int:
     cap = _settings(fed).max_samples
     if cap is not None:
         return cap
-    with _DEALT_LOCK:
+    with _CACHE_LOCK:
         hit = _DEALT.get(fm)
         if hit is None:  # dealt once per config, as fed_model deals it
             _, part, _ = deal(fm.cfg)
             hit = _DEALT[fm] = SAMPLE_FACTOR * max(len(c.train_idx) for c in part.clients)
+    return hit
+
+
+def erk_ones(fm: FedModel, density: float) -> dict[str, int]:
+    """DisPFL: the ones each parameter tensor's mask holds at ``density``, as pfl_edge.sparse.init_masks draws
+    them (``int(density_l * numel)``, ERK over the model's parameters); computed once per model and density."""
+    with _CACHE_LOCK:
+        per = _ERK.setdefault(fm, {})
+        hit = per.get(density)
+        if hit is None:  # densities are the server's own (config or profiles): a handful per federation
+            shapes = {k: tuple(v.shape) for k, v in fm.model.named_parameters()}
+            dens = erk_densities(shapes, density)
+            hit = per[density] = {k: int(dens[k] * math.prod(s)) for k, s in shapes.items()}
     return hit
 
 
@@ -105,10 +127,12 @@ class Updates:
     def _check_payload(self, fm: FedModel, dev: Device, t: int, digest: str, start: str | None) -> float | None:
         """The blob must be exactly what this device may send this round; its norm from the round's ``start``
         model (None without one), for the round's norm bound."""
+        ones = erk_ones(fm, dev.density) if fm.cfg.algorithm == "dispfl" else None  # sparse at its capacity
         try:  # decoded and measured in the decode processes (each keeps the round's start model decoded)
-            rnd, norm = self.blobs.check_update(digest, fm, fm.expected(dev.kp), start)
+            rnd, norm = self.blobs.check_update(digest, fm, fm.expected(dev.kp), start, ones)
         except CodecError as e:
-            what = "its sparse model" if fm.decentral else f"exactly its base part (kp={dev.kp})"
+            what = (f"its sparse model (density {dev.density:g})" if ones is not None else "its whole model"
+                    if fm.decentral else f"exactly its base part (kp={dev.kp})")
             raise Unprocessable(f"update refused: a {fm.cfg.algorithm} device sends {what}: {e}") from None
         if rnd != t:
             raise Unprocessable(f"the payload's header is for round {rnd}, the update is posted for round {t}")
