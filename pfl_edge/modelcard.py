@@ -3,24 +3,24 @@
 keeps personal, how it trains) and the exported programs that run it. A device reads this card and downloads
 the programs it lists; it needs none of this repository's Python to know the model (docs/model.md).
 
-``ModelCard`` and ``ProgramInfo`` are the wire format (JSON, ``GET /v1/federations/{fed}/model``);
-``describe_layers`` walks a real ``nn.Module`` (torch.fx) to produce ``layers``; ``build_card`` assembles a card.
+``ModelCard`` and ``ProgramInfo`` are the wire format (JSON, ``GET /v1/federations/{fed}/model``; every field
+is described, and ``python -m pfl_edge.schemas`` makes docs/schemas/ModelCard.json of it); ``describe_layers``
+(pfl_edge.modelgraph, with ``Layer``) walks a real ``nn.Module`` (torch.fx) to produce ``layers``; ``build_card``
+assembles a card.
 """
 
 from __future__ import annotations
 
-import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field
-from torch import fx, nn
 
 from .checkpoint import ModelSpec
 from .errors import ConfigError
 from .federation import FederationConfig, model_id
-from .models import BlockModel, Flatten, LinearBase, SpatialMean
+from .modelgraph import Layer, describe_layers
+from .models import BlockModel
 
 __all__ = [
     "CARD_FORMAT",
@@ -58,139 +58,146 @@ class Normalisation(BaseModel):
 
     model_config = _FROZEN
 
-    statistics: Literal["fixed", "own_data", "none"]
-    scale: float
-    mean: list[float]
-    std: list[float]
-    std_floor: float | None = None
-    description: str = ""
+    statistics: Literal["fixed", "own_data", "none"] = Field(
+        description="fixed: mean and std are the constants given; own_data: the device computes them per channel over "
+                    "all its own images after scaling (lists empty here); none: samples already are inputs")
+    scale: float = Field(description="multiplies the raw value first (1/255 for 8-bit pixels; 1 for none)")
+    mean: list[float] = Field(description="per channel, subtracted after scaling (one per channel; empty for own_data)")
+    std: list[float] = Field(description="per channel, divides after subtracting the mean (one per channel; empty for "
+                                         "own_data)")
+    std_floor: float | None = Field(default=None, description="own_data: the computed std (Bessel's correction, n - 1, "
+                                                              "over every pixel of the channel) is at least this; else "
+                                                              "null")
+    description: str = Field(default="", description="the same rule in words, for people")
 
 
 class InputInfo(BaseModel):
-    model_config = _FROZEN
-
-    shape: list[int]  # one sample: [C, H, W]
-    dtype: Literal["f32"] = "f32"
-    layout: Literal["NCHW"] = "NCHW"
-    normalisation: Normalisation  # the federation's data set
-    own_images: Normalisation  # a device's own labelled images (edge_runtime.data.load_image_folder)
-
-
-LayerType = Literal["conv2d", "linear", "groupnorm", "batchnorm", "relu", "flatten", "mean", "add", "reshape",
-                    "maxpool", "avgpool", "identity"]
-
-
-class Layer(BaseModel):
-    """One operation of the forward pass. ``inputs`` names earlier layers (or ``input``, the model's input);
-    the last layer's output is the logits. Only the fields of the layer's type are set."""
+    """One sample as the model takes it, and how raw data becomes that (docs/model.md "Input")."""
 
     model_config = _FROZEN
 
-    name: str
-    type: LayerType
-    inputs: list[str]
-    output_shape: list[int]  # one sample's, without the batch dimension
-    module: str | None = None  # the module's path in the model (state-dict prefix)
-    weight: str | None = None  # state-dict key
-    bias: str | None = None
-    in_channels: int | None = None
-    out_channels: int | None = None
-    in_features: int | None = None
-    out_features: int | None = None
-    kernel: list[int] | None = None  # [kH, kW]
-    stride: list[int] | None = None
-    padding: list[int] | None = None  # [pH, pW], zeros on both sides
-    dilation: list[int] | None = None
-    groups: int | None = None  # conv2d: channel groups (depthwise: = in_channels)
-    num_groups: int | None = None  # groupnorm
-    num_channels: int | None = None
-    eps: float | None = None
-    dims: list[int] | None = None  # mean: the dimensions averaged (of the batched NCHW tensor)
-    order: Literal["NCHW"] | None = None  # flatten: row-major over C, then H, then W
-    shape: list[int] | None = None  # reshape: the per-sample target shape
+    shape: list[int] = Field(description="one sample, [C, H, W]; a batch is [B, C, H, W]")
+    dtype: Literal["f32"] = Field(default="f32", description="IEEE-754 binary32")
+    layout: Literal["NCHW"] = Field(default="NCHW", description="row-major: W fastest, then H, then C, then the batch")
+    normalisation: Normalisation = Field(description="for samples of the federation's data set")
+    own_images: Normalisation = Field(description="for a user's own labelled images: converted to grey (L, C = 1) or "
+                                                  "RGB (C = 3), resized to H x W, then this")
 
 
 class TensorInfo(BaseModel):
+    """One tensor of the model's state dict (the order of ``tensors`` is the order of payloads)."""
+
     model_config = _FROZEN
 
-    name: str  # state-dict key
-    shape: list[int]
-    block: str
-    dtype: Literal["f32"] = "f32"
-    kind: Literal["parameter", "buffer"] = "parameter"
+    name: str = Field(description="state-dict key, as in payloads and programs")
+    shape: list[int] = Field(description="dimensions, outermost first; elements row-major")
+    block: str = Field(description="name of the block (BlockInfo) the tensor belongs to")
+    dtype: Literal["f32"] = Field(default="f32", description="IEEE-754 binary32, little-endian in bytes")
+    kind: Literal["parameter", "buffer"] = Field(
+        default="parameter", description="parameter: trained (and, in DisPFL, masked); buffer: state not trained")
 
 
 class BlockInfo(BaseModel):
+    """One block of the model, in model order; K_P counts personal blocks from the end."""
+
     model_config = _FROZEN
 
-    name: str
-    tensors: list[str]
-    personal: bool  # for this card's profile (K_P): kept on the device, never sent
+    name: str = Field(description="the block's name")
+    tensors: list[str] = Field(description="state-dict keys of its tensors")
+    personal: bool = Field(description="for this card's profile (K_P): kept on the device, never sent")
 
 
 class LrSchedule(BaseModel):
+    """The learning rate of round ``t``: ``lr_t = lr * lr_decay ** (t - 1)``."""
+
     model_config = _FROZEN
 
-    formula: str  # "lr * lr_decay ** (t - 1)"
-    lr: float
-    lr_decay: float
-    round_index: str  # what t is
+    formula: str = Field(description="\"lr * lr_decay ** (t - 1)\", ** the power")
+    lr: float = Field(description="round 1's learning rate")
+    lr_decay: float = Field(description="factor per round (1: constant across rounds); constant within a round")
+    round_index: str = Field(description="what t is: the round, from 1; round 0 (a late joiner's first fine-tuning) "
+                                         "uses round 1's lr")
 
 
 class TrainingInfo(BaseModel):
-    """Local SGD exactly as pfl_edge.train runs it (``torch.optim.SGD`` semantics, docs/model.md)."""
+    """Local SGD exactly as pfl_edge.train runs it (``torch.optim.SGD`` semantics, docs/model.md "Training"): per
+    step, clip and mask the gradient (order: ``clip_unmasked``), ``g = g + weight_decay * w``, momentum
+    ``buf = momentum * buf + g`` (``buf = g`` on a round's first step), ``w = w - lr_t * buf``."""
 
     model_config = _FROZEN
 
-    optimiser: Literal["sgd"] = "sgd"
-    lr: float  # round 1's
-    lr_schedule: LrSchedule
-    momentum: float
-    dampening: float = 0.0
-    nesterov: bool = False
-    weight_decay: float  # added to the gradient (g + wd * w) after clipping and masking, before momentum
-    clip_norm: float | None  # total L2 norm over the trained tensors; coefficient clip_norm / (norm + 1e-6), <= 1
-    clip_unmasked: bool  # clip before masking the gradient (DisPFL) rather than after
-    batch_size: int
-    local_epochs: int
-    ft_epochs: int  # FedPer-FT: epochs of personal-blocks-only fine-tuning before the whole-model epochs
-    loss: Literal["cross_entropy"] = "cross_entropy"
-    momentum_reset: Literal["every_round"] = "every_round"  # the optimiser starts afresh each round
+    optimiser: Literal["sgd"] = Field(
+        default="sgd", description="stochastic gradient descent, torch.optim.SGD semantics")
+    lr: float = Field(description="round 1's learning rate (lr_schedule gives round t's)")
+    lr_schedule: LrSchedule = Field(description="the learning rate of each round")
+    momentum: float = Field(description="buf = momentum * buf + g (buf = g on the first step); w = w - lr_t * buf")
+    dampening: float = Field(default=0.0, description="always 0: momentum adds the whole gradient")
+    nesterov: bool = Field(default=False, description="always false: plain momentum")
+    weight_decay: float = Field(description="added to the gradient, g = g + weight_decay * w, after clipping and "
+                                            "masking, before momentum")
+    clip_norm: float | None = Field(description="null: no clipping; else every gradient is multiplied by min(1, "
+                                                "clip_norm / (N + 1e-6)), N the total L2 norm over the gradients of "
+                                                "the trained tensors")
+    clip_unmasked: bool = Field(description="true: clip the whole gradient, then mask it (DisPFL); false: mask, then "
+                                            "clip")
+    batch_size: int = Field(description="B: samples per step; each epoch a fresh permutation, its last batch partial")
+    local_epochs: int = Field(description="epochs of whole-model training per round")
+    ft_epochs: int = Field(description="FedPer-FT: epochs on the personal blocks alone (base frozen) before the "
+                                       "whole-model epochs; 0 otherwise")
+    loss: Literal["cross_entropy"] = Field(
+        default="cross_entropy", description="mean over the batch's real samples of logsumexp(logits) - logits[label]")
+    momentum_reset: Literal["every_round"] = Field(
+        default="every_round", description="the momentum buffers start afresh every round and training phase")
 
 
 class ProgramInfo(BaseModel):
+    """An exported program the device runs (docs/model.md "Programs"): download it by ``file`` and check its size
+    and SHA-256 before loading it."""
+
     model_config = _FROZEN
 
-    file: str
-    kind: Literal["inference", "training"]
-    runtime: Literal["onnxruntime", "executorch"]
-    mode: Literal["fedper", "personal", "dispfl"] | None = None
-    sha256: str
-    bytes: int
-    url: str  # path on the server: GET it with the same bearer token
-    details: dict[str, Any] = Field(default_factory=dict)
+    file: str = Field(description="file name, ^[a-z0-9][a-z0-9._-]{0,199}\\.(onnx|pte)$; also its name on the device")
+    kind: Literal["inference", "training"] = Field(description="inference (ONNX) or training (ExecuTorch)")
+    runtime: Literal["onnxruntime", "executorch"] = Field(description="the runtime that runs it")
+    mode: Literal["fedper", "personal", "dispfl"] | None = Field(
+        default=None, description="training: which tensors it trains (fedper: all; personal: the last kp blocks; "
+                                  "dispfl: all, masked by the device); null for inference")
+    sha256: str = Field(description="SHA-256 of the bytes, 64 lowercase hex")
+    bytes: int = Field(description="size in bytes")
+    url: str = Field(description="/v1/federations/{fed}/programs/{file}: GET it with the same bearer token")
+    details: dict[str, Any] = Field(default_factory=dict, description="the program's interface: inputs, outputs, "
+                                                                      "weights or trainable and frozen keys, shapes")
 
 
 class ModelCard(BaseModel):
+    """A federation's model for one device profile (``GET /v1/federations/{fed}/model``, docs/model.md): its
+    input and normalisation, its forward pass as data, its blocks and tensors, what the device keeps personal, how
+    it trains and the programs that run it."""
+
     model_config = _FROZEN
 
-    format: Literal["pfl-edge-model-card/1"] = CARD_FORMAT
-    model_id: str  # pfl_edge.federation.model_id: every payload's header carries it
-    model: str  # registry name
-    federation: str
-    profile: str
-    algorithm: str
-    num_classes: int
-    input: InputInfo
-    layers: list[Layer]
-    blocks: list[BlockInfo]
-    tensors: list[TensorInfo]
-    base_keys: list[str]  # sent to and received from the server (DisPFL: every key)
-    personal_keys: list[str]  # kept on the device
-    kp: int  # personal blocks (from the end)
-    density: float  # DisPFL: fraction of each device's weights kept by its mask; 1 elsewhere
-    training: TrainingInfo
-    programs: list[ProgramInfo]
+    format: Literal["pfl-edge-model-card/1"] = Field(default=CARD_FORMAT, description="a device refuses another value")
+    model_id: str = Field(description="the id every payload header carries: model/num_classes/CxS/baseK, e.g. "
+                                      "cnn/10/1x28/deep0; a device checks it equals its own")
+    model: str = Field(description="registry name: cnn, resnet18-gn, mobilenet-v1")
+    federation: str = Field(description="the federation's id")
+    profile: str = Field(description="the device profile the card is for")
+    algorithm: str = Field(description="fedavg, fedper, fedper-ft or dispfl")
+    num_classes: int = Field(description="length of the logits vector; labels are 0 .. num_classes - 1")
+    input: InputInfo = Field(description="one sample's shape, dtype, layout and normalisation")
+    layers: list[Layer] = Field(description="the forward pass, traced from the real model, in execution order")
+    blocks: list[BlockInfo] = Field(description="the model's blocks in model order")
+    tensors: list[TensorInfo] = Field(description="every state-dict tensor in state-dict order (payloads' order)")
+    base_keys: list[str] = Field(description="the tensors this device sends and receives (FedPer, FedAvg: its base; "
+                                             "DisPFL: every tensor)")
+    personal_keys: list[str] = Field(description="the tensors that never leave the device (the last kp blocks; empty "
+                                                 "for FedAvg and DisPFL)")
+    kp: int = Field(description="K_P: personal blocks, counted from the output end (0 for FedAvg and DisPFL)")
+    density: float = Field(description="DisPFL: the fraction of weights the device's mask keeps, its capacity (ERK per "
+                                       "tensor, docs/algorithms.md); 1.0 for the other algorithms")
+    training: TrainingInfo = Field(description="local training of a round")
+    programs: list[ProgramInfo] = Field(description="the programs for this profile: ONNX inference always, ExecuTorch "
+                                                    "training where the profile trains with it")
 
 
 # ------------------------------------------------------------------------------------------- normalisation
@@ -220,110 +227,6 @@ def own_images_normalisation() -> Normalisation:
     return Normalisation(statistics="own_data", scale=1 / 255, mean=[], std=[], std_floor=1e-6,
                          description="8-bit pixels (grey: L, colour: RGB, resized to H x W) divided by 255, then "
                                      "standardised per channel by the mean and std of all the device's images")
-
-
-# ------------------------------------------------------------------------------------------- layers
-
-
-class _Tracer(fx.Tracer):
-    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return isinstance(m, Flatten | SpatialMean | LinearBase) or super().is_leaf_module(m, qualname)
-
-
-def describe_layers(model: nn.Module, input_shape: Sequence[int]) -> list[Layer]:
-    """The forward pass of ``model`` as data, traced (torch.fx) and shape-propagated on one sample."""
-    graph = _Tracer().trace(model)
-    gm = fx.GraphModule(model, graph)
-    env: dict[str, torch.Tensor] = {}
-    names: dict[str, str] = {}  # fx node -> the layer name its output is known by
-    layers: list[Layer] = []
-    with torch.no_grad():
-        for node in graph.nodes:
-            if node.op == "placeholder":
-                env[node.name] = torch.zeros(1, *input_shape)
-                names[node.name] = "input"
-                continue
-            if node.op == "output":
-                continue
-            args = [env[a.name] if isinstance(a, fx.Node) else a for a in node.args]
-            out = _run(gm, node, args)
-            env[node.name] = out
-            inputs = [names[a.name] for a in node.args if isinstance(a, fx.Node)]
-            made = _layers(gm, node, inputs, list(out.shape[1:]), [list(a.shape[1:]) for a in args
-                                                                  if isinstance(a, torch.Tensor)])
-            layers.extend(made)
-            names[node.name] = made[-1].name if made else inputs[0]
-    return layers
-
-
-def _run(gm: fx.GraphModule, node: fx.Node, args: list[Any]) -> torch.Tensor:
-    if node.op == "call_module":
-        out: torch.Tensor = gm.get_submodule(str(node.target))(*args)
-    elif node.op == "call_function":
-        out = node.target(*args)  # type: ignore[operator]
-    else:
-        raise ConfigError(f"cannot describe {node.op} {node.target} of the model")
-    return out
-
-
-def _layers(gm: fx.GraphModule, node: fx.Node, inputs: list[str], out: list[int],
-            in_shapes: list[list[int]]) -> list[Layer]:
-    if node.op == "call_function":
-        if node.target in (operator.add, torch.add):
-            return [Layer(name=node.name, type="add", inputs=inputs, output_shape=out)]
-        if node.target in (torch.relu, torch.nn.functional.relu):
-            return [Layer(name=node.name, type="relu", inputs=inputs, output_shape=out)]
-        raise ConfigError(f"cannot describe function {node.target} of the model")
-    path = str(node.target)
-    m = gm.get_submodule(path)
-    if isinstance(m, LinearBase):  # flatten, linear, relu, reshape: expanded so every op is a plain one
-        n = node.name
-        feats = [m.fc.in_features]
-        return [Layer(name=f"{n}_flatten", type="flatten", inputs=inputs, output_shape=feats, order="NCHW",
-                      module=path),
-                _module_layer(f"{n}_fc", f"{path}.fc", m.fc, [f"{n}_flatten"], [m.fc.out_features]),
-                Layer(name=f"{n}_relu", type="relu", inputs=[f"{n}_fc"], output_shape=[m.fc.out_features]),
-                Layer(name=n, type="reshape", inputs=[f"{n}_relu"], output_shape=out, shape=list(m.out_shape),
-                      module=path)]
-    return [_module_layer(node.name, path, m, inputs, out)]
-
-
-def _pair(v: Any) -> list[int]:
-    return [int(v), int(v)] if isinstance(v, int) else [int(a) for a in v]
-
-
-_SIMPLE: dict[type[nn.Module], Callable[[nn.Module], dict[str, Any]]] = {
-    nn.ReLU: lambda m: {"type": "relu"},
-    nn.Identity: lambda m: {"type": "identity"},
-    Flatten: lambda m: {"type": "flatten", "order": "NCHW"},
-    SpatialMean: lambda m: {"type": "mean", "dims": [2, 3]},
-    nn.Linear: lambda m: {"type": "linear", "in_features": m.in_features, "out_features": m.out_features},
-    nn.GroupNorm: lambda m: {"type": "groupnorm", "num_groups": m.num_groups, "num_channels": m.num_channels,
-                             "eps": m.eps},
-    nn.BatchNorm2d: lambda m: {"type": "batchnorm", "num_channels": m.num_features, "eps": m.eps},
-    nn.MaxPool2d: lambda m: {"type": "maxpool", "kernel": _pair(m.kernel_size), "stride": _pair(m.stride),
-                             "padding": _pair(m.padding), "dilation": _pair(m.dilation)},
-    nn.AvgPool2d: lambda m: {"type": "avgpool", "kernel": _pair(m.kernel_size), "stride": _pair(m.stride),
-                             "padding": _pair(m.padding)},
-    nn.Conv2d: lambda m: {"type": "conv2d", "in_channels": m.in_channels, "out_channels": m.out_channels,
-                          "kernel": _pair(m.kernel_size), "stride": _pair(m.stride), "padding": _pair(m.padding),
-                          "dilation": _pair(m.dilation), "groups": m.groups},
-}
-
-
-def _module_layer(name: str, path: str, m: nn.Module, inputs: list[str], out: list[int]) -> Layer:
-    describe = _SIMPLE.get(type(m))
-    if describe is None:
-        raise ConfigError(f"cannot describe module {path} ({type(m).__name__}) of the model")
-    if isinstance(m, nn.Conv2d) and (m.padding_mode != "zeros" or isinstance(m.padding, str)):
-        raise ConfigError(f"cannot describe {path}: only explicit zero padding is described")
-    fields: dict[str, Any] = describe(m)
-    own = dict(m.named_parameters(recurse=False))
-    if "weight" in own:
-        fields["weight"] = f"{path}.weight"
-    if own.get("bias") is not None:
-        fields["bias"] = f"{path}.bias"
-    return Layer(name=name, inputs=inputs, output_shape=out, module=path, **fields)
 
 
 # ------------------------------------------------------------------------------------------- tensors and blocks
