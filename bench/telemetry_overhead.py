@@ -61,7 +61,7 @@ def serve(telemetry: bool, port: int) -> None:
             app.state.telemetry = Telemetry()
             return app.state.telemetry
 
-        app_module.install_telemetry = no_middleware  # type: ignore[assignment]
+        app_module.install_telemetry = no_middleware
     server_main(["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"])
 
 
