@@ -32,7 +32,7 @@ from pfl_edge.errors import ConfigError, PflEdgeError
 from pfl_edge.modelcard import ModelCard, ProgramInfo
 from pfl_edge.protocol import API_PREFIX
 
-from .bundle_files import BundleSpec, render_files, requirements_text
+from .bundle_files import BundleSpec, device_packages, render_files, requirements_text
 from .http import Http, ServerUnavailable
 
 __all__ = ["BundleOptions", "build_wheel", "fetch_card", "fetch_program", "training_program", "write_bundle"]
@@ -205,7 +205,7 @@ def write_bundle(opts: BundleOptions) -> Path:
     """Build the bundle in ``opts.out`` (a new or empty folder, made 0700: it holds the enrolment secret). It is
     built in a hidden folder beside it and moved into place whole: a failed build leaves nothing behind."""
     # an unknown profile fails here, before any download
-    executorch = (opts.training_backend or _profile_backend(opts.profile)) == "executorch"
+    executorch = (opts.training_backend or _profile_runtimes(opts.profile)[1]) == "executorch"
     out = opts.out
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"--out {out} exists and is not an empty folder")
@@ -255,14 +255,18 @@ def _fill(opts: BundleOptions, out: Path, executorch: bool) -> None:
     for rel, (text, mode) in render_files(spec).items():
         (out / rel).write_text(text)
         os.chmod(out / rel, mode)
-    (out / "requirements.txt").write_text(requirements_text(None))
-    (out / "requirements-aarch64.txt").write_text(requirements_text("aarch64"))
+    # only what this device imports (its profile's runtimes), installed without declared dependencies
+    roots = device_packages(_profile_runtimes(opts.profile)[0], "executorch" if executorch else "torch")
+    (out / "requirements.txt").write_text(requirements_text(roots, None))
+    (out / "requirements-aarch64.txt").write_text(requirements_text(roots, "aarch64"))
 
 
-def _profile_backend(profile: str) -> str:
+def _profile_runtimes(profile: str) -> tuple[str, str]:
+    """The profile's inference runtime and training backend."""
     from device_profiles import get_profile
 
-    return get_profile(profile).training_backend
+    prof = get_profile(profile)
+    return prof.inference_runtime, prof.training_backend
 
 
 def _write_private(path: Path, text: str) -> None:

@@ -14,11 +14,10 @@ from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-__all__ = ["DIST", "BundleSpec", "pinned", "render_files", "requirements_text"]
+__all__ = ["BundleSpec", "device_packages", "pinned", "render_files", "requirements_text"]
 
-DIST = "pfl-edge"
 # pinned for aarch64 too, but whose aarch64 Linux wheels (or their build on the board) need checking there
-CHECK_ON_AARCH64 = ("torch", "executorch", "onnxruntime", "coremltools", "torchao", "pytorch-tokenizers")
+CHECK_ON_AARCH64 = ("torch", "executorch", "onnxruntime")
 
 
 @dataclass(frozen=True)
@@ -82,8 +81,11 @@ exec "$here/venv/bin/pfl-edge" client \\
 def _install(spec: BundleSpec) -> str:
     return f"""#!/bin/sh
 # Creates ./venv (Python 3.11 or newer) and installs the pinned requirements (requirements.txt; on aarch64,
-# requirements-aarch64.txt), then the bundled pfl-edge wheel without its dependencies. Run it where the bundle will
-# stay (a virtual environment cannot be moved), as the user that runs the device.
+# requirements-aarch64.txt) and the bundled pfl-edge wheel, each without its declared dependencies: the requirements
+# list only what this device imports (not the build and export tools some of them declare). Then it checks the
+# installation: the device's imports, one torch training step, each bundled program it can run loaded and run once
+# (python -m edge_runtime.bundle_check), so that a missing package shows here, not at the first round.
+# Run it where the bundle will stay (a virtual environment cannot be moved), as the user that runs the device.
 #   PYTHON           the interpreter to build the environment from (default python3)
 #   TORCH_INDEX_URL  where torch comes from (default the CPU-only build: https://download.pytorch.org/whl/cpu);
 #                    empty: pip's own configuration decides
@@ -96,14 +98,16 @@ req="$here/requirements.txt"
 case "$(uname -m)" in aarch64|arm64) req="$here/requirements-aarch64.txt" ;; esac
 "$python" -m venv "$here/venv"
 pip="$here/venv/bin/python -m pip"
-torch="$(grep '^torch==' "$req" || true)"
+torch="$(grep '^torch==' "$req" | sed 's/ *#.*//' || true)"
 index="${{TORCH_INDEX_URL-https://download.pytorch.org/whl/cpu}}"
 if [ -n "$torch" ] && [ -n "$index" ]; then
-    $pip install --index-url "$index" "$torch"
+    $pip install --no-deps --index-url "$index" "$torch"
 fi
-$pip install -r "$req"
+$pip install --no-deps -r "$req"
 $pip install --no-deps "$here/wheels/{spec.wheel}"
-"$here/venv/bin/pfl-edge" list >/dev/null
+"$here/venv/bin/python" -m edge_runtime.bundle_check "$here" || {{
+    echo "install.sh: the installed environment fails its check (above); venv/ is left for a look" >&2; exit 1; }}
+"$here/venv/bin/pfl-edge" list >/dev/null  # the console script, and the registries (the simulator's: tqdm)
 echo "installed; run $here/start.sh (or the systemd unit pfl-edge-device.service)"
 """
 
@@ -154,11 +158,13 @@ Contents
 {progs}
                            *.onnx: inference (ONNX Runtime); *.pte: training (ExecuTorch). manifest.json beside
                            them: one entry per program ("path" and the card's details), read by the device agent
-  requirements.txt         pinned Python packages (Linux x86_64), from the environment that built the bundle
+  requirements.txt         the Python packages this device imports (Linux x86_64), pinned to the versions where the
+                           bundle was built; installed without their declared dependencies (see its comments)
   requirements-aarch64.txt the same pins for Linux aarch64 boards (see the comments in it)
   wheels/{spec.wheel}
                            pfl-edge itself
-  install.sh               makes ./venv and installs the above (PYTHON, TORCH_INDEX_URL: see the script)
+  install.sh               makes ./venv, installs the above and checks it: imports, a training step, each
+                           program loaded and run once (PYTHON, TORCH_INDEX_URL: see the script)
   start.sh                 runs the device: pfl-edge client with this bundle's settings; state in ./state
   pfl-edge-device.service  systemd unit (User={spec.user}, WorkingDirectory={spec.install_dir}, Restart=on-failure)
 
@@ -179,6 +185,33 @@ Android phone
 
 
 # --------------------------------------------------------------------------------------------------- requirements
+# What a device process imports (pfl-edge client and its import chain: the agent, its HTTP client and MQTT control,
+# its own images, torch training); the runtimes come by profile (device_packages).
+AGENT_PACKAGES = ("numpy", "torch", "safetensors", "pydantic", "httpx", "paho-mqtt", "pillow", "tqdm")
+# Packages whose declared dependencies are mostly for building or exporting: the ones their runtime imports instead,
+# measured in a fresh virtual environment (pip install --no-deps, then import, load and run: torch trains eagerly;
+# onnxruntime runs an InferenceSession; executorch loads and runs a training program, forward_backward and an SGD
+# step, and an inference program). torch.optim imports torch._dynamo, hence sympy; executorch's runtime pybindings
+# import executorch.exir, hence ruamel.yaml, flatbuffers, tabulate and torch's filelock and networkx.
+RUNTIME_DEPS: dict[str, tuple[str, ...]] = {
+    "torch": ("typing-extensions", "sympy"),
+    "onnxruntime": ("numpy",),
+    "executorch": ("torch", "numpy", "typing-extensions", "sympy", "ruamel.yaml", "flatbuffers", "tabulate",
+                   "filelock", "networkx"),
+}
+
+
+def device_packages(inference_runtime: str, training_backend: str) -> list[str]:
+    """The packages a device of this profile imports: the agent's, onnxruntime when the profile's inference runtime
+    is ONNX Runtime, executorch when it infers or trains with ExecuTorch."""
+    roots = list(AGENT_PACKAGES)
+    if inference_runtime == "onnxruntime":
+        roots.append("onnxruntime")
+    if "executorch" in (inference_runtime, training_backend):
+        roots.append("executorch")
+    return roots
+
+
 def _environment(machine: str | None) -> dict[str, str]:
     env = {k: str(v) for k, v in default_environment().items()}
     if machine is not None:
@@ -186,12 +219,18 @@ def _environment(machine: str | None) -> dict[str, str]:
     return env
 
 
-def pinned(machine: str | None = None) -> list[tuple[str, str | None]]:
-    """(name, installed version; None when not installed here) of pfl-edge's runtime dependencies, with theirs,
-    markers evaluated for this machine or for ``machine`` on Linux (pfl-edge's own extras left out; a dependency's
-    requested extras, such as psycopg[binary], followed)."""
+def _requires(name: str) -> list[Requirement]:
+    key = canonicalize_name(name)
+    if key in RUNTIME_DEPS:
+        return [Requirement(r) for r in RUNTIME_DEPS[key]]
+    return [Requirement(r) for r in metadata.distribution(name).requires or []]
+
+
+def pinned(roots: list[str], machine: str | None = None) -> list[tuple[str, str | None]]:
+    """(name, installed version; None when not installed here) of ``roots`` and their dependencies (RUNTIME_DEPS's
+    where it has them, else the declared ones), markers evaluated for this machine or for ``machine`` on Linux."""
     env = _environment(machine)
-    todo = [(Requirement(r), "") for r in metadata.requires(DIST) or []]
+    todo = [(Requirement(r), "") for r in roots]
     versions: dict[str, str | None] = {}
     done: set[tuple[str, str]] = set()  # (package, extra) whose requirements were followed
     while todo:
@@ -209,14 +248,33 @@ def pinned(machine: str | None = None) -> list[tuple[str, str | None]]:
                 versions[key] = None
                 break
             versions[key] = dist.version.split("+", 1)[0]  # 2.13.0+cpu: the local label is the index's business
-            todo += [(Requirement(r), want) for r in dist.requires or []]
+            todo += [(r, want) for r in _requires(req.name)]
     return sorted(versions.items())
 
 
-def requirements_text(machine: str | None) -> str:
+def left_out(names: list[str]) -> list[str]:
+    """The declared dependencies of ``names`` that RUNTIME_DEPS leaves out (extras' aside), for the file's comment."""
+    out: set[str] = set()
+    for name in names:
+        key = canonicalize_name(name)
+        if key not in RUNTIME_DEPS:
+            continue
+        for r in metadata.distribution(name).requires or []:
+            req = Requirement(r)
+            if "extra" not in str(req.marker or ""):
+                out.add(canonicalize_name(req.name))
+    return sorted(out - set(names))
+
+
+def requirements_text(roots: list[str], machine: str | None) -> str:
     here = f"{platform.system()} {platform.machine()}, Python {sys.version.split()[0]}"
-    head = [f"# pfl-edge's runtime dependencies and theirs, pinned to what was installed where this bundle was "
-            f"built ({here}).",
+    pins = pinned(roots, machine)
+    names = [n for n, _ in pins]
+    head = [f"# What this device imports at run time (pfl-edge client, its profile's runtimes), pinned to what was "
+            f"installed where this bundle was built ({here}).",
+            "# Installed with pip install --no-deps: only these. Declared dependencies left out (build and export "
+            "tools, never imported on a device):",
+            "#   " + ", ".join(left_out(names)),
             "# torch: install.sh takes it from the CPU-only index first (TORCH_INDEX_URL)."]
     if machine is not None:
         head += [f"# For Linux {machine}: the same versions, markers evaluated for {machine}. To check there "
@@ -224,11 +282,10 @@ def requirements_text(machine: str | None) -> str:
                  "# at these versions, or build from source for a long time): " + ", ".join(CHECK_ON_AARCH64) + ".",
                  "# A package marked 'not installed where built' is needed on this platform only: pin it there."]
     lines = []
-    for name, version in pinned(machine):
+    for name, version in pins:
         if version is None:
             lines.append(f"{name}  # not installed where built")
         else:
             check = "  # check on this platform" if machine is not None and name in CHECK_ON_AARCH64 else ""
             lines.append(f"{name}=={version}{check}")
     return "\n".join(head + lines) + "\n"
-

@@ -1,7 +1,8 @@
-"""A device bundle end to end: ``pfl-edge bundle`` against a running server, the bundle installed by its own
-install.sh into a fresh virtual environment that sees neither this checkout nor its .venv, and its start.sh run
-as a device (training with the bundled ExecuTorch program) beside an ordinary agent device: the federation
-finishes with the bundle device's updates accepted in every round."""
+"""A device bundle end to end: ``pfl-edge bundle`` against a running server, and its start.sh run as a device beside
+an ordinary agent device, the federation finishing with the bundle device's updates accepted in every round. Once
+with ExecuTorch training (the bundled program; the bundle's venv: this checkout's, linked), once installed by its
+own install.sh into a fresh virtual environment that sees neither this checkout nor its .venv (torch training: the
+requirements then lack executorch, which would add its runtime's dependencies to the install)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ import shutil
 import subprocess
 import sys
 import time
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from edge_runtime.bundle_files import device_packages, pinned
 from edge_runtime.fleet import Federation, start_server
 from pfl_edge.modelcard import ModelCard
 from pfl_edge.protocol import API_PREFIX
@@ -25,8 +28,13 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG: dict[str, Any] = dict(algorithm="fedper", model="cnn", dataset="synthetic", partition="pathological:2",
                               clients=2, rounds=2, samples_per_client=48, test_per_client=32, local_epochs=1,
                               batch_size=16, lr=0.05, workers=1, seed=3)
-PROFILE = "raspberry-pi-4"
+PROFILE = "raspberry-pi-4"  # inference onnxruntime, training torch (its own); executorch with --training-backend
 BASE_PYTHON = Path(sys.base_prefix) / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+# never on a device: the server's, and executorch's build and export tools (its declared dependencies)
+SERVER_ONLY = ("fastapi", "uvicorn", "starlette", "sqlalchemy", "psycopg", "psycopg-binary", "pydantic-settings",
+               "matplotlib", "onnx")
+BUILD_ONLY = ("coremltools", "pandas", "scikit-learn", "torchao", "hydra-core", "pytorch-tokenizers", "protobuf",
+              "jinja2", "fsspec")
 
 
 def _clean_env(home: Path) -> dict[str, str]:
@@ -39,26 +47,45 @@ def _clean_env(home: Path) -> dict[str, str]:
     return env
 
 
-def _bundle(fed: Federation, tmp: Path) -> Path:
+def _bundle(fed: Federation, tmp: Path, backend: str | None) -> Path:
     token, secret = tmp / "admin-token", tmp / "enrol-secret"
     token.write_text(fed.admin_token + "\n")
     secret.write_text(fed.secret + "\n")
     out = tmp / "device-bundle"
     cmd = [sys.executable, "-m", "pfl_edge", "bundle", "--profile", PROFILE, "--server", fed.url, "--federation",
            fed.fed, "--out", str(out), "--name", "bundled", "--admin-token-file", str(token), "--enrol-secret-file",
-           str(secret), "--training-backend", "executorch", "--client-arg=--partition-id=1", "--wait", "300"]
+           str(secret), "--client-arg=--partition-id=1", "--wait", "300",
+           *(["--training-backend", backend] if backend else [])]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
 
-def _check_contents(out: Path, fed: Federation) -> str:
-    """The bundle's files against the server: the card as served, every program's bytes by the card's sha256.
-    Returns the training program's file name."""
+def _requirements(out: Path, executorch: bool) -> None:
+    """requirements.txt: the device's packages only, each pinned to this environment's version."""
+    pins = {}
+    for line in (out / "requirements.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            pins[name] = version
+    for name, version in pins.items():
+        assert version == metadata.version(name).split("+")[0], name
+    for name in ("torch", "numpy", "safetensors", "pydantic", "pydantic-core", "httpx", "httpcore", "h11", "anyio",
+                 "certifi", "idna", "paho-mqtt", "pillow", "onnxruntime", "sympy"):
+        assert name in pins, name
+    assert ("executorch" in pins) == executorch and ("flatbuffers" in pins) == executorch
+    assert not set(pins) & set(SERVER_ONLY + BUILD_ONLY), sorted(set(pins) & set(SERVER_ONLY + BUILD_ONLY))
+    aarch64 = [ln for ln in (out / "requirements-aarch64.txt").read_text().splitlines() if ln and ln[0] != "#"]
+    assert sorted(ln.split("==")[0] for ln in aarch64) == sorted(pins)
+    assert "--no-deps -r" in (out / "install.sh").read_text()
+
+
+def _check_contents(out: Path, fed: Federation, executorch: bool) -> None:
+    """The bundle's files against the server: the card as served, every program's bytes by the card's sha256."""
     card = ModelCard.model_validate_json((out / "model" / "card.json").read_bytes())
     assert card.federation == fed.fed and card.profile == PROFILE
     kinds = sorted((p.kind, p.runtime) for p in card.programs)
-    assert kinds == [("inference", "onnxruntime"), ("training", "executorch")]
+    assert kinds == [("inference", "onnxruntime"), *([("training", "executorch")] if executorch else [])]
     for p in card.programs:
         data = (out / "model" / "programs" / p.file).read_bytes()
         assert len(data) == p.bytes and hashlib.sha256(data).hexdigest() == p.sha256
@@ -67,43 +94,48 @@ def _check_contents(out: Path, fed: Federation) -> str:
     device = json.loads((out / "device.json").read_text())
     assert (device["server"], device["federation"], device["profile"], device["name"]) == (
         fed.url, fed.fed, PROFILE, "bundled")
-    train = next(p.file for p in card.programs if p.kind == "training")
-    assert device["training_program"] == f"model/programs/{train}"
     assert (out / "enrol-secret").read_text().strip() == fed.secret
     assert (out / "enrol-secret").stat().st_mode & 0o777 == 0o600 and out.stat().st_mode & 0o777 == 0o700
-    start = (out / "start.sh").read_text()
-    assert f"--training-program \"$here/model/programs/{train}\"" in start and "--training-backend" in start
     unit = (out / "pfl-edge-device.service").read_text()
     assert "User=pfl" in unit and "Restart=on-failure" in unit and "WorkingDirectory=/opt/pfl-edge-device" in unit
-    reqs = (out / "requirements.txt").read_text().splitlines()
-    from importlib import metadata
+    start = (out / "start.sh").read_text()
+    if executorch:
+        train = next(p.file for p in card.programs if p.kind == "training")
+        assert device["training_program"] == f"model/programs/{train}"
+        assert f"--training-program \"$here/model/programs/{train}\"" in start and "--training-backend" in start
+    else:
+        assert device["training_program"] is None and "--training-program" not in start
+    _requirements(out, executorch)
 
-    for name in ("torch", "executorch", "httpx", "paho-mqtt", "psycopg-binary"):
-        pin = next(ln for ln in reqs if ln.startswith(f"{name}=="))
-        assert pin == f"{name}=={metadata.version(name).split('+')[0]}"
-    return train
 
-
-def _install(out: Path, home: Path) -> float:
-    """install.sh into the bundle, run from outside the checkout; its seconds."""
+def _install(out: Path, home: Path) -> tuple[float, str]:
+    """install.sh into the bundle, run from outside the checkout; its seconds and output."""
     if not BASE_PYTHON.exists():
         pytest.skip(f"no base interpreter at {BASE_PYTHON}")
     env = {**_clean_env(home), "PYTHON": str(BASE_PYTHON), "TORCH_INDEX_URL": ""}  # pip's own index config here
     t0 = time.monotonic()
     proc = subprocess.run(["sh", str(out / "install.sh")], cwd=home, env=env, capture_output=True, text=True,
-                          timeout=900, check=False)
+                          timeout=600, check=False)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
     took = time.monotonic() - t0
-    where = subprocess.run([str(out / "venv" / "bin" / "python"), "-c",
-                            "import sys, pfl_edge, edge_runtime; print(pfl_edge.__file__); print(sys.path)"],
-                           cwd=home, env=_clean_env(home), capture_output=True, text=True, check=True).stdout
-    imported, path = where.splitlines()
+    probe = ("import sys, json, importlib.util as u, importlib.metadata as m, pfl_edge, edge_runtime; "
+             "print(json.dumps([pfl_edge.__file__, sys.path, sorted(d.metadata['Name'] for d in m.distributions()), "
+             f"[n for n in {['fastapi', 'uvicorn', 'sqlalchemy', 'psycopg', 'matplotlib']!r} if u.find_spec(n)]]))")
+    where = subprocess.run([str(out / "venv" / "bin" / "python"), "-c", probe], cwd=home, env=_clean_env(home),
+                           capture_output=True, text=True, check=True).stdout
+    imported, path, dists, server = json.loads(where)
     assert Path(imported).resolve().is_relative_to((out / "venv").resolve()), imported
-    assert str(ROOT) not in path, path
-    return took
+    assert str(ROOT) not in " ".join(path), path
+    assert server == [], server  # the device runs without the server's packages
+    pins = [ln.split("==")[0] for ln in (out / "requirements.txt").read_text().splitlines() if ln[:1] not in "#"]
+    from packaging.utils import canonicalize_name
+
+    venv_own = {"pip", "setuptools"}  # what python -m venv puts there itself (setuptools: up to Python 3.11)
+    assert sorted({canonicalize_name(d) for d in dists} - venv_own) == sorted([*pins, "pfl-edge"]), dists
+    return took, proc.stdout
 
 
-def _run_federation(fed: Federation, out: Path, home: Path, log: Path) -> None:
+def _run_federation(fed: Federation, out: Path, home: Path, log: Path, executorch: bool) -> None:
     """The bundle's start.sh (run from ``home``, outside the checkout) and one ordinary agent device, to the end:
     the bundle device's updates are accepted in every round."""
     with log.open("wb") as f:
@@ -130,46 +162,88 @@ def _run_federation(fed: Federation, out: Path, home: Path, log: Path) -> None:
     for rnd in metrics["rounds"]:
         if rnd["round"] >= 1:
             assert rnd["updates"] == 2 and bundled["device_id"] in rnd["devices"], rnd
-    # it trained with the bundled ExecuTorch program, not one it fetched (or made) into its state
-    fetched = out / "state" / "programs"
-    assert not fetched.exists() or not any(fetched.iterdir())
+    if executorch:  # it trained with the bundled ExecuTorch program, not one it fetched (or made) into its state
+        fetched = out / "state" / "programs"
+        assert not fetched.exists() or not any(fetched.iterdir())
 
 
 def test_a_bundle_device_takes_part(tmp_path: Path) -> None:
-    """The bundle's files and its start.sh as a device (its venv: this checkout's, linked; the fresh install is
-    the slow test below)."""
+    """The bundle of a device training with torch (its profile's backend: no training program, no executorch in
+    its requirements) and its start.sh as a device (its venv: this checkout's, linked)."""
     fed = start_server(tmp_path / "run")
     try:
         fed.create(f"b{int(time.time() * 1000) % 10**9}", CONFIG, deadline_s=300.0)
-        out = _bundle(fed, tmp_path)
-        _check_contents(out, fed)
+        out = _bundle(fed, tmp_path, None)
+        _check_contents(out, fed, executorch=False)
         (out / "venv").symlink_to(Path(sys.executable).parents[1])
         home = tmp_path / "elsewhere"
         home.mkdir()
-        _run_federation(fed, out, home, tmp_path / "bundle-device.log")
+        _run_federation(fed, out, home, tmp_path / "bundle-device.log", executorch=False)
     finally:
         fed.close()
 
 
-# about 5 minutes here: the install alone 191 s (89 pinned packages, torch and executorch among them)
-@pytest.mark.slow
 def test_a_bundle_installs_into_a_fresh_environment_and_takes_part(tmp_path: Path) -> None:
+    """install.sh into a fresh virtual environment (the device's requirements only, each without its declared
+    dependencies; its check: imports, a torch step, the ONNX program, the ExecuTorch training program), then its
+    start.sh as a device training with the bundled ExecuTorch program."""
+    t0 = time.monotonic()
     fed = start_server(tmp_path / "run")
     try:
         fed.create(f"b{int(time.time() * 1000) % 10**9}", CONFIG, deadline_s=600.0)
+        started = time.monotonic() - t0
         t0 = time.monotonic()
-        out = _bundle(fed, tmp_path)
+        out = _bundle(fed, tmp_path, "executorch")
+        _check_contents(out, fed, executorch=True)
         built = time.monotonic() - t0
         home = tmp_path / "elsewhere"
         home.mkdir()
-        installed = _install(out, home)
+        installed, said = _install(out, home)
+        card = ModelCard.model_validate_json((out / "model" / "card.json").read_bytes())
+        files = {p.kind: p.file for p in card.programs}
+        assert [ln.split(" (")[0] for ln in said.splitlines() if ln.startswith("ok: ")] == [
+            "ok: imports", "ok: torch training step", f"ok: inference {files['inference']}",
+            f"ok: training {files['training']}"], said
         t1 = time.monotonic()
-        _run_federation(fed, out, home, tmp_path / "bundle-device.log")
+        _run_federation(fed, out, home, tmp_path / "bundle-device.log", executorch=True)
         ran = time.monotonic() - t1
-        print(f"bundle built in {built:.0f} s, installed in {installed:.0f} s, federation ran {ran:.0f} s")
+        print(f"server up in {started:.0f} s, bundle built and checked in {built:.0f} s, installed in "
+              f"{installed:.0f} s, federation ran {ran:.0f} s")
     finally:
         fed.close()
         shutil.rmtree(tmp_path / "device-bundle" / "venv", ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------- the device's requirements
+@pytest.mark.parametrize(("inference", "training"), [("onnxruntime", "torch"), ("onnxruntime", "executorch"),
+                                                     ("executorch", "executorch")])
+def test_the_requirements_are_what_a_device_imports(inference: str, training: str) -> None:
+    """The lean set per profile kind: the agent's packages and their dependencies, the profile's runtimes, each at
+    this environment's version; none of the server's or of executorch's build tools."""
+    pins = dict(pinned(device_packages(inference, training)))
+    assert all(v == metadata.version(n).split("+")[0] for n, v in pins.items()), pins
+    agent = {"torch", "typing-extensions", "sympy", "mpmath", "numpy", "safetensors", "pydantic", "pydantic-core",
+             "annotated-types", "typing-inspection", "httpx", "httpcore", "h11", "anyio", "certifi", "idna",
+             "paho-mqtt", "pillow", "tqdm"}
+    et = {"executorch", "flatbuffers", "ruamel-yaml", "tabulate", "filelock", "networkx"}
+    want = agent | ({"onnxruntime"} if inference == "onnxruntime" else set()) | (et if "executorch" in (
+        inference, training) else set())
+    assert set(pins) == want
+    assert not set(pins) & set(SERVER_ONLY + BUILD_ONLY)
+
+
+def test_the_install_check_names_a_missing_module(tmp_path: Path) -> None:
+    """install.sh's check, in an environment where paho-mqtt is missing: it fails and says which module."""
+    code = ("import sys\n"
+            "class Block:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] == 'paho':\n"
+            "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+            "sys.meta_path.insert(0, Block())\n"
+            "from edge_runtime.bundle_check import main\n"
+            f"sys.exit(main([{str(tmp_path)!r}]))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 1 and "module 'paho' is missing" in proc.stderr, proc.stderr
 
 
 # ------------------------------------------------------------------------------- a hostile or busy server

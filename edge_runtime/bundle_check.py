@@ -1,0 +1,113 @@
+"""The check a device bundle's install.sh runs once its packages are in place: ``python -m edge_runtime.bundle_check
+BUNDLE``. The bundle's requirements are installed without their declared dependencies (only what a device imports:
+edge_runtime.bundle_files), so a package missing from them would otherwise show at the first round. This imports
+what ``pfl-edge client`` imports, trains one torch step on the card's model, and loads and runs every bundled
+program whose runtime the device has: the inference program once, the ExecuTorch training program (its first
+forward_backward). It prints one line per check; exit status 0 when all pass, 1 with the missing module or the
+failure said otherwise."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["check_bundle", "main"]
+
+
+def _imports() -> str:
+    """What a device process imports, beyond the agent's module-level chain: HTTP's transport (httpcore, h11,
+    certifi, anyio: imported when a client is made), MQTT control, a user's own images."""
+    import httpx
+    import paho.mqtt.client  # noqa: F401
+    import PIL.Image
+
+    from . import agent  # noqa: F401  (its whole module-level chain: torch, numpy, safetensors, pydantic, ...)
+
+    httpx.Client().close()
+    return f"imports (agent, httpx {httpx.__version__}, paho-mqtt, pillow {PIL.__version__})"
+
+
+def _torch_step(card: Any) -> str:
+    """One SGD step of the card's model through the agent's torch backend: torch.optim imports torch._dynamo and
+    with it more than ``import torch`` does."""
+    import torch
+
+    from pfl_edge.checkpoint import ModelSpec, build_model
+    from pfl_edge.train import TrainConfig
+
+    from .training import TorchBackend
+
+    c, h = card.input.shape[0], card.input.shape[1]
+    backend = TorchBackend(build_model(ModelSpec(card.model, card.num_classes, c, h)))
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, *card.input.shape, generator=gen), torch.randint(0, card.num_classes, (4,), generator=gen)
+    stats = backend.train(x, y, TrainConfig(batch_size=2, lr=0.01, clip_norm=1.0, weight_decay=1e-4), gen)
+    if stats.steps != 2 or not math.isfinite(stats.loss):  # it ran, but not as the agent's training does
+        raise RuntimeError(f"torch step: {stats}")
+    return f"torch training step ({card.model}: loss {stats.loss:.3f})"
+
+
+def _inference(path: Path, card: Any) -> str:
+    """The ONNX inference program run once in ONNX Runtime: every input (the sample, and the weights where the
+    program takes them as inputs) zeros of its shape, a symbolic dimension (the batch) 1."""
+    import numpy as np
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    feeds = {i.name: np.zeros([d if isinstance(d, int) else 1 for d in i.shape], np.float32)
+             for i in sess.get_inputs()}
+    out = np.asarray(sess.run(None, feeds)[0])
+    if out.shape != (1, card.num_classes) or not np.isfinite(out).all():
+        raise RuntimeError(f"{path.name}: onnxruntime answered {out.shape}, not 1 x {card.num_classes} finite logits")
+    return f"inference {path.name} (onnxruntime {ort.__version__}: 1 x {card.num_classes} logits)"
+
+
+def _training(path: Path) -> str:
+    from .training import ExecuTorchBackend
+
+    backend = ExecuTorchBackend.from_file(path)  # loads the program and runs its first forward_backward
+    return f"training {path.name} (executorch: {len(backend.trainable)} trainable tensors)"
+
+
+def check_bundle(bundle: Path) -> list[str]:
+    """Every check of the bundle at ``bundle``, in order; the first failure raises."""
+    from device_profiles import get_profile
+    from pfl_edge.modelcard import ModelCard
+
+    done = [_imports()]
+    device = json.loads((bundle / "device.json").read_text())
+    card = ModelCard.model_validate_json((bundle / device["model_card"]).read_bytes())
+    profile = get_profile(device["profile"])
+    done.append(_torch_step(card))
+    for p in card.programs:  # the requirements hold onnxruntime when the profile infers with it
+        if p.kind == "inference" and p.runtime == "onnxruntime" == profile.inference_runtime:
+            done.append(_inference(bundle / "model" / "programs" / p.file, card))
+    if device.get("training_program"):
+        done.append(_training(bundle / device["training_program"]))
+    return done
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m edge_runtime.bundle_check BUNDLE_FOLDER", file=sys.stderr)
+        return 2
+    try:
+        for line in check_bundle(Path(args[0])):
+            print(f"ok: {line}")
+    except ModuleNotFoundError as e:
+        top = (e.name or "?").split(".")[0]
+        print(f"bundle check: module {top!r} is missing: requirements.txt lacks the package that provides it "
+              f"({e})", file=sys.stderr)
+        return 1
+    except Exception as e:
+        print(f"bundle check failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
