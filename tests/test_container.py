@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
+from pgkit import fresh_schema
 
 yaml = pytest.importorskip("yaml")
 
@@ -223,18 +224,10 @@ def _wait(pred: Any, timeout_s: float, what: str) -> None:
 @pytest.fixture
 def pg_schema_url() -> Iterator[str]:
     """postgresql://... whose search_path is a fresh schema of database ``test``, dropped afterwards."""
-    try:
-        socket.create_connection(("127.0.0.1", 5432), timeout=0.5).close()
-    except OSError:
-        pytest.skip("PostgreSQL does not answer on 127.0.0.1:5432")
-    import psycopg
-
-    schema = f"pfl_ct_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect("postgresql://postgres@127.0.0.1:5432/test", autocommit=True) as c:
-        c.execute(f'CREATE SCHEMA "{schema}"')
-    yield f"postgresql://postgres@127.0.0.1:5432/test?options=-csearch_path%3D{schema}"
-    with psycopg.connect("postgresql://postgres@127.0.0.1:5432/test", autocommit=True) as c:
-        c.execute(f'DROP SCHEMA "{schema}" CASCADE')
+    with fresh_schema("pfl_ct") as url:
+        if url is None:
+            pytest.skip("PostgreSQL does not answer on 127.0.0.1:5432")
+        yield url
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from pgkit import fresh_schema
 
 from edge_runtime.data import load_local_data
 from edge_runtime.fleet import Federation, free_port, start_server
@@ -62,21 +63,8 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def postgres_url() -> Iterator[str | None]:
     """A PostgreSQL URL whose search_path is a fresh schema of database ``test`` (dropped afterwards), or None
     where no PostgreSQL answers on 127.0.0.1:5432."""
-    try:
-        socket.create_connection(("127.0.0.1", 5432), timeout=0.5).close()
-    except OSError:
-        yield None
-        return
-    import uuid
-
-    import psycopg
-
-    schema = f"pfl_it_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect("postgresql://postgres@127.0.0.1:5432/test", autocommit=True) as c:
-        c.execute(f'CREATE SCHEMA "{schema}"')
-    yield f"postgresql+psycopg://postgres@127.0.0.1:5432/test?options=-csearch_path%3D{schema}"
-    with psycopg.connect("postgresql://postgres@127.0.0.1:5432/test", autocommit=True) as c:
-        c.execute(f'DROP SCHEMA "{schema}" CASCADE')
+    with fresh_schema("pfl_it") as url:
+        yield url
 
 
 def _run(root: Path, config: dict[str, Any], profiles: list[str], *, broker: str, database_url: str | None = None,

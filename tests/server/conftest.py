@@ -3,10 +3,8 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,10 +14,11 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # `server` may be newer than the editable install's package list
     sys.path.insert(0, str(ROOT))
 
-from server.broker import EmbeddedBroker, listening  # noqa: E402
+from pgkit import PG_HOST, PG_PORT, fresh_schema  # noqa: E402  (tests/, on the path as the root conftest's folder)
+
+from server.broker import EmbeddedBroker  # noqa: E402
 
 MOSQUITTO = shutil.which("mosquitto") or ("/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None)
-PG_HOST, PG_PORT = "127.0.0.1", 5432
 
 
 @pytest.fixture(scope="session")
@@ -35,38 +34,13 @@ def broker_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield url
 
 
-def _pg_user() -> str | None:
-    import psycopg
-
-    for user in ("postgres", "root", os.environ.get("USER", "")):
-        if not user:
-            continue
-        try:
-            with psycopg.connect(host=PG_HOST, port=PG_PORT, dbname="test", user=user, connect_timeout=3):
-                return user
-        except psycopg.Error:
-            continue
-    return None
-
-
 @pytest.fixture
 def pg_url() -> Iterator[str]:
     """A PostgreSQL URL whose search_path is a fresh schema, dropped afterwards."""
-    if not listening(PG_PORT, PG_HOST):
-        pytest.skip(f"PostgreSQL does not answer on {PG_HOST}:{PG_PORT}")
-    import psycopg
-
-    user = _pg_user()
-    if user is None:
-        pytest.skip("PostgreSQL answers but neither user postgres nor root may connect to database 'test'")
-    schema = f"pfl_test_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(host=PG_HOST, port=PG_PORT, dbname="test", user=user, autocommit=True) as c:
-        c.execute(f'CREATE SCHEMA "{schema}"')
-    try:
-        yield f"postgresql://{user}@{PG_HOST}:{PG_PORT}/test?options=-csearch_path%3D{schema}"
-    finally:
-        with psycopg.connect(host=PG_HOST, port=PG_PORT, dbname="test", user=user, autocommit=True) as c:
-            c.execute(f'DROP SCHEMA "{schema}" CASCADE')
+    with fresh_schema("pfl_test") as url:
+        if url is None:
+            pytest.skip(f"PostgreSQL does not answer on {PG_HOST}:{PG_PORT}, or no user may connect to 'test'")
+        yield url
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
