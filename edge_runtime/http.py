@@ -43,6 +43,9 @@ class ServerUnavailable(PflEdgeError):
     exit_code = 7
 
 
+MAX_JSON_BYTES = 16 * 1024 * 1024  # a JSON answer (a task names at most MAX_CLIENTS neighbours: ~2 MB)
+
+
 def is_loopback(url: str) -> bool:
     host = urlsplit(url).hostname or ""
     if host == "localhost":
@@ -88,7 +91,10 @@ class Http:
         self._next_try = 0.0
         self._enrolled = ""  # the tag of the enrolment the token descends from
 
-    def call(self, method: str, path: str, *, json_body: Any = None, content: bytes | None = None) -> httpx.Response:
+    def call(self, method: str, path: str, *, json_body: Any = None, content: bytes | None = None,
+             max_bytes: int = MAX_JSON_BYTES) -> httpx.Response:
+        """The answer, its body read to at most ``max_bytes`` (more is refused before it is all read: a JSON
+        answer, a payload, a program each have their bound)."""
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         if content is not None:
             headers["Content-Type"] = "application/octet-stream"
@@ -98,7 +104,7 @@ class Http:
             why: str
             wait = delay
             try:
-                r = self.client.request(method, path, json=json_body, content=content, headers=headers)
+                r = self._request(method, path, json_body, content, headers, max_bytes)
                 if r.status_code == 429 and "retry-after" in r.headers:
                     why, wait = f"429 {_detail(r)}", max(delay, _seconds(r.headers["retry-after"]))
                 elif r.status_code < 500:
@@ -117,6 +123,28 @@ class Http:
             log.warning("%s %s failed (%s); retrying in %.1f s", method, path, why, wait)
             self.stop.wait(wait)
             delay = min(delay * 2, 10.0)
+
+    def _request(self, method: str, path: str, json_body: Any, content: bytes | None, headers: dict[str, str],
+                 max_bytes: int) -> httpx.Response:
+        req = self.client.build_request(method, path, json=json_body, content=content, headers=headers)
+        r = self.client.send(req, stream=True)
+        try:
+            declared = r.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > max_bytes:
+                raise ServerError(f"{method} {path}: the answer is {declared} bytes, over this call's bound of "
+                                  f"{max_bytes}", r.status_code)
+            body = bytearray()
+            for chunk in r.iter_bytes():
+                body += chunk
+                if len(body) > max_bytes:
+                    raise ServerError(f"{method} {path}: the answer ran past this call's bound of {max_bytes} bytes",
+                                      r.status_code)
+        finally:
+            r.close()
+        # iter_bytes has already undone any content coding: the copy must not claim it again
+        kept = [(k, v) for k, v in r.headers.multi_items()
+                if k.lower() not in ("content-encoding", "content-length", "transfer-encoding")]
+        return httpx.Response(r.status_code, headers=kept, content=bytes(body), request=req)
 
     # ------------------------------------------------------------------------------------------------ token
     def use_token(self, token_file: Path, enrolled: str) -> None:

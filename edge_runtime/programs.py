@@ -31,9 +31,8 @@ def fetch_card(http: Http, federation: str, *, training_backend: str | None = No
     """This device's model card (its own profile and K_P; ``training_backend`` where it overrides the profile's).
     The server answers 503 while it exports the programs; ``Http`` retries 5xx answers within its patience."""
     params = f"?training_backend={training_backend}" if training_backend else ""
-    r = http.call("GET", f"{API_PREFIX}/federations/{quote(federation, safe='')}/model{params}")
-    if len(r.content) > MAX_CARD_BYTES:
-        raise ConfigError(f"the server's model card is {len(r.content)} bytes, over {MAX_CARD_BYTES}")
+    r = http.call("GET", f"{API_PREFIX}/federations/{quote(federation, safe='')}/model{params}",
+                  max_bytes=MAX_CARD_BYTES)
     try:
         return ModelCard.model_validate_json(r.content)
     except ValueError as e:
@@ -83,7 +82,8 @@ class ProgramSource:
             if hashlib.sha256(data).hexdigest() == info.sha256:
                 return data
         # the URL is built here, never taken from the card: the bearer token goes to this server's path only
-        r = self.http.call("GET", f"{API_PREFIX}/federations/{quote(self.federation, safe='')}/programs/{info.file}")
+        r = self.http.call("GET", f"{API_PREFIX}/federations/{quote(self.federation, safe='')}/programs/{info.file}",
+                           max_bytes=info.bytes)
         data = r.content
         got = hashlib.sha256(data).hexdigest()
         if len(data) != info.bytes or got != info.sha256:

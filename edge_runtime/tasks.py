@@ -96,7 +96,7 @@ class Downloads:
         self.down = 0  # bytes fetched by the last ``received`` or ``model``
 
     def fetch(self, digest: str) -> bytes:
-        data = self.http.call("GET", f"{API_PREFIX}/blobs/{digest}").content
+        data = self.http.call("GET", f"{API_PREFIX}/blobs/{digest}", max_bytes=self.max_bytes).content
         if hashlib.sha256(data).hexdigest() != digest:
             raise ServerError(f"blob {digest} arrived with other content (sha256 mismatch); not using it")
         self.down += len(data)
