@@ -1,13 +1,15 @@
 """The programs a device runs, exported once and kept: the ONNX inference program of a federation's model and its
-ExecuTorch training programs (``export``: ``prepare`` -> ``lower_onnx`` | ``lower_executorch_training`` ->
-``package``), and the model card that lists them (``pfl_edge.modelcard``, docs/model.md).
+ExecuTorch training programs (``export``: ``prepare`` -> the model traced with its weights as inputs |
+``lower_executorch_training`` -> ``package``), and the model card that lists them (``pfl_edge.modelcard``,
+docs/model.md).
 
 A program is named by what decides its bytes, ``ProgramKey``: the model (its id), the kind and, for training,
 the mode, K_P (mode ``personal`` only) and the batch size. Weights do not decide them: a device swaps its own
-into every program (ONNX initialisers named by state-dict key; the training program's parameters in place), so
+into every program (ONNX graph inputs named by state-dict key; the training program's parameters in place), so
 one file serves every federation and device of that model.
 
-Exports run in a child process (``python -m server.services.artefacts <work dir>``), one batch at a time, off the
+Exports run in a child process (``python -m server.services.artefacts <work dir>``; its work, and the checks of
+every program against eager PyTorch, are ``server.services.program_export``), one batch at a time, off the
 request threads and off the server's interpreter: an export holds a CPU for seconds to minutes and would starve
 the event loop of the GIL. A request for a program not exported yet schedules it and is answered 503 with
 ``Retry-After``; the device's client retries 5xx answers. Files land in ``<data_dir>/programs/``: the program
@@ -47,7 +49,8 @@ RETRY_AFTER_S = 5  # what a 503 asks the caller to wait: the cnn's exports take 
 FAILED_BACKOFF_S = 60.0  # a failed export is not tried again for this long (no export storm from retries)
 _RECORD = ".json"
 # in every file name's hash: bump it when what an export writes changes, so no cache serves the old form
-PROGRAM_FORMAT = 2
+# (3: the ONNX program is traced with the weights as inputs, so GroupNorm models export too)
+PROGRAM_FORMAT = 3
 
 
 class NotReady(ApiError):
@@ -258,112 +261,9 @@ class Artefacts:
 
 # ------------------------------------------------------------------------------------------- the child process
 
-_PACKAGE_ONLY = {"format", "path", "bytes", "sha256", "model", "model_spec", "round", "profile", "density", "source",
-                 "verify"}
-
-
-def export_one(key: ProgramKey, out: Path) -> dict[str, Any]:
-    """Export ``key`` into ``out/<key.file>``; its details (what a device needs to drive it)."""
-    from device_profiles import get_profile, list_profiles
-    from export import lower_executorch_training, lower_onnx, package, prepare, verify
-
-    # a program does not depend on the profile (only on the key); prepare wants one for its file name
-    prep = prepare(get_profile(list_profiles()[0]), spec=key.spec, seed=0)
-    if key.kind == "inference":
-        packaged = package(lower_onnx(prep), out / "pkg")
-        verify(packaged)  # against eager PyTorch before it is ever served
-        details = {k: v for k, v in packaged.entry.items() if k not in _PACKAGE_ONLY}
-        state = {k: v.detach().numpy() for k, v in prep.model.state_dict().items()}
-        program, interface = _weights_as_inputs(packaged.path.read_bytes(), state, list(prep.input_shape))
-        _check_onnx(program, state, prep)
-        packaged.path.write_bytes(program)
-        details.update(interface)
-    else:
-        if key.mode is None or key.batch_size is None:
-            raise ValueError(f"training key {key} lacks a mode or batch size")
-        lowered = lower_executorch_training(prep, mode=key.mode, batch_size=key.batch_size,
-                                            kp=key.kp if key.mode == "personal" else None)
-        packaged = package(lowered, out / "pkg")
-        _check_training(lowered.program, lowered.details, prep)
-        details = {k: v for k, v in packaged.entry.items() if k not in _PACKAGE_ONLY}
-        details["outputs"] = ["loss"]
-        details["signature"] = "forward(x, y, weight, *frozen) -> (loss,)"
-    os.replace(packaged.path, out / key.file)
-    return details
-
-
-def _weights_as_inputs(program: bytes, state: dict[str, Any], input_shape: list[int]) -> tuple[bytes, dict[str, Any]]:
-    """The ONNX program with every state-dict tensor a graph input instead of a baked initialiser: a device
-    feeds its own weights by name at every run (its personal blocks differ from everyone's; onnxruntime's graph
-    optimiser may fold or pre-pack initialisers, so overriding baked ones is not reliable), and the program
-    carries no weights of its own. Its inputs and outputs, described."""
-    import onnx
-    from onnx import helper
-
-    proto = onnx.load_from_string(program)
-    inits = {i.name: i for i in proto.graph.initializer}
-    missing = [k for k in state if k not in inits]
-    if missing:
-        raise ValueError(f"the ONNX exporter folded {missing} into constants: they cannot be given as inputs")
-    kept = [i for i in proto.graph.initializer if i.name not in state]
-    del proto.graph.initializer[:]
-    proto.graph.initializer.extend(kept)
-    for k, v in state.items():
-        proto.graph.input.append(helper.make_tensor_value_info(k, onnx.TensorProto.FLOAT, list(v.shape)))
-    onnx.checker.check_model(proto)
-    inputs = [{"name": "input", "dtype": "f32", "shape": ["batch", *input_shape]},
-              *({"name": k, "dtype": "f32", "shape": list(v.shape)} for k, v in state.items())]
-    return proto.SerializeToString(), {
-        "kind": "inference", "inputs": inputs, "weights": list(state),
-        "outputs": [{"name": "logits", "dtype": "f32", "shape": ["batch", "num_classes"]}]}
-
-
-def _check_onnx(program: bytes, state: dict[str, Any], prep: Any) -> None:
-    """The rewritten program, fed the model's weights, against eager PyTorch."""
-    import numpy as np
-    import onnxruntime as ort
-    import torch
-
-    x = torch.randn(3, *prep.input_shape, generator=torch.Generator().manual_seed(0))
-    sess = ort.InferenceSession(program, providers=["CPUExecutionProvider"])
-    got = sess.run(["logits"], {"input": x.numpy(), **state})[0]
-    with torch.no_grad():
-        ref = prep.model(x).numpy()
-    if not np.allclose(got, ref, atol=1e-4, rtol=1e-3):
-        raise ValueError(f"the ONNX program with weights as inputs differs from eager PyTorch by "
-                         f"{float(np.abs(got - ref).max()):.3g}")
-
-
-def _check_training(program: bytes, details: dict[str, Any], prep: Any) -> None:
-    """The training program's loss and gradients on a random, partly padded batch against autograd's (the full
-    check, with SGD steps, is edge_runtime.verify_training; the server does not import the device runtime)."""
-    import torch
-    import torch.nn.functional as F
-    from executorch.extension.training import _load_for_executorch_for_training_from_buffer
-
-    gen = torch.Generator().manual_seed(0)
-    b, n = int(details["batch_size"]), max(1, int(details["batch_size"]) - 1)  # n real samples, padded to b
-    x, y = torch.randn(b, *prep.input_shape, generator=gen), torch.randint(0, prep.spec.num_classes, (b,),
-                                                                           generator=gen)
-    w = torch.cat([torch.ones(n), torch.zeros(b - n)])
-    params = dict(prep.model.named_parameters())
-    module = _load_for_executorch_for_training_from_buffer(program)
-    loss = module.forward_backward("forward", (x, y, w, *(params[k].detach() for k in details["frozen"])))[0]
-    grads = {k.removeprefix("net."): g for k, g in module.named_gradients().items()}
-    model = prep.model
-    model.zero_grad()
-    ref = F.cross_entropy(model(x[:n]), y[:n])
-    ref.backward()
-    if sorted(grads) != sorted(details["trainable"]) or abs(float(loss) - float(ref.detach())) > 1e-4:
-        raise ValueError(f"the training program's loss {float(loss)} or gradients {sorted(grads)} are not eager "
-                         f"PyTorch's ({float(ref.detach())}, {sorted(details['trainable'])})")
-    for k, g in grads.items():
-        ref_g = params[k].grad
-        if ref_g is None or not torch.allclose(g, ref_g, atol=1e-4):
-            raise ValueError(f"the training program's gradient of {k} differs from eager PyTorch's")
-
-
 def _child(work: Path) -> int:
+    from .program_export import export_one
+
     keys = [ProgramKey.from_json(d) for d in json.loads((work / "request.json").read_text())]
     results: list[dict[str, Any]] = []
     for key in keys:

@@ -31,11 +31,13 @@ from server.app import create_app
 from server.fedmodel import fed_model
 from server.routers.models import program_keys
 from server.services.artefacts import Artefacts
+from server.services.program_export import gradient_mismatches
 from server.settings import Settings
 
 ADMIN = "admin-token-artefacts"
 CFG: dict[str, Any] = dict(FEDPER, algorithm="fedper-ft")  # cnn on synthetic data, K_P 2, batch 16
 OTHER: dict[str, Any] = dict(FEDPER, batch_size=8)  # same model, other batch: other training programs
+GN: dict[str, Any] = dict(FEDPER, model="mobilenet-v1")  # GroupNorm, 15 blocks, on synthetic 1x28x28 images
 
 
 @pytest.fixture(scope="module")
@@ -297,3 +299,86 @@ def test_a_dispfl_card_shares_every_tensor_and_carries_the_devices_density() -> 
     assert card.base_keys == list(fm.model.state_dict()) and card.personal_keys == []
     assert card.density == 0.3 and not any(b.personal for b in card.blocks)
     assert card.training.clip_unmasked is True  # DisPFL clips the whole gradient before masking it
+
+
+# ------------------------------------------------------------------------------------------- a GroupNorm model
+
+
+@pytest.fixture(scope="module")
+def gn(tmp_path_factory: pytest.TempPathFactory, broker_url: str) -> Iterator[dict[str, Any]]:
+    """mobilenet-v1's cards for a phone-mid device (ONNX + ExecuTorch training) and, as the admin asks, for a
+    jetson-orin-nano (ONNX only). Its exports take ~30-60 s on this VM."""
+    tmp = tmp_path_factory.mktemp("gn")
+    settings = Settings(data_dir=tmp / "data", database_url=f"sqlite:///{tmp / 'state.db'}", broker_url=broker_url,
+                        admin_token=ADMIN)  # type: ignore[arg-type]
+    with TestClient(create_app(settings)) as c:
+        create(c, ADMIN, "m", GN)
+        d = Dev(c, "m")
+        started, r = time.monotonic(), c.get("/v1/federations/m/model", headers=d.h)
+        while r.status_code == 503 and "failed" not in r.text and time.monotonic() - started < 600:
+            time.sleep(1.0)
+            r = c.get("/v1/federations/m/model", headers=d.h)
+        assert r.status_code == 200, r.text
+        jetson = c.get("/v1/federations/m/model", params={"profile": "jetson-orin-nano"}, headers=bearer(ADMIN))
+        assert jetson.status_code == 200, jetson.text  # the ONNX program is already on disk
+        yield {"c": c, "d": d, "card": ModelCard.model_validate(r.json()),
+               "jetson": ModelCard.model_validate(jetson.json())}
+
+
+def test_a_groupnorm_models_onnx_program_takes_every_weight_as_an_input(gn: dict[str, Any]) -> None:
+    import onnx
+    import onnxruntime as ort
+
+    card, jetson = gn["card"], gn["jetson"]
+    assert card.model == "mobilenet-v1" and sorted((p.kind, p.mode) for p in card.programs) == [
+        ("inference", None), ("training", "fedper")]
+    assert [(p.kind, p.runtime) for p in jetson.programs] == [("inference", "onnxruntime")]
+    info, data = _program(gn, "inference")
+    assert jetson.programs[0].sha256 == info.sha256  # one program for every profile
+    model = build_model(fed_model(GN).spec)
+    state = _random_state(model, 6)  # a device's weights: every GroupNorm weight differs from the fresh all-ones
+    model.load_state_dict(state)
+    proto = onnx.load_from_string(data)
+    assert [i.name for i in proto.graph.input] == ["input", *state] == [i["name"] for i in info.details["inputs"]]
+    assert not {i.name for i in proto.graph.initializer} & set(state)  # nothing baked in, GroupNorm's included
+    sess = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+    for n in (4, 1):
+        x = torch.randn(n, 1, 28, 28, generator=torch.Generator().manual_seed(n))
+        got = sess.run(["logits"], {"input": x.numpy(), **{k: v.numpy() for k, v in state.items()}})[0]
+        with torch.no_grad():
+            ref = model(x).numpy()
+        assert np.abs(got - ref).max() <= 1e-5 + 1e-4 * np.abs(ref).max()
+
+
+def test_a_groupnorm_models_training_gradients_are_autograds_within_the_bound(gn: dict[str, Any]) -> None:
+    info, data = _program(gn, "training", "fedper")
+    backend = ExecuTorchBackend(data, info.details)
+    model = build_model(fed_model(GN).spec)
+    state = _random_state(model, 7)
+    backend.load(state)
+    model.load_state_dict(state)
+    gen = torch.Generator().manual_seed(8)
+    x, y = torch.randn(11, 1, 28, 28, generator=gen), torch.randint(0, 10, (11,), generator=gen)
+    loss, grads = backend.gradients(x, y)  # 11 real samples, padded to the program's 16 at weight 0
+
+    def eager(m: torch.nn.Module, xs: torch.Tensor, ys: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
+        m.zero_grad()
+        ref = F.cross_entropy(m(xs), ys)
+        ref.backward()
+        return float(ref.detach()), {k: p.grad.clone() for k, p in m.named_parameters() if p.grad is not None}
+
+    ref_loss, ref = eager(model, x, y)
+    assert sorted(grads) == sorted(ref) == sorted(info.details["trainable"])
+    assert loss == pytest.approx(ref_loss, abs=1e-5)
+    assert gradient_mismatches(grads, dict(ref)) == []
+    # what the bound refuses: a program that counts a padded sample (12 samples, the 12th all zeros), one run at
+    # other weights (one mid-network tensor moved by a tenth of its spread), and one wrong element in one tensor
+    pad = eager(model, torch.cat([x, torch.zeros(1, 1, 28, 28)]), torch.cat([y, torch.zeros(1, dtype=y.dtype)]))[1]
+    assert len(gradient_mismatches(grads, dict(pad))) > len(pad) // 2
+    other = build_model(fed_model(GN).spec)
+    noise = torch.randn(state["dw7.3.weight"].shape, generator=gen) * 0.1 * float(state["dw7.3.weight"].std())
+    other.load_state_dict({**state, "dw7.3.weight": state["dw7.3.weight"] + noise})
+    assert gradient_mismatches(grads, dict(eager(other, x, y)[1]))
+    wrong = {k: g.clone() for k, g in grads.items()}
+    wrong["head.1.weight"].view(-1)[3] += 0.1 * float(ref["head.1.weight"].abs().max())
+    assert [b.split(":")[0] for b in gradient_mismatches(wrong, dict(ref))] == ["head.1.weight"]
