@@ -66,6 +66,7 @@ __all__ = [
     "UpdateRequest",
     "ValidationIssue",
     "mqtt_client_id",
+    "quorum_updates",
     "round_topic",
     "status_topic",
     "task_topic",
@@ -89,6 +90,12 @@ def task_topic(fed: str, device: str) -> str:
 
 def status_topic(fed: str, device: str) -> str:
     return f"pfl/{fed}/device/{device}/status"
+
+
+def quorum_updates(quorum: float, active: int) -> int:
+    """How many updates close a round early: the fraction ``quorum`` of the ``active`` devices given its task,
+    rounded up, at most all of them (the server's rule; reports and the dashboard count with it too)."""
+    return min(active, math.ceil(quorum * active - 1e-9))
 
 
 def mqtt_client_id(device: str) -> str:

@@ -10,7 +10,6 @@ enum's values, the strings the protocol announces.
 
 from __future__ import annotations
 
-import math
 import typing
 from dataclasses import dataclass
 from enum import StrEnum
@@ -88,7 +87,7 @@ def check_transition(source: RoundState | str, source_round: int, target: RoundS
 
 def quorum_reached(updates: int, active: int, quorum: float) -> bool:
     """Every device given a task has sent, or the fraction ``quorum`` of them has (rounded up)."""
-    return updates >= active or updates >= math.ceil(quorum * active - 1e-9)
+    return updates >= protocol.quorum_updates(quorum, active)
 
 
 def next_state(state: RoundState | str, round: int, *, updates: int, active: int, quorum: float,

@@ -10,6 +10,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from ..protocol import quorum_updates
 from .load import DeviceInfo, RoundRecord, Run
 
 __all__ = ["CLOSED_STATES", "short_of_quorum", "spread", "summarise"]
@@ -32,8 +33,7 @@ def short_of_quorum(rnd: RoundRecord, quorum: float | None) -> bool | None:
     None when unknown: the round is still open, or the quorum or counts are not known."""
     if rnd.state not in CLOSED_STATES or rnd.updates is None or not rnd.active or quorum is None:
         return None
-    need = min(rnd.active, max(1, math.ceil(quorum * rnd.active - 1e-9)))
-    return rnd.updates < need
+    return rnd.updates < max(1, quorum_updates(quorum, rnd.active))
 
 
 def _round_row(rnd: RoundRecord, quorum: float | None) -> dict[str, Any]:

@@ -4,14 +4,13 @@ database's counters that ``/metrics`` exposes to Prometheus (they survive restar
 
 from __future__ import annotations
 
-import math
 import statistics
 from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import case, func, select
 
-from pfl_edge.protocol import MetricsReport
+from pfl_edge.protocol import MetricsReport, quorum_updates
 
 from ..db import Blob, Device, Federation, Metric, Round, Update, now
 from ..errors import Conflict
@@ -142,7 +141,7 @@ def _round_row(t: int, r: Round | None, updates: int, devs: dict[str, dict[str, 
         "active": active,
         # updates that close it before its deadline (server.states.quorum_reached): every device given a task,
         # or the fraction ``quorum`` of them rounded up, whichever is fewer
-        "quorum_updates": min(active, math.ceil(quorum * active - 1e-9)) if active is not None else None,
+        "quorum_updates": quorum_updates(quorum, active) if active is not None else None,
         "mean_accuracy": sum(accs) / len(accs) if accs else None,
         "min_accuracy": accs[0] if accs else None,
         "median_accuracy": statistics.median(accs) if accs else None,
