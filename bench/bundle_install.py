@@ -1,0 +1,103 @@
+"""What a device bundle's install costs: the lean device set (``edge_runtime.bundle_files``: what a device imports,
+by profile, installed with ``pip --no-deps``) against pfl-edge's whole declared dependency tree (what a bundle
+pinned before), each into a fresh virtual environment, interleaved, from this machine's package sources.
+
+    .venv/bin/python bench/bundle_install.py [--repeats 1] [--out bench/results/bundle_install.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from edge_runtime import bundle_files  # noqa: E402
+
+SETS = {
+    "lean, torch training (raspberry-pi-4)": ("onnxruntime", "torch"),
+    "lean, ExecuTorch training (phone-mid)": ("executorch", "executorch"),
+}
+
+
+def _pins(roots: list[str], *, declared: bool) -> list[str]:
+    if declared:  # the whole declared tree, as bundles pinned it before
+        with mock.patch.dict(bundle_files.RUNTIME_DEPS, clear=True):
+            pins = bundle_files.pinned(roots)
+    else:
+        pins = bundle_files.pinned(roots)
+    return [f"{n}=={v}" for n, v in pins if v is not None and n != "pfl-edge"]
+
+
+def _quiet(cmd: list[str]) -> None:
+    """pip, its warnings about this machine's package sources kept out of the table (shown if it fails)."""
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
+
+
+def _install(work: Path, pins: list[str], wheel: Path, *, no_deps: bool) -> dict[str, Any]:
+    venv = work / "venv"
+    req = work / "requirements.txt"
+    torch = [p for p in pins if p.startswith("torch==")]
+    req.write_text("\n".join(p for p in pins if not p.startswith("torch==")) + "\n")
+    py = venv / "bin" / "python"
+    flags = ["--no-deps"] if no_deps else []
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    _quiet([*pip, "--no-deps", *torch])
+    t1 = time.perf_counter()
+    _quiet([*pip, *flags, "-r", str(req)])
+    _quiet([*pip, "--no-deps", str(wheel)])
+    t2 = time.perf_counter()
+    listed = subprocess.run([str(py), "-m", "pip", "list", "--format=json"], check=True, capture_output=True,
+                            text=True).stdout
+    size = sum(f.stat().st_size for f in venv.rglob("*") if f.is_file())
+    return {"pins": len(pins), "installed": len(json.loads(listed)), "torch_s": t1 - t0, "rest_s": t2 - t1,
+            "total_s": t2 - t0, "venv_mb": size / 2**20}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "bundle_install.json")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        wheels = Path(tmp) / "wheels"
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheels), str(REPO)],
+                       check=True)
+        wheel = next(wheels.glob("pfl_edge-*.whl"))
+        cases = {"declared tree (before)": (_pins(["pfl-edge"], declared=True), False)}
+        for name, (inference, training) in SETS.items():
+            cases[name] = (_pins(bundle_files.device_packages(inference, training), declared=False), True)
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in cases}
+        for rep in range(args.repeats):
+            order = list(cases) if rep % 2 == 0 else list(reversed(cases))
+            for name in order:
+                pins, no_deps = cases[name]
+                work = Path(tmp) / f"{rep}-{len(runs[name])}-{abs(hash(name)) % 1000}"
+                work.mkdir()
+                r = _install(work, pins, wheel, no_deps=no_deps)
+                runs[name].append(r)
+                print(f"{name}: {r['total_s']:.0f} s ({r['installed']} packages, {r['venv_mb']:.0f} MB)", flush=True)
+                subprocess.run(["rm", "-rf", str(work)], check=True)
+    base = min(r["total_s"] for r in runs["declared tree (before)"])
+    out = {"date": time.strftime("%Y-%m-%d"), "repeats": args.repeats, "runs": runs,
+           "best_total_s": {n: min(r["total_s"] for r in rs) for n, rs in runs.items()},
+           "vs_declared": {n: min(r["total_s"] for r in rs) / base for n, rs in runs.items()}}
+    args.out.write_text(json.dumps(out, indent=1))
+    print(json.dumps(out["vs_declared"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
