@@ -77,8 +77,8 @@ def _verify(base: str, ca_file: str | None) -> ssl.SSLContext | bool:
 
 class Http:
     """JSON and blob calls with retries: connection failures and 5xx answers back off (0.5 s doubling to 10 s)
-    until ``patience_s``, a 429 waits as long as its Retry-After says; any other 4xx answer is the caller's error
-    and raises ``ServerError`` at once."""
+    until ``patience_s``, a 429 waits as long as its Retry-After says (a 503 too, up to 60 s); any other 4xx answer
+    is the caller's error and raises ``ServerError`` at once."""
 
     def __init__(self, base: str, patience_s: float, *, ca_file: str | None = None) -> None:
         self.client = httpx.Client(base_url=base.rstrip("/"), timeout=60.0, verify=_verify(base, ca_file))
@@ -107,6 +107,8 @@ class Http:
                 r = self._request(method, path, json_body, content, headers, max_bytes)
                 if r.status_code == 429 and "retry-after" in r.headers:
                     why, wait = f"429 {_detail(r)}", max(delay, _seconds(r.headers["retry-after"]))
+                elif r.status_code == 503 and "retry-after" in r.headers:  # e.g. programs still exporting
+                    why, wait = f"503 {_detail(r)}", max(delay, min(_seconds(r.headers["retry-after"]), 60.0))
                 elif r.status_code < 500:
                     if r.status_code >= 400:
                         raise ServerError(f"{method} {path}: {r.status_code} {_detail(r)}", r.status_code)

@@ -20,9 +20,9 @@ __all__ = ["FASHION_MNIST_DIRS", "load_idx"]
 FASHION_MNIST_DIRS = (Path("/usr/share/datasets/fashion-mnist"),)
 FASHION_MNIST_HINT = (
     "Fashion-MNIST not found. On Debian/Ubuntu: sudo apt-get update && sudo apt-get install -y "
-    "dataset-fashion-mnist (installs /usr/share/datasets/fashion-mnist), or pass --data-dir with the four "
+    "dataset-fashion-mnist (installs /usr/share/datasets/fashion-mnist), or name the folder with the four "
     "files train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz, t10k-images-idx3-ubyte.gz, "
-    "t10k-labels-idx1-ubyte.gz."
+    "t10k-labels-idx1-ubyte.gz (pfl-edge simulate/demo: --data-dir; pfl-edge client: --dataset-dir)."
 )
 
 

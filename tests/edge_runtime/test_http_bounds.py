@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
 
 import pytest
 
@@ -75,3 +76,38 @@ def test_a_chunked_answer_running_past_the_bound_is_cut_off(url: str) -> None:
 def test_json_answers_have_a_default_bound(url: str) -> None:
     with pytest.raises(ServerError, match="over this call's bound"):
         Http(url, 5).call("GET", f"/declared/{64 * 1024 * 1024}")
+
+
+class _Busy(BaseHTTPRequestHandler):
+    """503 with Retry-After 1 twice (a card whose programs are exporting), then the answer."""
+
+    asked: ClassVar[list[float]] = []
+
+    def do_GET(self) -> None:
+        _Busy.asked.append(time.monotonic())
+        if len(_Busy.asked) <= 2:
+            self.send_response(503)
+            self.send_header("Retry-After", "1")
+            body = b'{"detail": "exporting"}'
+        else:
+            self.send_response(200)
+            body = b"{}"
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_503_is_asked_again_when_its_retry_after_says() -> None:
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Busy)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        r = Http(f"http://127.0.0.1:{srv.server_address[1]}", 30).call("GET", "/card")
+    finally:
+        srv.shutdown()
+    assert r.status_code == 200
+    gaps = [b - a for a, b in zip(_Busy.asked, _Busy.asked[1:], strict=False)]
+    # without the header the back-off would ask again after 0.5 s, then 1 s
+    assert len(gaps) == 2 and all(g >= 0.95 for g in gaps), gaps
