@@ -164,10 +164,9 @@ def fetch_program(http: Http, federation: str, p: ProgramInfo, folder: Path, dea
 
 
 def training_program(card: ModelCard) -> ProgramInfo | None:
-    """The ExecuTorch training program the agent runs for this card (its algorithm's mode), if the card has one."""
-    mode = "dispfl" if card.algorithm == "dispfl" else "fedper"
-    return next((p for p in card.programs if p.kind == "training" and p.runtime == "executorch" and p.mode == mode),
-                None)
+    """The ExecuTorch training program the agent runs for this card, if the card has one: the card lists the
+    algorithm's own mode first (``Algorithm.program_modes``), -FT's personal program after it."""
+    return next((p for p in card.programs if p.kind == "training" and p.runtime == "executorch"), None)
 
 
 # --------------------------------------------------------------------------------------------------- the wheel

@@ -17,6 +17,7 @@ __all__ = [
     "density_of",
     "erk_densities",
     "init_masks",
+    "mask_ones",
     "prune_rate",
     "prune_regrow",
 ]
@@ -54,13 +55,20 @@ def erk_densities(shapes: Mapping[str, tuple[int, ...] | torch.Size], density: f
     return {k: 1.0 if k in dense else eps * raw[k] for k in shapes}
 
 
+def mask_ones(shapes: Mapping[str, tuple[int, ...] | torch.Size], densities: Mapping[str, float]) -> dict[str, int]:
+    """The ones each tensor's mask holds: ``int(density_l * numel)`` (prune-and-regrow keeps the count; the server
+    holds a DisPFL device's masks to it)."""
+    return {k: int(densities[k] * math.prod(shape)) for k, shape in shapes.items()}
+
+
 def init_masks(shapes: Mapping[str, tuple[int, ...] | torch.Size], densities: Mapping[str, float],
                gen: torch.Generator) -> dict[str, Tensor]:
-    """Exactly ``int(density_l * numel)`` ones per tensor, at positions drawn from ``gen``."""
+    """Exactly ``mask_ones`` ones per tensor, at positions drawn from ``gen``."""
     masks = {}
+    counts = mask_ones(shapes, densities)
     for k, shape in shapes.items():
         n = math.prod(shape)
-        ones = int(densities[k] * n)
+        ones = counts[k]
         flat = torch.zeros(n)
         flat[torch.randperm(n, generator=gen)[:ones]] = 1.0
         masks[k] = flat.view(*shape)

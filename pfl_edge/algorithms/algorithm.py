@@ -68,6 +68,12 @@ class Algorithm:
     #: (its personal blocks alone for -FT's fine-tuning), or DisPFL's masked program with the dense gradient
     program_mode: str = "fedper"
 
+    @property
+    def program_modes(self) -> tuple[str, ...]:
+        """Every training program a device of this algorithm may run, ``program_mode`` (the one the agent trains
+        with) first: what the server exports and a model card lists."""
+        return (self.program_mode,)
+
     def __init__(self, cfg: FederationConfig, model: BlockModel, kp: int | None = None) -> None:
         self.name = cfg.algorithm
         self.cfg = cfg

@@ -85,6 +85,12 @@ class Central(Algorithm):
     def finetunes_personal(self) -> bool:
         return self.cfg.algorithm == "fedper-ft"
 
+    @property
+    def program_modes(self) -> tuple[str, ...]:
+        # -FT's fine-tuning phase has a program of its own (the personal blocks alone, the base as an input)
+        return (self.program_mode, "personal") if self.finetunes_personal and self.split.personal else (
+            self.program_mode,)
+
     def receive(self, cl: Clients, state: Stack, base: Mapping[str, Tensor] | None, t: int, *,
                 finetune: bool | None = None) -> Stack:
         """Clients take the base of round ``t`` (FedPer-FT, or ``finetune``: and adapt their personal blocks)."""

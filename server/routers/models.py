@@ -21,7 +21,7 @@ from ..db import Device
 from ..deps import Coord, FederationReader
 from ..errors import NotFound, Unprocessable
 from ..fedmodel import FedModel
-from ..services.artefacts import Artefacts, ProgramKey, ProgramRecord, training_modes
+from ..services.artefacts import Artefacts, ProgramKey, ProgramRecord
 
 __all__ = ["program_keys", "router"]
 
@@ -61,7 +61,7 @@ def program_keys(fm: FedModel, *, kp: int, training_backend: str) -> list[Progra
     of its algorithm when it trains with ExecuTorch."""
     keys = [ProgramKey(fm.spec, "inference")]
     if training_backend == "executorch":
-        for mode in training_modes(fm.cfg.algorithm, kp):
+        for mode in fm.algorithm(kp).program_modes:
             keys.append(ProgramKey(fm.spec, "training", mode, kp if mode == "personal" else None,
                                    fm.cfg.batch_size))
     return keys

@@ -40,7 +40,7 @@ from pfl_edge.federation import model_id
 
 from ..errors import ApiError
 
-__all__ = ["Artefacts", "NotReady", "ProgramKey", "ProgramRecord", "training_modes"]
+__all__ = ["Artefacts", "NotReady", "ProgramKey", "ProgramRecord"]
 
 log = logging.getLogger(__name__)
 
@@ -65,17 +65,6 @@ class NotReady(ApiError):
     @property
     def headers(self) -> dict[str, str] | None:
         return {"Retry-After": str(max(1, int(self.retry_after)))}
-
-
-def training_modes(algorithm: str, kp: int) -> list[str]:
-    """The training programs a device of ``algorithm`` with ``kp`` personal blocks runs: the whole model
-    (``fedper``; FedAvg and FedPer), FedPer-FT's first phase on the personal blocks too (``personal``, when it has
-    any), DisPFL's masked training (``dispfl``)."""
-    if algorithm == "dispfl":
-        return ["dispfl"]
-    if algorithm == "fedper-ft" and kp >= 1:
-        return ["fedper", "personal"]
-    return ["fedper"]
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,6 @@ refused (``erk_ones``; docs/protocol.md, DisPFL masks)."""
 
 from __future__ import annotations
 
-import math
 import threading
 import weakref
 from collections.abc import Callable
@@ -29,7 +28,7 @@ from pfl_edge.aggregate import AggregationRule
 from pfl_edge.errors import CodecError
 from pfl_edge.federation import deal
 from pfl_edge.protocol import AggregationSettings, UpdateAccepted, UpdateRequest
-from pfl_edge.sparse import erk_densities
+from pfl_edge.sparse import erk_densities, mask_ones
 
 from ..db import BlobRef, Device, Federation, Update
 from ..errors import Conflict, Unprocessable
@@ -77,8 +76,7 @@ def erk_ones(fm: FedModel, density: float) -> dict[str, int]:
         hit = per.get(density)
         if hit is None:  # densities are the server's own (config or profiles): a handful per federation
             shapes = {k: tuple(v.shape) for k, v in fm.model.named_parameters()}
-            dens = erk_densities(shapes, density)
-            hit = per[density] = {k: int(dens[k] * math.prod(s)) for k, s in shapes.items()}
+            hit = per[density] = mask_ones(shapes, erk_densities(shapes, density))
     return hit
 
 
