@@ -1,6 +1,6 @@
 """Measure what a device class promises: inference latency (batch 1 and the profile's batch), one training
-step (on the profile's training backend: eager torch, or an ExecuTorch training program), peak memory of each,
-artefact sizes.
+step (on the profile's training backend: eager torch, or an ExecuTorch training program, then also eager
+torch's step beside it and the ratio), peak memory of each, artefact sizes.
 
 Every measurement runs in a fresh (spawned) child process, so its peak RSS is its own: the peak is read from
 /proc/self/status (VmHWM belongs to the process image, while ru_maxrss survives execve and would report the
@@ -164,13 +164,18 @@ def profile_devices(profiles: list[Profile], spec: ModelSpec, artefacts: dict[st
               measure("inference", f"inference b{prof.batch_size}",
                       {**base, "batch": prof.batch_size, "path": str(path), "runtime": prof.inference_runtime}),
               measure("train", "train step", train_args)]
+        if program is not None:  # beside the program, eager PyTorch's step on the same batch: what the program costs
+            ms.append(measure("train", "train step eager", {k: v for k, v in train_args.items()
+                                                             if k not in ("training_backend", "program")}))
         row: dict[str, Any] = {
             "profile": prof.name, "threads": prof.threads, "inference_runtime": prof.inference_runtime,
             # what ran the step, as the measuring process reports it, not what was asked for
             "training_backend_requested": prof.training_backend, "training_backend_used": ms[2].backend,
             "artefact": path.name, "artefact_bytes": path.stat().st_size,
             "training_artefact": None if program is None else program.name,
-            "measurements": [asdict(m) for m in ms]}
+            "measurements": [asdict(m) for m in ms],
+            # a phone-class device pays this multiple of eager PyTorch's step (on this host)
+            "program_over_eager": ms[2].median_ms / ms[3].median_ms if len(ms) > 3 else None}
         if prof.training_backend == "executorch" and program is None:
             row["training_backend_note"] = f"no ExecuTorch training program: {failed.get(prof.batch_size)}"
         rows.append(row)
@@ -194,12 +199,12 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = [r["profile"] for r in report["profiles"]]
-    kinds = ["inference b1", "inference bN", "train step"]
+    kinds = ["inference b1", "inference bN", "train step", "train step eager"]
     fig, ax = plt.subplots(figsize=(8, 4), dpi=100)
-    width = 0.27
+    width = 0.2
     for k, kind in enumerate(kinds):
-        vals = [r["measurements"][k]["median_ms"] for r in report["profiles"]]
-        ax.bar([i + (k - 1) * width for i in range(len(names))], vals, width, label=kind)
+        vals = [r["measurements"][k]["median_ms"] if k < len(r["measurements"]) else 0.0 for r in report["profiles"]]
+        ax.bar([i + (k - 1.5) * width for i in range(len(names))], vals, width, label=kind)
     ax.set_xticks(range(len(names)), names, rotation=20, ha="right")
     ax.set_ylabel("median latency (ms)")
     ax.set_yscale("log")

@@ -4,6 +4,7 @@ with a manifest. ONNX (fixed opset, dynamic batch), ExecuTorch inference (XNNPAC
 (``lower_executorch_training`` -> ``package``; ``edge_runtime.verify_training`` checks it against eager PyTorch).
 """
 
+from .matmul_conv import MatmulConv2d, matmul_convs
 from .quantize import INT8_MAX_ACC_DROP, INT8_MIN_AGREEMENT, INT8_TAG_SUFFIX, lower_executorch_int8, verify_int8
 from .stages import (
     ONNX_OPSET,
@@ -18,24 +19,29 @@ from .stages import (
     prepare,
     verify,
 )
-from .training import TRAINING_MODES, TrainingWrapper, lower_executorch_training
+from .training import CONVOLUTIONS, TRAINING_MODES, JointGraph, TrainingWrapper, joint_graph, lower_executorch_training
 
 __all__ = [
+    "CONVOLUTIONS",
     "INT8_MAX_ACC_DROP",
     "INT8_MIN_AGREEMENT",
     "INT8_TAG_SUFFIX",
     "ONNX_OPSET",
     "TRAINING_MODES",
     "ExportError",
+    "JointGraph",
     "Lowered",
+    "MatmulConv2d",
     "Packaged",
     "Prepared",
     "TrainingWrapper",
     "Verified",
+    "joint_graph",
     "lower_executorch",
     "lower_executorch_int8",
     "lower_executorch_training",
     "lower_onnx",
+    "matmul_convs",
     "package",
     "prepare",
     "verify",

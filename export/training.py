@@ -57,9 +57,11 @@ from pfl_edge.errors import ConfigError
 from pfl_edge.models import BlockModel
 from pfl_edge.split import split_keys
 
+from .matmul_conv import matmul_convs
 from .stages import ExportError, Lowered, Prepared
 
-__all__ = ["TRAINING_MODES", "TrainingWrapper", "lower_executorch_training", "trainable_keys"]
+__all__ = ["CONVOLUTIONS", "TRAINING_MODES", "JointGraph", "TrainingWrapper", "joint_graph",
+           "lower_executorch_training", "trainable_keys"]
 
 TRAINING_MODES = ("fedper", "personal", "dispfl")
 NET = "net"  # the wrapper's attribute holding the model: the runtime names parameters "net.<state-dict key>"
@@ -97,21 +99,35 @@ def trainable_keys(model: nn.Module, mode: str, kp: int | None) -> list[str]:
     raise ConfigError(f"unknown training mode {mode!r}; valid: {', '.join(TRAINING_MODES)}")
 
 
-def lower_executorch_training(prepared: Prepared, *, mode: str, batch_size: int, kp: int | None = None,
-                              mask: Mapping[str, Tensor] | None = None) -> Lowered:
-    """An ExecuTorch training program for ``prepared.model`` (see the module docstring for its signature).
+CONVOLUTIONS = ("matmul", "native")  # how a training program computes convolutions (export.matmul_conv)
 
-    The returned ``Lowered`` carries a copy of ``prepared`` whose tag names the mode (``fresh-train-fedper``,
-    ``client003-train-personal-kp2``), so ``package`` writes it beside the inference ``.pte`` without a clash.
-    ``details`` holds what a device needs to drive the program: ``kind``, ``mode``, ``batch_size``, ``inputs``,
-    ``trainable``, ``frozen``, ``keys`` (every state-dict key, in order), ``input_shape``."""
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class JointGraph:
+    """A model's forward-and-backward graph (``torch.export``'s ``_export_forward_backward``), before lowering:
+    what ``lower_executorch_training`` lowers and ``bench/train_ops.py`` times operator by operator."""
+
+    program: Any  # torch.export.ExportedProgram
+    example: tuple[Tensor, ...]  # (x, y, weight, *frozen)
+    trainable: list[str]
+    frozen: list[str]
+    keys: list[str]
+    shapes: dict[str, list[int]]
+
+
+def joint_graph(prepared: Prepared, *, mode: str, batch_size: int, kp: int | None = None,
+                mask: Mapping[str, Tensor] | None = None, convolutions: str = "matmul") -> JointGraph:
+    """The joint graph of ``lower_executorch_training`` (same arguments)."""
+    if convolutions not in CONVOLUTIONS:
+        raise ConfigError(f"unknown convolutions {convolutions!r}; valid: {', '.join(CONVOLUTIONS)}")
     if batch_size < 1:
         raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
     if mode != "personal" and kp is not None:
         raise ConfigError(f"kp applies to mode 'personal' only, not {mode!r}")
     if mask is not None and mode != "dispfl":
         raise ConfigError(f"a mask applies to mode 'dispfl' only, not {mode!r}")
-    net = copy.deepcopy(prepared.model)  # requires_grad and the masked weights change here, not on the caller's
+    # a copy: requires_grad and the masked weights change here, not on the caller's
+    net = matmul_convs(prepared.model) if convolutions == "matmul" else copy.deepcopy(prepared.model)
     trainable = trainable_keys(net, mode, kp)
     named = dict(net.named_parameters())
     frozen = [k for k in named if k not in set(trainable)]
@@ -131,27 +147,50 @@ def lower_executorch_training(prepared: Prepared, *, mode: str, batch_size: int,
     w = torch.ones(batch_size)
     example = (x, y, w, *(named[k].detach().clone() for k in frozen))
     try:
-        from executorch.exir import to_edge
         from torch.export.experimental import _export_forward_backward
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             ep = torch.export.export(TrainingWrapper(net, frozen), example, strict=True)
             ep = _export_forward_backward(ep)
-            edge = to_edge(ep)
+    except Exception as e:  # export raises many kinds; say which model and why
+        raise ExportError(f"ExecuTorch training export of {prepared.spec.model} ({mode}) failed: {e}") from e
+    return JointGraph(ep, example, trainable, frozen, list(net.state_dict()),
+                      {k: list(v.shape) for k, v in named.items()})
+
+
+def lower_executorch_training(prepared: Prepared, *, mode: str, batch_size: int, kp: int | None = None,
+                              mask: Mapping[str, Tensor] | None = None, convolutions: str = "matmul") -> Lowered:
+    """An ExecuTorch training program for ``prepared.model`` (see the module docstring for its signature).
+
+    The returned ``Lowered`` carries a copy of ``prepared`` whose tag names the mode (``fresh-train-fedper``,
+    ``client003-train-personal-kp2``), so ``package`` writes it beside the inference ``.pte`` without a clash.
+    ``details`` holds what a device needs to drive the program: ``kind``, ``mode``, ``batch_size``, ``inputs``,
+    ``trainable``, ``frozen``, ``keys`` (every state-dict key, in order), ``input_shape``.
+
+    ``convolutions``: ``"matmul"`` (default) rewrites them into slices and matrix products
+    (``export.matmul_conv``), which the runtime runs on its optimized kernels; ``"native"`` keeps
+    ``aten.convolution``, which it runs on portable loops (two orders of magnitude slower; kept to measure)."""
+    joint = joint_graph(prepared, mode=mode, batch_size=batch_size, kp=kp, mask=mask, convolutions=convolutions)
+    try:
+        from executorch.exir import to_edge
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            edge = to_edge(joint.program)
             # the edge-dialect operators, read before to_executorch rewrites the graph into out-variants
             ops = sorted({getattr(n.target, "__name__", str(n.target)) for n in edge.exported_program().graph.nodes
                           if n.op == "call_function"})
             program = edge.to_executorch().buffer
-    except Exception as e:  # export and lowering raise many kinds; say which model and why
+    except Exception as e:  # lowering raises many kinds; say which model and why
         raise ExportError(f"ExecuTorch training export of {prepared.spec.model} ({mode}) failed: {e}") from e
     tag = f"{prepared.tag}-train-{mode}" + (f"-kp{kp}" if mode == "personal" else "")
     details: dict[str, Any] = {
         "kind": "training", "mode": mode, "kp": kp, "batch_size": batch_size,
-        "inputs": ["x", "y", "weight", *frozen], "trainable": trainable, "frozen": frozen,
-        "keys": list(net.state_dict()), "shapes": {k: list(v.shape) for k, v in named.items()},
-        "input_shape": list(prepared.input_shape),
+        "inputs": ["x", "y", "weight", *joint.frozen], "trainable": joint.trainable, "frozen": joint.frozen,
+        "keys": joint.keys, "shapes": joint.shapes, "input_shape": list(prepared.input_shape),
         "loss": "sum(weight * cross_entropy) / max(sum(weight), 1)", "operators": ops,
+        "convolutions": convolutions,
     }
     if mask is not None:
         details["mask_density"] = float(sum(m.sum() for m in mask.values()) / sum(m.numel() for m in mask.values()))

@@ -28,6 +28,7 @@ __all__ = [
     "InputInfo",
     "Layer",
     "LrSchedule",
+    "MaskSchedule",
     "ModelCard",
     "Normalisation",
     "ProgramInfo",
@@ -119,6 +120,36 @@ class LrSchedule(BaseModel):
                                          "uses round 1's lr")
 
 
+class MaskSchedule(BaseModel):
+    """DisPFL's prune-and-regrow, after a round's training (``pfl_edge.algorithms.dispfl.update_masks``,
+    ``pfl_edge.sparse.prune_rate`` and ``prune_regrow``; docs/model.md "DisPFL's mask schedule")."""
+
+    model_config = _FROZEN
+
+    alpha0: float = Field(description="the first update's prune rate")
+    rounds: int = Field(description="T, the annealing's length: the federation's rounds")
+    anneal: Literal["cosine"] = Field(
+        default="cosine",
+        description="alpha_t = alpha0 / 2 * (1 + cos(pi * (t - 1) / T)) after round t (t from 1): round 1 prunes at "
+                    "alpha0")
+    prune: Literal["magnitude"] = Field(
+        default="magnitude",
+        description="per masked tensor, the ceil(alpha_t * nnz) active weights of smallest |w| (the trained weights; "
+                    "exact ties, which trained float weights almost never have, as torch.topk breaks them) leave "
+                    "the mask")
+    regrow: Literal["gradient", "random"] = Field(
+        description="gradient: as many zeros of the pruned mask with the largest |g| join it, g the dense (unmasked) "
+                    "gradient at the trained masked weights; random: as many, uniformly at random")
+    regrow_batch: str = Field(
+        default="one batch: the first batch_size samples of a fresh permutation of the device's data, drawn from the "
+                "federation's seeded 'regrow' stream of round t (docs/algorithms.md)",
+        description="the batch the regrowth gradient is computed on")
+    regrow_just_pruned: bool = Field(default=True, description="whether a weight pruned in this update may regrow in "
+                                                               "it (yes: it competes with every other zero)")
+    dense_tensors: str = Field(default="a tensor the device's density leaves dense (ERK) keeps its all-ones mask and "
+                                       "is neither pruned nor regrown", description="which tensors are left alone")
+
+
 class TrainingInfo(BaseModel):
     """Local SGD exactly as pfl_edge.train runs it (``torch.optim.SGD`` semantics, docs/model.md "Training"): per
     step, clip and mask the gradient (order: ``clip_unmasked``), ``g = g + weight_decay * w``, momentum
@@ -148,6 +179,8 @@ class TrainingInfo(BaseModel):
         default="cross_entropy", description="mean over the batch's real samples of logsumexp(logits) - logits[label]")
     momentum_reset: Literal["every_round"] = Field(
         default="every_round", description="the momentum buffers start afresh every round and training phase")
+    mask_schedule: MaskSchedule | None = Field(
+        default=None, description="DisPFL: how the device's mask changes after each round; null for the others")
 
 
 class ProgramInfo(BaseModel):
@@ -269,7 +302,9 @@ def training_info(cfg: FederationConfig) -> TrainingInfo:
                                                       "fine-tuning) uses round 1's lr"),
         momentum=tc.momentum, weight_decay=tc.weight_decay, clip_norm=tc.clip_norm, clip_unmasked=tc.clip_unmasked,
         batch_size=tc.batch_size, local_epochs=cfg.local_epochs,
-        ft_epochs=cfg.ft_epochs if cfg.algorithm == "fedper-ft" else 0)
+        ft_epochs=cfg.ft_epochs if cfg.algorithm == "fedper-ft" else 0,
+        mask_schedule=(MaskSchedule(alpha0=cfg.alpha0, rounds=cfg.rounds, regrow=cfg.regrow)
+                       if cfg.algorithm == "dispfl" else None))
 
 
 def build_card(*, federation: str, cfg: FederationConfig, spec: ModelSpec, model: BlockModel, profile: str,

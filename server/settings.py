@@ -10,7 +10,7 @@ import secrets
 import sys
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
@@ -54,6 +54,10 @@ class Settings(BaseSettings):
     broker_tls_cert: Path | None = None
     broker_tls_key: Path | None = None
     mqtt_ca_file: Path | None = None  # the CA the server trusts for an mqtts:// broker (None: the system's CAs)
+    # programs a new federation's devices will ask for, exported when it is created (server.services.artefacts):
+    # all: ONNX, then the training programs of every profile that trains with ExecuTorch; inference: ONNX only;
+    # none: each on first request
+    export_on_create: Literal["all", "inference", "none"] = "all"
     tick_s: float = Field(default=1.0, gt=0)  # how often deadlines and round transitions are checked
     decode_processes: int | None = Field(default=None, ge=0, le=1024)  # uploads' decode checks; None: one per core
     admin_token_file: Path | None = None  # the admin token read from this file (first line) when admin_token is unset

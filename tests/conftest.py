@@ -5,6 +5,10 @@ from pathlib import Path
 
 import pytest
 
+# a test server exports programs on demand, not for every federation a test creates (each export is a child
+# process holding a core for tens of seconds); tests of export_on_create set it themselves
+os.environ.setdefault("PFL_EXPORT_ON_CREATE", "none")
+
 FMNIST = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
 
 

@@ -34,13 +34,15 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     report = profile_devices(profiles, spec, artefacts, args.out, repeats=args.repeats)
     print(f"{spec.model}: {report['note']} ({report['host']})")
     header = ("profile", "thr", "runtime", "artefact KB", "infer b1 ms (p95)", "infer bN ms (p95)",
-              "train step ms (p95)", "peak RSS MB b1/bN/train")
+              "train step ms (p95)", "eager step ms", "program/eager", "peak RSS MB b1/bN/train")
     rows: list[tuple[str, ...]] = [header]
     for r in report["profiles"]:
         m = r["measurements"]
         rows.append((r["profile"], str(r["threads"]), r["inference_runtime"], f"{r['artefact_bytes'] / 1024:.0f}",
-                     *(f"{x['median_ms']:.2f} ({x['p95_ms']:.2f}) b{x['batch']}" for x in m),
-                     "/".join(f"{x['peak_rss_mb']:.0f}" for x in m)))
+                     *(f"{x['median_ms']:.2f} ({x['p95_ms']:.2f}) b{x['batch']}" for x in m[:3]),
+                     f"{m[3]['median_ms']:.2f}" if len(m) > 3 else "-",
+                     f"x{r['program_over_eager']:.1f}" if r.get("program_over_eager") else "-",
+                     "/".join(f"{x['peak_rss_mb']:.0f}" for x in m[:3])))
     print(format_table(rows))
     print(f"results: {args.out / 'profile.json'}  chart: {args.out / 'profile.png'}")
     return 0

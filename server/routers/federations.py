@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from pfl_edge.protocol import FederationCreate, FederationInfo, TokenIssued
 
-from ..deps import AdminAuth, Enrol, FederationReader, MetricsDep
+from ..deps import AdminAuth, Coord, Enrol, FederationReader, MetricsDep
+from .models import artefacts, creation_keys
 
 __all__ = ["router"]
 
@@ -17,8 +18,16 @@ router = APIRouter(prefix="/federations", tags=["federations"])
 
 
 @router.post("", response_model=FederationInfo, status_code=201)
-def create_federation(body: FederationCreate, _admin: AdminAuth, enrol: Enrol) -> FederationInfo:
-    return enrol.create_federation(body)
+def create_federation(body: FederationCreate, _admin: AdminAuth, enrol: Enrol, coord: Coord,
+                      request: Request) -> FederationInfo:
+    info = enrol.create_federation(body)
+    # its programs are exported now, ONNX first, so that the first model card does not wait for them
+    scope = request.app.state.pfl.settings.export_on_create
+    if scope != "none":
+        with coord.store.read() as s:
+            fm = coord.store.model(coord.store.federation(s, body.id))
+        artefacts(request).prefetch(creation_keys(fm, profile_capacity=body.profile_capacity, scope=scope))
+    return info
 
 
 @router.get("", response_model=list[FederationInfo])

@@ -23,7 +23,7 @@ from ..errors import NotFound, Unprocessable
 from ..fedmodel import FedModel
 from ..services.artefacts import Artefacts, ProgramKey, ProgramRecord
 
-__all__ = ["program_keys", "router"]
+__all__ = ["artefacts", "creation_keys", "program_keys", "router"]
 
 router = APIRouter(prefix="/federations", tags=["models"])
 
@@ -64,6 +64,25 @@ def program_keys(fm: FedModel, *, kp: int, training_backend: str) -> list[Progra
         for mode in fm.algorithm(kp).program_modes:
             keys.append(ProgramKey(fm.spec, "training", mode, kp if mode == "personal" else None,
                                    fm.cfg.batch_size))
+    return keys
+
+
+def creation_keys(fm: FedModel, *, profile_capacity: bool, scope: str) -> list[ProgramKey]:
+    """What a new federation's devices will ask for, ONNX first (``scope``: the ``export_on_create`` setting):
+    the ONNX program, then the training programs of each profile that trains with ExecuTorch, at the K_P such a
+    device is given (its profile's where capacities come from profiles, else the config's)."""
+    if scope == "none":
+        return []
+    keys = [ProgramKey(fm.spec, "inference")]
+    if scope == "all":
+        for name in list_profiles():
+            prof = get_profile(name)
+            if prof.training_backend != "executorch":
+                continue
+            _, kp = device_capacity(fm.cfg, 0, profile_density=prof.density if profile_capacity else None,
+                                    profile_kp=prof.kp if profile_capacity else None)
+            if kp <= fm.num_blocks:
+                keys += [k for k in program_keys(fm, kp=kp, training_backend="executorch")[1:] if k not in keys]
     return keys
 
 

@@ -11,7 +11,10 @@ one file serves every federation and device of that model.
 Exports run in a child process (``python -m server.services.artefacts <work dir>``; its work, and the checks of
 every program against eager PyTorch, are ``server.services.program_export``), one batch at a time, off the
 request threads and off the server's interpreter: an export holds a CPU for seconds to minutes and would starve
-the event loop of the GIL. A request for a program not exported yet schedules it and is answered 503 with
+the event loop of the GIL. ONNX programs are exported before any training program, and each training program in
+a child of its own, so that a card that needs only ONNX is answered within seconds and each training program as
+soon as it is ready. A federation's programs are scheduled when it is created (``prefetch``; setting
+``export_on_create``); a request for a program not exported yet schedules it and is answered 503 with
 ``Retry-After``; the device's client retries 5xx answers. Files land in ``<data_dir>/programs/``: the program
 (``os.replace`` from the child's work dir), then its record ``<file>.json`` (written atomically): a program
 without a record is an interrupted export and is exported again. So the cache survives restarts, and a reader
@@ -49,8 +52,9 @@ RETRY_AFTER_S = 5  # what a 503 asks the caller to wait: the cnn's exports take 
 FAILED_BACKOFF_S = 60.0  # a failed export is not tried again for this long (no export storm from retries)
 _RECORD = ".json"
 # in every file name's hash: bump it when what an export writes changes, so no cache serves the old form
-# (3: the ONNX program is traced with the weights as inputs, so GroupNorm models export too)
-PROGRAM_FORMAT = 3
+# (3: the ONNX program is traced with the weights as inputs, so GroupNorm models export too; 4: training programs
+# compute convolutions and linear layers through matrix products, export.matmul_conv)
+PROGRAM_FORMAT = 4
 
 
 class NotReady(ApiError):
@@ -167,6 +171,24 @@ class Artefacts:
         raise NotReady(f"exporting {len(missing)} program(s) for this model ({', '.join(k.file for k in missing)}); "
                        f"ask again in {RETRY_AFTER_S} s")
 
+    def prefetch(self, keys: list[ProgramKey]) -> int:
+        """Schedule the programs of ``keys`` not exported yet (a federation's, when it is created), without
+        waiting; how many were scheduled. ONNX programs go first whatever the order (``_work``)."""
+        scheduled = 0
+        now = time.monotonic()
+        with self._lock:
+            for k in keys:
+                failed = self._failed.get(k.file)
+                if (self.record(k.file) is not None or k.file in self._running or k.file in self._queue
+                        or (failed is not None and now - failed[0] < FAILED_BACKOFF_S)):
+                    continue
+                self._queue[k.file] = k
+                scheduled += 1
+            if scheduled:
+                self._start_worker()
+                self._lock.notify_all()
+        return scheduled
+
     def wait(self, keys: list[ProgramKey], timeout_s: float) -> list[ProgramRecord]:
         """``ensure``, waiting up to ``timeout_s`` for the exports (the CLI's and the tests' convenience)."""
         deadline = time.monotonic() + timeout_s
@@ -190,8 +212,13 @@ class Artefacts:
             with self._lock:
                 while not self._queue:
                     self._lock.wait()
-                batch = list(self._queue.values())
-                self._queue.clear()
+                # every ONNX program first, in one child (seconds): a device that trains with torch needs only
+                # that, and must not wait behind training exports (a minute or more each); then one training
+                # program a child, so each one is served as soon as it is ready
+                queued = list(self._queue.values())
+                batch = [k for k in queued if k.kind == "inference"] or queued[:1]
+                for k in batch:
+                    del self._queue[k.file]
                 self._running.update(k.file for k in batch)
             errors: dict[str, str] = {}
             try:

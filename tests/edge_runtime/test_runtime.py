@@ -47,7 +47,10 @@ def test_profile_command_measures_and_reports(tmp_path: Path, capsys: pytest.Cap
     (row,) = report["profiles"]
     assert row["profile"] == "phone-low" and row["artefact"].endswith(".pte")
     whats = [m["what"] for m in row["measurements"]]
-    assert whats == ["inference b1", "inference b8", "train step"]
+    assert whats == ["inference b1", "inference b8", "train step", "train step eager"]
+    train, eager = row["measurements"][2:]  # the program's step beside eager PyTorch's, and the ratio of the two
+    assert train["backend"] == "executorch" and eager["backend"] != "executorch"
+    assert row["program_over_eager"] == pytest.approx(train["median_ms"] / eager["median_ms"])
     for m in row["measurements"]:
         assert 0 < m["median_ms"] <= m["p95_ms"] and m["peak_rss_mb"] > 50
     assert (tmp_path / "profile.png").stat().st_size > 1000

@@ -51,7 +51,10 @@ def test_training_program_describes_itself_and_packages_beside_the_inference_one
     assert d["batch_size"] == B and d["inputs"] == ["x", "y", "weight"]
     # no XNNPACK delegate in a training program (docs/design.md): the portable kernels run it
     assert not any("delegate" in op for op in d["operators"])
-    assert any("convolution_backward" in op for op in d["operators"])  # the backward pass is in the graph
+    # the backward pass is in the graph, its convolutions as matrix products (export.matmul_conv), none left
+    assert d["convolutions"] == "matmul" and "aten.bmm.default" in d["operators"]
+    assert "aten.slice_scatter.default" in d["operators"]  # the backward of the convolutions' input windows
+    assert not any("convolution" in op for op in d["operators"])
     packaged = package(fedper, tmp_path)
     # the tag names the mode, so the file does not overwrite the inference .pte of the same model and profile
     inference_name = f"{prep.spec.model}-{prep.profile.name}-{prep.tag}.pte"

@@ -299,6 +299,23 @@ def test_a_dispfl_card_shares_every_tensor_and_carries_the_devices_density() -> 
     assert card.base_keys == list(fm.model.state_dict()) and card.personal_keys == []
     assert card.density == 0.3 and not any(b.personal for b in card.blocks)
     assert card.training.clip_unmasked is True  # DisPFL clips the whole gradient before masking it
+    sched = card.training.mask_schedule
+    assert sched is not None and (sched.alpha0, sched.rounds, sched.regrow) == (fm.cfg.alpha0, fm.cfg.rounds,
+                                                                                fm.cfg.regrow)
+    assert sched.regrow_just_pruned is True and "first batch_size samples" in sched.regrow_batch
+    # the card's formula, as a device would code it from the text, against the simulator's own rate
+    import math
+
+    from pfl_edge.sparse import prune_rate
+
+    assert "alpha0 / 2 * (1 + cos(pi * (t - 1) / T))" in (ModelCard.model_json_schema()["$defs"]["MaskSchedule"]
+                                                           ["properties"]["anneal"]["description"])
+    for t in range(1, fm.cfg.rounds + 1):
+        card_alpha = sched.alpha0 / 2 * (1 + math.cos(math.pi * (t - 1) / sched.rounds))
+        assert card_alpha == pytest.approx(prune_rate(fm.cfg.alpha0, t - 1, fm.cfg.rounds), abs=1e-12)
+    fedper = build_card(federation="x", cfg=fed_model(FEDPER).cfg, spec=fm.spec, model=fm.model, profile="phone-low",
+                        kp=0, density=1.0, base_keys=fm.base_keys(0), programs=[])
+    assert fedper.training.mask_schedule is None
 
 
 # ------------------------------------------------------------------------------------------- a GroupNorm model
@@ -382,3 +399,62 @@ def test_a_groupnorm_models_training_gradients_are_autograds_within_the_bound(gn
     wrong = {k: g.clone() for k, g in grads.items()}
     wrong["head.1.weight"].view(-1)[3] += 0.1 * float(ref["head.1.weight"].abs().max())
     assert [b.split(":")[0] for b in gradient_mismatches(wrong, dict(ref))] == ["head.1.weight"]
+
+
+# ------------------------------------------------------------------------------------------- export order
+
+
+class _Recording(Artefacts):
+    """Exports nothing: records each child's batch and installs a record for it, so readiness is observable."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.batches: list[list[str]] = []
+        self.release = __import__("threading").Event()
+
+    def _export(self, batch: list[Any]) -> dict[str, str]:
+        self.release.wait(30)  # the test queues everything before the worker takes its first batch
+        self.batches.append([k.file for k in batch])
+        for k in batch:
+            (self.root / k.file).write_bytes(b"x")
+            (self.root / (k.file + ".json")).write_text('{"sha256": "0", "bytes": 1, "details": {}}')
+        return {}
+
+
+def test_onnx_is_exported_first_and_each_training_program_on_its_own(tmp_path: Path) -> None:
+    from server.routers.models import creation_keys
+
+    fm = fed_model(CFG)  # fedper-ft: fedper and personal training programs
+    keys = creation_keys(fm, profile_capacity=False, scope="all")
+    assert keys[0].kind == "inference" and {k.mode for k in keys[1:]} == {"fedper", "personal"}
+    assert creation_keys(fm, profile_capacity=False, scope="inference") == keys[:1]
+    assert creation_keys(fm, profile_capacity=False, scope="none") == []
+    arts = _Recording(tmp_path)
+    # queued training first, as a card for an ExecuTorch device would, then the ONNX program
+    assert arts.prefetch(keys[1:] + keys[:1]) == len(keys)
+    assert arts.prefetch(keys) == 0  # queued already: nothing twice
+    arts.release.set()
+    onnx = arts.wait(keys[:1], 30)  # a torch device's card: the ONNX program alone
+    assert onnx[0].file == keys[0].file
+    arts.wait(keys, 30)
+    assert arts.batches[0] == [keys[0].file]  # ONNX first, alone, though it was queued last
+    assert sorted(arts.batches[1:]) == sorted([k.file] for k in keys[1:])  # then one training program a child
+    assert arts.prefetch(keys) == 0  # exported: nothing scheduled again
+
+
+def test_a_new_federation_schedules_its_programs(tmp_path: Path, broker_url: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    scheduled: list[list[str]] = []
+    monkeypatch.setattr(Artefacts, "prefetch", lambda self, keys: scheduled.append([k.file for k in keys]) or 0)
+    settings = Settings(data_dir=tmp_path / "data", database_url=f"sqlite:///{tmp_path / 'state.db'}",
+                        broker_url=broker_url, admin_token=ADMIN, export_on_create="all")  # type: ignore[arg-type]
+    with TestClient(create_app(settings)) as c:
+        create(c, ADMIN, "p", CFG)
+    fm = fed_model(CFG)
+    assert scheduled == [[k.file for k in creation_keys_of(fm)]]
+
+
+def creation_keys_of(fm: Any) -> list[Any]:
+    from server.routers.models import creation_keys
+
+    return creation_keys(fm, profile_capacity=False, scope="all")
