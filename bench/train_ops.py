@@ -125,11 +125,7 @@ def measure(name: str, convolutions: str, args: argparse.Namespace) -> dict[str,
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(args.batch, ch, size, size, generator=gen)
     y = torch.randint(0, 10, (args.batch,), generator=gen)
-    w = torch.ones(args.batch)
-    user = [x, y, w]
-    state = ep.state_dict
-    inputs = [state[s.target] if s.kind == torch.export.graph_signature.InputKind.PARAMETER else user.pop(0)
-              for s in ep.graph_signature.input_specs]
+    inputs = [x, y, torch.ones(args.batch), *joint.example[3:]]  # the program's inputs: a batch, every weight
     t0 = time.perf_counter()
     ops = per_operator(ep, inputs, args.repeats)
     profile_s = time.perf_counter() - t0
@@ -137,7 +133,7 @@ def measure(name: str, convolutions: str, args: argparse.Namespace) -> dict[str,
     from edge_runtime import ExecuTorchBackend
 
     backend = ExecuTorchBackend.from_lowered(lower_executorch_training(prep, mode="fedper", batch_size=args.batch,
-                                                                       convolutions=convolutions))
+                                                                       convolutions=convolutions, delegate="none"))
     backend.load(prep.model.state_dict())
     step_ms = _median_ms(lambda: backend.gradients(x, y), args.repeats)
     total = sum(v["ms"] for v in ops.values())

@@ -3,7 +3,7 @@ BUNDLE``. The bundle's requirements are installed without their declared depende
 edge_runtime.bundle_files), so a package missing from them would otherwise show at the first round. This imports
 what ``pfl-edge client`` imports, trains one torch step on the card's model, and loads and runs every bundled
 program whose runtime the device has: the inference program once, the ExecuTorch training program (its first
-forward_backward). It prints one line per check; exit status 0 when all pass, 1 with the missing module or the
+run). It prints one line per check; exit status 0 when all pass, 1 with the missing module or the
 failure said otherwise."""
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def _inference(path: Path, card: Any) -> str:
 def _training(path: Path) -> str:
     from .training import ExecuTorchBackend
 
-    backend = ExecuTorchBackend.from_file(path)  # loads the program and runs its first forward_backward
+    backend = ExecuTorchBackend.from_file(path)  # loads the program and runs it once
     return f"training {path.name} (executorch: {len(backend.trainable)} trainable tensors)"
 
 

@@ -7,13 +7,10 @@ both backends see the same batches for the same generator.
 
 - ``TorchBackend``: ``pfl_edge.train.train`` on a one-client stack (the loop engine, as the simulator uses), so
   a device's round is exactly the simulator's.
-- ``ExecuTorchBackend``: an ExecuTorch training program (``export.lower_executorch_training``) computes loss and
-  gradients; the runtime's own SGD (``get_sgd_optimizer``) applies momentum and the update to the program's
-  weights in place. Three parts of the step run in torch on the gradients the program returns, because the
-  runtime optimizer cannot do them: masking (before momentum, as ``torch.optim.SGD`` sees a masked ``.grad``),
-  clipping, and weight decay. Weight decay is there because executorch 1.4.1's ``get_sgd_optimizer`` accepts
-  ``weight_decay`` and ignores it (measured: the step is ``lr * g`` whatever its value); adding ``wd * p`` to
-  the gradient is what ``torch.optim.SGD`` does itself, so the result is unchanged.
+- ``ExecuTorchBackend``: an ExecuTorch training program (``export.lower_executorch_training``), a pure function
+  from the weights and a batch to the loss and the gradients; the device holds the weights and steps them with
+  ``ProgramSGD``: masking and clipping on the gradients, then ``torch.optim.SGD`` (momentum, weight decay), then
+  the mask re-applied, in ``pfl_edge.train``'s order.
 """
 
 from __future__ import annotations
@@ -43,7 +40,6 @@ __all__ = [
     "get_training_backend",
 ]
 
-_PREFIX = "net."  # export.training wraps the model as ``net``; the runtime names parameters after it
 
 
 @dataclass(frozen=True)
@@ -133,35 +129,31 @@ class TorchBackend:
         return unstack(grads, 0)
 
 
-class _RuntimeSGD:
-    """``torch.optim.SGD`` (dampening 0, no Nesterov) over the program's weights: mask, clip and weight decay in
-    torch on the gradients, momentum and the update in the runtime's optimizer; then the mask re-applied."""
+class ProgramSGD:
+    """``torch.optim.SGD`` (dampening 0, no Nesterov; its momentum and weight decay) over the weights a gradient
+    program is fed: mask and clip the gradients first, in the simulator's order, then the optimiser's step; then
+    the mask re-applied to the weights (``pfl_edge.train``'s step, one step at a time)."""
 
     def __init__(self, params: dict[str, Tensor], cfg: TrainConfig, masks: Mapping[str, Tensor]) -> None:
-        from executorch.extension.training import get_sgd_optimizer
-
         self.params, self.cfg = params, cfg
         self.masks = {k: m for k, m in masks.items() if k in params}
-        # weight_decay stays 0 here: the runtime ignores it (module docstring); it is added to the gradient below
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            self._opt = get_sgd_optimizer(params, lr=cfg.lr, momentum=cfg.momentum)
+        self._opt = torch.optim.SGD(list(params.values()), lr=cfg.lr, momentum=cfg.momentum,
+                                    weight_decay=cfg.weight_decay)
 
     def step(self, grads: Mapping[str, Tensor]) -> None:
-        g = {k: grads[k] for k in self.params}  # fresh copies from the runtime: safe to change in place
+        g = {k: grads[k] for k in self.params}  # fresh tensors from the runtime: safe to change in place
         if self.cfg.clip_unmasked:  # the DisPFL reference's order: clip the whole gradient, then mask it
             self._clip(g)
         for k, m in self.masks.items():
             g[k].mul_(m)
         if not self.cfg.clip_unmasked:
             self._clip(g)
-        if self.cfg.weight_decay:
-            g = {k: v.add(self.params[k], alpha=self.cfg.weight_decay) for k, v in g.items()}
-        self._opt.step(g)
+        for k, p in self.params.items():
+            p.grad = g[k]
+        self._opt.step()
         with torch.no_grad():
             for k, m in self.masks.items():
                 self.params[k].mul_(m)
-
 
     def _clip(self, g: dict[str, Tensor]) -> None:
         """clip_grad_norm_: the norm of the per-tensor norms, coefficient max/(norm + 1e-6) capped at 1."""
@@ -172,16 +164,20 @@ class _RuntimeSGD:
 
 
 class ExecuTorchBackend:
-    """An ExecuTorch training program, loaded once; weights are swapped into it in place every round."""
+    """An ExecuTorch training program (a gradient program: weights in, loss and gradients out), loaded once; the
+    device holds the weights and steps them (``ProgramSGD``)."""
 
     name = "executorch"
 
     def __init__(self, program: bytes, details: Mapping[str, Any]) -> None:
-        from executorch.extension.training import _load_for_executorch_for_training_from_buffer
+        from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
 
         if details.get("kind") != "training":
             raise ConfigError("ExecuTorchBackend needs a training program (export.lower_executorch_training); "
                               f"this one is kind {details.get('kind')!r}")
+        if details.get("signature") != "forward(x, y, weight, *params) -> (loss, *grads)":
+            raise ConfigError(f"this training program's signature is {details.get('signature')!r}, not the gradient "
+                              "program this device drives (weights in, loss and gradients out): export it again")
         self.details = dict(details)
         self.batch_size = int(details["batch_size"])
         self.keys: list[str] = list(details["keys"])
@@ -192,19 +188,15 @@ class ExecuTorchBackend:
         # the runtime reads the program from this buffer without owning it: keep it for our lifetime
         self._data = program
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "experimental API" on every load: known, and said in DESIGN.md
-            self._module: Any = _load_for_executorch_for_training_from_buffer(self._data)
-        self._frozen = {k: torch.zeros(shapes[k]) for k in self.frozen}
+            warnings.simplefilter("ignore")
+            self._module: Any = _load_for_executorch_from_buffer(self._data)
+        self._w = {k: torch.zeros(shapes[k]) for k in self.keys}
         self._loaded = False
-        # the runtime hands out its parameters only after a first forward_backward; these tensors alias the
-        # program's memory, so copy_ into them (load) and the optimizer's in-place update both reach the program
-        self._fb(torch.zeros(self.batch_size, *self.input_shape), torch.zeros(self.batch_size, dtype=torch.int64),
-                 torch.ones(self.batch_size))
-        got = self._module.named_parameters()
-        self._params: dict[str, Tensor] = {k.removeprefix(_PREFIX): v for k, v in got.items()}
-        if set(self._params) != set(self.trainable):
-            raise ConfigError(f"program's parameters {sorted(self._params)} are not its manifest's trainable "
-                              f"{sorted(self.trainable)}")
+        # one call at load: a program this runtime cannot run (an operator it lacks) fails here, not mid-round
+        _, grads = self._run(torch.zeros(self.batch_size, *self.input_shape),
+                             torch.zeros(self.batch_size, dtype=torch.int64), torch.ones(self.batch_size))
+        if list(grads) != self.trainable:
+            raise ConfigError(f"program's gradients {list(grads)} are not its manifest's trainable {self.trainable}")
 
     @staticmethod
     def from_lowered(lowered: Any) -> ExecuTorchBackend:
@@ -212,8 +204,8 @@ class ExecuTorchBackend:
 
     @classmethod
     def for_device(cls, req: BackendRequest) -> ExecuTorchBackend:
-        """The program ``req.program``, or the server's for the device's mode (each round's weights are swapped
-        into it, never re-exported; a device exports nothing)."""
+        """The program ``req.program``, or the server's for the device's mode (each round's weights are fed to it,
+        never re-exported; a device exports nothing)."""
         if req.program is not None:
             backend = cls.from_file(req.program)
         elif req.download is not None:
@@ -240,27 +232,24 @@ class ExecuTorchBackend:
             raise ConfigError(f"{p.parent / 'manifest.json'} has no entry for {p.name}")
         return ExecuTorchBackend(p.read_bytes(), entry)
 
-    def _fb(self, x: Tensor, y: Tensor, w: Tensor) -> float:
-        out = self._module.forward_backward("forward", (x, y, w, *(self._frozen[k] for k in self.frozen)))
-        return float(out[0])
+    def _run(self, x: Tensor, y: Tensor, w: Tensor) -> tuple[float, dict[str, Tensor]]:
+        out = self._module.forward((x, y, w, *(self._w[k] for k in self.keys)))
+        return float(out[0]), dict(zip(self.trainable, out[1:], strict=True))
 
     def load(self, state: Mapping[str, Tensor]) -> None:
         missing = set(self.keys) - set(state)
         if missing:
             raise ConfigError(f"state lacks {sorted(missing)}")
-        with torch.no_grad():
-            for k in self.trainable:
-                self._params[k].copy_(state[k])
-        self._frozen = {k: state[k].detach().to(torch.float32).contiguous().clone() for k in self.frozen}
+        self._w = {k: state[k].detach().to(torch.float32).contiguous().clone() for k in self.keys}
         self._loaded = True
 
     def state(self) -> dict[str, Tensor]:
         self._require_loaded()
-        return {k: (self._params[k] if k in self._params else self._frozen[k]).detach().clone() for k in self.keys}
+        return {k: self._w[k].detach().clone() for k in self.keys}
 
     def _require_loaded(self) -> None:
         if not self._loaded:
-            raise ConfigError("load a state into the ExecuTorch backend first (its frozen inputs have no values)")
+            raise ConfigError("load a state into the ExecuTorch backend first (its weights have no values)")
 
     def gradients(self, x: Tensor, y: Tensor) -> tuple[float, dict[str, Tensor]]:
         """Loss and gradients (of the trainable parameters) on one batch of at most ``batch_size`` samples."""
@@ -275,15 +264,14 @@ class ExecuTorchBackend:
             x = torch.cat([x, x[:1].expand(pad, *x.shape[1:])])
             y = torch.cat([y, y[:1].expand(pad)])
             w[n:] = 0.0
-        loss = self._fb(x.to(torch.float32).contiguous(), y.to(torch.int64).contiguous(), w)
-        grads = {k.removeprefix(_PREFIX): g for k, g in self._module.named_gradients().items()}
-        return loss, grads
+        return self._run(x.to(torch.float32).contiguous(), y.to(torch.int64).contiguous(), w)
 
     def sgd(self, cfg: TrainConfig, *, trainable: Collection[str] | None = None,
-            mask: Mapping[str, Tensor] | None = None) -> _RuntimeSGD:
+            mask: Mapping[str, Tensor] | None = None) -> ProgramSGD:
         """A fresh optimizer over ``trainable`` (default: every trainable parameter of the program)."""
         names = self._names(trainable)
-        return _RuntimeSGD({k: self._params[k] for k in names}, cfg, mask or {})
+        self._require_loaded()
+        return ProgramSGD({k: self._w[k] for k in names}, cfg, mask or {})
 
     def _names(self, trainable: Collection[str] | None) -> list[str]:
         if trainable is None:
@@ -305,10 +293,7 @@ class ExecuTorchBackend:
             raise ConfigError(f"masks for {sorted(unknown)}, which the model does not have")
         with torch.no_grad():  # training starts from w * m, as pfl_edge.train's does
             for k, m in masks.items():
-                if k in self._params:
-                    self._params[k].mul_(m)
-                else:
-                    self._frozen[k] = self._frozen[k] * m
+                self._w[k].mul_(m)
         opt = self.sgd(cfg, trainable=trainable, mask=masks)
         n = len(x)
         idx, w = batch_schedule(torch.tensor([n]), cfg.epochs, cfg.batch_size, [gen])
@@ -330,7 +315,7 @@ class ExecuTorchBackend:
                               f"program (mode {self.details.get('mode')!r}) freezes {len(self.frozen)} tensors")
         # the same draw as pfl_edge.train.dense_gradients: one permutation, its first batch_size samples
         b = torch.randperm(len(x), generator=gen)[:batch_size]
-        out = {k: torch.zeros_like(v) for k, v in self._params.items()}
+        out = {k: torch.zeros_like(self._w[k]) for k in self.trainable}
         for s in range(0, len(b), self.batch_size):  # a batch larger than the program's: a weighted sum of chunks
             chunk = b[s: s + self.batch_size]
             _, grads = self.gradients(x[chunk], y[chunk])

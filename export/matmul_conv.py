@@ -66,7 +66,9 @@ class MatmulConv2d(nn.Module):
         if kh == kw == 1:
             cols = window(xt, 0, 0).reshape(c, b * ho * wo)
         else:
-            cols = torch.stack([window(xt, i, j) for i in range(kh) for j in range(kw)], 1)
+            # cat of unsqueezed windows, not stack: the backward of a cat is slices (XNNPACK runs them), that of a
+            # stack selects (which it does not)
+            cols = torch.cat([window(xt, i, j).unsqueeze(1) for i in range(kh) for j in range(kw)], 1)
             cols = cols.reshape(c * kh * kw, b * ho * wo)
         # bmm, not mm: the runtime's bmm is the optimized library's (mm measured 1.9x slower than eager)
         prod = torch.bmm(self.weight.reshape(1, cout, c * kh * kw), cols[None])[0]

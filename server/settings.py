@@ -35,6 +35,9 @@ class Settings(BaseSettings):
     data_dir: Path = Path("pfl-server-data")
     database_url: str | None = None  # default sqlite:///<data_dir>/state.db; postgresql://... for PostgreSQL
     blob_dir: Path | None = None  # default <data_dir>/blobs
+    # exported programs (server.services.artefacts), by what decides their bytes: one directory may serve several
+    # servers of the same version (replicas, or a test session's servers); default <data_dir>/programs
+    programs_dir: Path | None = None
     broker_url: str = "embedded"  # or mqtt://host:port (Mosquitto, EMQX, ...)
     public_url: str = "http://127.0.0.1:8000"  # this server, as devices reach it
     public_broker_url: str | None = None  # the broker as devices reach it; default: broker_url as the server sees it

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,10 @@ import pytest
 # a test server exports programs on demand, not for every federation a test creates (each export is a child
 # process holding a core for tens of seconds); tests of export_on_create set it themselves
 os.environ.setdefault("PFL_EXPORT_ON_CREATE", "none")
+# and every test server (in-process or a child) shares one program directory for the session: a program's bytes
+# depend only on its key, so each is exported once, not once per test (a training export takes ~40 s here);
+# tests of the export itself give their servers a directory of their own
+os.environ.setdefault("PFL_PROGRAMS_DIR", tempfile.mkdtemp(prefix="pfl-test-programs-"))
 
 FMNIST = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
 

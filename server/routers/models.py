@@ -34,12 +34,13 @@ _NOT_READY: dict[int | str, dict[str, Any]] = {
 
 
 def artefacts(request: Request) -> Artefacts:
-    """The app's program store under ``<data_dir>/programs``, made on first use."""
+    """The app's program store (``programs_dir``, default ``<data_dir>/programs``), made on first use."""
     state = request.app.state
     with _CREATE:
         got: Artefacts | None = getattr(state, "artefacts", None)
         if got is None:
-            got = state.artefacts = Artefacts(state.pfl.settings.data_dir / "programs")
+            st = state.pfl.settings
+            got = state.artefacts = Artefacts(st.programs_dir or st.data_dir / "programs")
     return got
 
 

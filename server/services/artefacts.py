@@ -126,7 +126,11 @@ class Artefacts:
         self._failed: dict[str, tuple[float, str]] = {}
         self._thread: threading.Thread | None = None
         for stale in self.root.glob(".export-*"):  # the work dirs of a previous process's unfinished exports
-            shutil.rmtree(stale, ignore_errors=True)
+            try:  # older than any export may run: another server sharing the directory may be exporting now
+                if time.time() - stale.stat().st_mtime > self.timeout_s:
+                    shutil.rmtree(stale, ignore_errors=True)
+            except OSError:
+                continue
 
     # -------------------------------------------------------------------------------------------- reading
     def record(self, file: str) -> ProgramRecord | None:

@@ -68,8 +68,6 @@ def export_one(key: ProgramKey, out: Path) -> dict[str, Any]:
         packaged = package(lowered, out / "pkg")
         check_training(lowered.program, lowered.details, prep)
         details = {k: v for k, v in packaged.entry.items() if k not in _PACKAGE_ONLY}
-        details["outputs"] = ["loss"]
-        details["signature"] = "forward(x, y, weight, *frozen) -> (loss,)"
     os.replace(packaged.path, out / key.file)
     return details
 
@@ -182,7 +180,7 @@ def check_training(program: bytes, details: dict[str, Any], prep: Prepared) -> N
     """The training program's loss and gradients on a random, partly padded batch against autograd's (the full
     check, with SGD steps, is edge_runtime.verify_training; the server does not import the device runtime)."""
     import torch.nn.functional as F
-    from executorch.extension.training import _load_for_executorch_for_training_from_buffer
+    from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
 
     gen = torch.Generator().manual_seed(0)
     b, n = int(details["batch_size"]), max(1, int(details["batch_size"]) - 1)  # n real samples, padded to b
@@ -190,9 +188,10 @@ def check_training(program: bytes, details: dict[str, Any], prep: Prepared) -> N
                                                                            generator=gen)
     w = torch.cat([torch.ones(n), torch.zeros(b - n)])
     params = dict(prep.model.named_parameters())
-    module = _load_for_executorch_for_training_from_buffer(program)
-    loss = float(module.forward_backward("forward", (x, y, w, *(params[k].detach() for k in details["frozen"])))[0])
-    grads = {k.removeprefix("net."): g for k, g in module.named_gradients().items()}
+    module = _load_for_executorch_from_buffer(program)
+    out = module.forward((x, y, w, *(params[k].detach().contiguous() for k in details["keys"])))
+    loss = float(out[0])
+    grads = dict(zip(details["trainable"], out[1:], strict=True))
     prep.model.zero_grad()
     ref_t = F.cross_entropy(prep.model(x[:n]), y[:n])
     ref_t.backward()

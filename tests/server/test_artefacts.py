@@ -46,7 +46,7 @@ def app(tmp_path_factory: pytest.TempPathFactory, broker_url: str) -> Iterator[d
     once its programs are exported (the first answer is kept: it must be a 503)."""
     tmp = tmp_path_factory.mktemp("artefacts")
     settings = Settings(data_dir=tmp / "data", database_url=f"sqlite:///{tmp / 'state.db'}", broker_url=broker_url,
-                        admin_token=ADMIN)  # type: ignore[arg-type]
+                        admin_token=ADMIN, programs_dir=tmp / "data" / "programs")  # type: ignore[arg-type]
     with TestClient(create_app(settings)) as c:
         create(c, ADMIN, "f", CFG)
         create(c, ADMIN, "g", OTHER)
