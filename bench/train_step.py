@@ -5,9 +5,10 @@ program (``export.lower_executorch_training``, mode fedper, fixed batch) and the
 thread. A step is what a device runs per batch:
 
 - eager: ``zero_grad``, forward, cross-entropy, backward, ``torch.optim.SGD.step`` (momentum 0.9);
-- executorch: ``ExecuTorchBackend.gradients`` (the program's forward and backward in the runtime, parameters and
-  gradients handed back as tensors) plus its SGD step (the runtime's optimizer; masking, clipping and weight decay
-  in torch, none used here). The two parts are timed separately too.
+- executorch: ``ExecuTorchBackend.gradients`` (the gradient program: weights and batch in, loss and gradients
+  out, XNNPACK running what it supports) plus its SGD step (``ProgramSGD``, torch.optim.SGD on the device's
+  weights). The two parts are timed separately too. ``--baseline`` also times, in the same loop, the program as
+  it was before issue 16: ``aten.convolution`` on the runtime's portable kernels, no delegate.
 
 Interleaved (one eager step, one ExecuTorch step, repeat) so that load on a shared machine hits both alike;
 medians and p95. Also the export time, the program size, and the gradient difference from eager on the first
@@ -15,6 +16,7 @@ batch (a check that the two compute the same thing), beside eager float32's own 
 Writes bench/results/train_step.json and prints a table.
 
     .venv/bin/python bench/train_step.py [--batch 32] [--threads 1] [--repeats 5] [--models cnn,mobilenet-v1]
+                                         [--baseline]
 """
 
 from __future__ import annotations
@@ -53,6 +55,12 @@ def measure_model(name: str, args: argparse.Namespace) -> dict[str, object]:
     backend.load(prep.model.state_dict())
     cfg = TrainConfig(lr=0.01, momentum=0.9)
     sgd = backend.sgd(cfg)
+    # the program as it was before issue 16 (aten.convolution on portable kernels, no delegate), in the same loop
+    before = None
+    if args.baseline:
+        before = ExecuTorchBackend.from_lowered(lower_executorch_training(
+            prep, mode="fedper", batch_size=args.batch, convolutions="native", delegate="none"))
+        before.load(prep.model.state_dict())
     model = prep.model.train()
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     gen = torch.Generator().manual_seed(0)
@@ -84,6 +92,8 @@ def measure_model(name: str, args: argparse.Namespace) -> dict[str, object]:
 
     times: dict[str, list[float]] = {"eager": [], "executorch": [], "executorch forward+backward": [],
                                      "executorch sgd": []}
+    if before is not None:
+        times["before (native convolutions, no delegate)"] = []
     for _ in range(args.warmup):
         eager()
         sgd.step(backend.gradients(x, y)[1])
@@ -99,12 +109,18 @@ def measure_model(name: str, args: argparse.Namespace) -> dict[str, object]:
         times["executorch"].append((t3 - t1) * 1e3)
         times["executorch forward+backward"].append((t2 - t1) * 1e3)
         times["executorch sgd"].append((t3 - t2) * 1e3)
+        if before is not None:
+            t4 = time.perf_counter()
+            before.gradients(x, y)
+            times["before (native convolutions, no delegate)"].append((time.perf_counter() - t4) * 1e3)
     med = {k: statistics.median(v) for k, v in times.items()}
     row: dict[str, object] = {
         "model": name, "input": [ch, size, size], "batch": args.batch,
         "params": sum(p.numel() for p in model.parameters()),
         "median_ms": med, "p95_ms": {k: float(np.percentile(v, 95)) for k, v in times.items()},
         "executorch_over_eager": med["executorch"] / med["eager"],
+        "before_over_eager": (med["before (native convolutions, no delegate)"] / med["eager"]
+                              if before is not None else None),
         "export_s": export_s, "program_bytes": len(lowered.program), "grad_max_abs_err": grad_err,
         "grad_max_rel_err": rel_errs,
     }
@@ -123,6 +139,8 @@ def rel_errs_of(row: dict[str, object], key: str) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--baseline", action="store_true",
+                    help="also time the pre-issue-16 program (native convolutions, no delegate) in the same loop")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=5, help="timed steps per backend (ExecuTorch steps are slow)")
     ap.add_argument("--warmup", type=int, default=1)
@@ -142,15 +160,17 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1))
     rows: list[tuple[str, ...]] = [("model", "batch", "eager ms (p95)", "executorch ms (p95)", "of which fwd+bwd",
-                                    "of which sgd", "ratio", "program MB", "export s", "grad rel err ET/eager",
-                                    "eager/fp64")]
+                                    "of which sgd", "ratio", "before ratio", "program MB", "export s",
+                                    "grad rel err ET/eager", "eager/fp64")]
     for r in results:
         med, p95 = r["median_ms"], r["p95_ms"]
         assert isinstance(med, dict) and isinstance(p95, dict)
         rows.append((str(r["model"]), str(r["batch"]), f"{med['eager']:.1f} ({p95['eager']:.1f})",
                      f"{med['executorch']:.1f} ({p95['executorch']:.1f})",
                      f"{med['executorch forward+backward']:.1f}", f"{med['executorch sgd']:.2f}",
-                     f"x{r['executorch_over_eager']:.1f}", f"{int(str(r['program_bytes'])) / 2**20:.1f}",
+                     f"x{r['executorch_over_eager']:.1f}",
+                     "-" if r["before_over_eager"] is None else f"x{float(str(r['before_over_eager'])):.1f}",
+                     f"{int(str(r['program_bytes'])) / 2**20:.1f}",
                      f"{float(str(r['export_s'])):.1f}", f"{rel_errs_of(r, 'executorch_vs_eager'):.1e}",
                      f"{rel_errs_of(r, 'eager_vs_float64'):.1e}"))
     print(format_table(rows, rule=True))

@@ -43,8 +43,7 @@ class MatmulConv2d(nn.Module):
         self.bias = conv.bias
         self.kernel = (int(conv.kernel_size[0]), int(conv.kernel_size[1]))
         self.stride = (int(conv.stride[0]), int(conv.stride[1]))
-        pad = conv.padding
-        assert not isinstance(pad, str)
+        pad = conv.padding  # a tuple: supported() refused "same" / "valid"
         self.padding = (int(pad[0]), int(pad[1]))
 
     def forward(self, x: Tensor) -> Tensor:
