@@ -19,7 +19,7 @@ from .stages import (
     prepare,
     verify,
 )
-from .training import CONVOLUTIONS, TRAINING_MODES, JointGraph, TrainingWrapper, joint_graph, lower_executorch_training
+from .training import CONVOLUTIONS, TRAINING_MODES, JointGraph, joint_graph, lower_executorch_training
 
 __all__ = [
     "CONVOLUTIONS",
@@ -34,7 +34,6 @@ __all__ = [
     "MatmulConv2d",
     "Packaged",
     "Prepared",
-    "TrainingWrapper",
     "Verified",
     "joint_graph",
     "lower_executorch",

@@ -59,21 +59,10 @@ from pfl_edge.split import split_keys
 from .matmul_conv import matmul_convs
 from .stages import ExportError, Lowered, Prepared
 
-__all__ = ["CONVOLUTIONS", "DELEGATES", "TRAINING_MODES", "JointGraph", "TrainingWrapper", "joint_graph",
+__all__ = ["CONVOLUTIONS", "DELEGATES", "TRAINING_MODES", "JointGraph", "joint_graph",
            "lower_executorch_training", "trainable_keys", "weighted_loss"]
 
 TRAINING_MODES = ("fedper", "personal", "dispfl")
-
-
-class TrainingWrapper(nn.Module):
-    """The model plus its loss: ``forward(x, y, weight)`` returns the weighted mean cross-entropy."""
-
-    def __init__(self, net: nn.Module) -> None:
-        super().__init__()
-        self.net = net
-
-    def forward(self, x: Tensor, y: Tensor, weight: Tensor) -> Tensor:
-        return weighted_loss(self.net(x), y, weight)
 
 
 def weighted_loss(logits: Tensor, y: Tensor, weight: Tensor) -> Tensor:

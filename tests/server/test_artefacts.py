@@ -6,6 +6,7 @@ in onnxruntime (with the device's own weights swapped in) and the training progr
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -410,7 +411,7 @@ class _Recording(Artefacts):
     def __init__(self, root: Path) -> None:
         super().__init__(root)
         self.batches: list[list[str]] = []
-        self.release = __import__("threading").Event()
+        self.release = threading.Event()
 
     def _export(self, batch: list[Any]) -> dict[str, str]:
         self.release.wait(30)  # the test queues everything before the worker takes its first batch
