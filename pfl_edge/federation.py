@@ -21,7 +21,7 @@ from torch import Tensor
 from .checkpoint import ModelSpec, build_model
 from .data import Dataset, Partition, get_dataset, partition
 from .errors import ConfigError
-from .protocol import MAX_CLIENTS, MAX_ROUND
+from .protocol import MAX_CLIENTS, MAX_NEIGHBOURS, MAX_ROUND
 from .seeding import derive_seed, generator, numpy_rng
 from .train import TrainConfig
 
@@ -266,7 +266,6 @@ BOUNDS: dict[str, int | float] = {
     "seed": 2**63 - 1, "lr": 1e6, "momentum": 1.0, "weight_decay": 1e6, "clip_norm": 1e12,
 }
 _MAX_TEXT = 4_096  # characters of a name, spec or path
-MAX_NEIGHBOURS = 1_000  # in-neighbours of a client in one round (DisPFL's paper uses 10)
 
 
 def _check_bounds(cfg: FederationConfig) -> None:

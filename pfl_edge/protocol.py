@@ -42,6 +42,7 @@ __all__ = [
     "API_PREFIX",
     "DIGEST_RE",
     "MAX_CLIENTS",
+    "MAX_NEIGHBOURS",
     "MAX_DEADLINE_S",
     "MAX_ROUND",
     "PROTOCOL_VERSION",
@@ -106,6 +107,9 @@ def mqtt_client_id(device: str) -> str:
 MAX_ROUND = 1_000_000
 MAX_COUNT = 2**53  # byte and sample counts: what JSON numbers carry exactly
 MAX_CLIENTS = 100_000  # slots (devices) of one federation; pfl_edge.federation bounds its config by it too
+# in-neighbours of a client in one round (DisPFL's paper uses 10): the federation config refuses a topology with
+# more, and it keeps the largest Task (~180 KB of JSON) under the embedded broker's 256 KiB packet limit
+MAX_NEIGHBOURS = 1_000
 MAX_DEADLINE_S = 7 * 86_400  # a round's deadline
 MAX_SECONDS = 1e9  # a duration a device measured (train_s), or a unix time (deadlines): finite and sane
 _MAX_KP = 1_000  # personal blocks
@@ -282,7 +286,7 @@ class Task(_Msg):
     base: Digest | None = Field(default=None, description=(
         "FedPer/FedAvg: sha256 of the base part for this device's kp (its personal tensors left out); "
         "DisPFL: null"))
-    neighbours: list[Neighbour] = Field(default_factory=list, max_length=MAX_CLIENTS, description=(
+    neighbours: list[Neighbour] = Field(default_factory=list, max_length=MAX_NEIGHBOURS, description=(
         "DisPFL: its in-neighbours of this round that have a model; FedPer: empty"))
     deadline: float = Field(ge=0, le=1e11, description="unix time (seconds, UTC) the round may close at")
     final: bool = Field(default=False, description=(

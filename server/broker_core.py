@@ -1,8 +1,10 @@
 """The embedded broker's MQTT 3.1.1 logic in asyncio: sessions, subscriptions, retained messages, wills, client-id
 takeover, keepalive, and identities with topic access rules. ``server.broker`` runs it in its own thread.
 
-What it implements (what pfl-edge's server and devices use): QoS 0 and 1 (QoS 2 publishes close the connection,
-QoS 2 subscriptions are granted QoS 1), retained messages delivered by topic filter only, last wills, persistent
+What it implements (what pfl-edge's server and devices use): QoS 0 and 1, and QoS 2 inbound (a QoS 2 publish or
+will is routed once, on arrival, and answered PUBREC; its PUBREL gets PUBCOMP; a resent duplicate of a packet id
+still awaiting its PUBREL is not routed again) with delivery downgraded to QoS 1 (QoS 2 subscriptions are granted
+QoS 1, as MQTT 3.1.1 section 3.8.4 allows: subscribers see each message at least once), retained messages delivered by topic filter only, last wills, persistent
 sessions (clean_session False) whose QoS 1 messages wait while the client is away and are sent again on
 reconnect, client-id takeover (a second connection with a client id closes the first, without its will, and gets
 the session), keepalive (a connection silent for 1.5 x its keepalive is closed and its will published; keepalive
@@ -27,7 +29,7 @@ from dataclasses import dataclass, field, replace
 
 from . import broker_wire as w
 
-__all__ = ["ANYONE", "Authenticator", "BrokerCore", "Identity"]
+__all__ = ["ANYONE", "MAX_PACKET", "Authenticator", "BrokerCore", "Identity"]
 
 log = logging.getLogger("server.broker")
 
@@ -61,6 +63,7 @@ class _Session:
     subs: dict[str, int] = field(default_factory=dict)
     queue: deque[w.Publish] = field(default_factory=deque)  # QoS 1 messages not yet sent
     inflight: dict[int, w.Publish] = field(default_factory=dict)  # sent, not yet acknowledged
+    released: set[int] = field(default_factory=set)  # QoS 2 packet ids received and routed, awaiting PUBREL
     conn: _Conn | None = None
     last_pid: int = 0
 
@@ -80,8 +83,14 @@ class _Conn:
     dead: bool = False
 
 
+# The largest packet a client may send (its remaining length): refused before it is read. pfl-edge's own messages
+# are far below it (the largest, a Task with MAX_NEIGHBOURS neighbours, is ~180 KB: tests/server); models travel
+# over HTTP, never MQTT. docs/protocol.md states it.
+MAX_PACKET = 256 * 1024
+
+
 class BrokerCore:
-    def __init__(self, authenticate: Authenticator | None = None, *, max_packet: int = 256 * 1024,
+    def __init__(self, authenticate: Authenticator | None = None, *, max_packet: int = MAX_PACKET,
                  max_queue: int = 1000, max_inflight: int = 100, max_buffer: int = 4 << 20,
                  connect_timeout_s: float = 10.0, idle_s: float = 600.0, max_connections: int = 20_000) -> None:
         self.authenticate = authenticate
@@ -164,7 +173,7 @@ class BrokerCore:
             log.warning("MQTT user %r refused: client id %r is not its own", ident.username, client_id)
             writer.write(w.connack(False, 2))
             return None
-        if c.will is not None and (c.will.qos == 2 or not ident.may_write(c.will.topic)):
+        if c.will is not None and not ident.may_write(c.will.topic):
             log.warning("MQTT user %r refused: may not leave a will on %r", ident.username, c.will.topic)
             writer.write(w.connack(False, 5))
             return None
@@ -228,6 +237,12 @@ class BrokerCore:
                 raise w.WireError("malformed PUBACK")
             sess.inflight.pop(int.from_bytes(body, "big"), None)
             self._flush_queue(sess)
+        elif kind == w.PUBREL:
+            if flags != 2 or len(body) != 2:
+                raise w.WireError("malformed PUBREL")
+            pid = int.from_bytes(body, "big")
+            sess.released.discard(pid)
+            self._send(conn, w.pubcomp(pid))
         elif kind == w.SUBSCRIBE:
             if flags != 2:
                 raise w.WireError("malformed SUBSCRIBE")
@@ -245,15 +260,20 @@ class BrokerCore:
             raise w.WireError(f"unexpected packet type {kind}")
 
     def _publish(self, conn: _Conn, p: w.Publish) -> None:
-        if p.qos == 2:
-            raise w.WireError("QoS 2 is not supported by this broker")
-        ident = conn.session.identity
+        sess = conn.session
+        if p.qos == 2 and p.pid in sess.released:  # a resend before its PUBREL: routed already (method B)
+            self._send(conn, w.pubrec(p.pid))
+            return
+        ident = sess.identity
         if ident.may_write(p.topic):
             self._route(p)
         else:
             log.warning("MQTT user %r may not publish to %r: dropped", ident.username, p.topic)
         if p.qos == 1:
             self._send(conn, w.puback(p.pid))
+        elif p.qos == 2:
+            sess.released.add(p.pid)  # at most 65,535 ids: bounded by the packet id's width
+            self._send(conn, w.pubrec(p.pid))
 
     def _subscribe(self, conn: _Conn, pid: int, subs: list[tuple[str, int]]) -> None:
         sess, codes, granted = conn.session, [], []

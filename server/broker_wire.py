@@ -17,7 +17,10 @@ __all__ = [
     "PINGREQ",
     "PINGRESP",
     "PUBACK",
+    "PUBCOMP",
     "PUBLISH",
+    "PUBREC",
+    "PUBREL",
     "SUBACK",
     "SUBSCRIBE",
     "UNSUBACK",
@@ -32,7 +35,9 @@ __all__ = [
     "parse_subscribe",
     "parse_unsubscribe",
     "puback",
+    "pubcomp",
     "publish",
+    "pubrec",
     "read_packet",
     "suback",
     "unsuback",
@@ -206,6 +211,14 @@ def publish(p: Publish) -> bytes:
 
 def puback(pid: int) -> bytes:
     return _header(PUBACK, 0, 2) + struct.pack(">H", pid)
+
+
+def pubrec(pid: int) -> bytes:
+    return _header(PUBREC, 0, 2) + struct.pack(">H", pid)
+
+
+def pubcomp(pid: int) -> bytes:
+    return _header(PUBCOMP, 0, 2) + struct.pack(">H", pid)
 
 
 def suback(pid: int, codes: list[int]) -> bytes:

@@ -100,15 +100,22 @@ def test_the_dashboard_follows_a_live_federation(tmp_path: Path, browser: Any) -
         for c in CHARTS:
             assert browser.execute_script(_DRAWN_JS, c), f"{c} is blank"
 
-        # what the page shows is what the API says
+        # A device sends its last evaluation after the federation finished, so the API's metrics are final only
+        # once every device process has exited; then the page, which keeps polling, must catch up with them.
+        _until(lambda: all(p.poll() is not None for p in fed.devices), 60, "every device to exit", fed)
         metrics = fed.get(f"{API_PREFIX}/federations/dash/metrics")["rounds"]
+        evaluations = sum(len(r["devices"]) for r in metrics)
+        _until(lambda: int(browser.execute_script(
+            "return document.getElementById('chart-acc').dataset.points || 0")) == evaluations, 20,
+            f"the accuracy chart to show all {evaluations} evaluations", fed)
+
+        # what the page shows is what the API says
         shown = {int(r["round"]): r["cells"] for r in _rows(browser, "rounds")}
         assert set(shown) == {r["round"] for r in metrics if r["round"] > 0} == set(range(1, cfg.rounds + 1))
         for r in metrics:
             if r["round"] > 0:
                 assert shown[r["round"]][2] == f"{r['updates']} / {r['active']}"
-        assert int(browser.execute_script("return document.getElementById('chart-acc').dataset.points")) == sum(
-            len(r["devices"]) for r in metrics)
+        assert evaluations == len(PROFILES) * cfg.rounds
 
         out = ROOT / "test-artifacts"
         out.mkdir(exist_ok=True)

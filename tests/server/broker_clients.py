@@ -25,7 +25,7 @@ class Raw:
 
     def __init__(self, url: str, client_id: str, *, clean: bool = False, subs: tuple[str, ...] = (),
                  user: str | None = None, password: str | None = None, keepalive: int = 30,
-                 will: tuple[str, bytes] | None = None, tls_ca: str | None = None) -> None:
+                 will: tuple[str, bytes] | None = None, will_qos: int = 1, tls_ca: str | None = None) -> None:
         host, port = parse_broker_url(url)
         self.rc: int | None = None
         self.present = False
@@ -37,7 +37,7 @@ class Raw:
         if user is not None:
             c.username_pw_set(user, password)
         if will is not None:
-            c.will_set(will[0], will[1], qos=1, retain=True)
+            c.will_set(will[0], will[1], qos=will_qos, retain=True)
         if url.startswith("mqtts"):
             c.tls_set(ca_certs=tls_ca)
         c.on_connect = self._on_connect
@@ -61,9 +61,12 @@ class Raw:
         self.granted = [int(getattr(x, "value", x)) for x in codes]
         self.subscribed.set()
 
-    def publish(self, topic: str, payload: dict[str, Any] | bytes, *, retain: bool = True) -> None:
+    def publish(self, topic: str, payload: dict[str, Any] | bytes, *, retain: bool = True, qos: int = 1) -> None:
         data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-        self.c.publish(topic, data, qos=1, retain=retain).wait_for_publish(5)
+        info = self.c.publish(topic, data, qos=qos, retain=retain)
+        info.wait_for_publish(5)
+        if not info.is_published():  # QoS 2: published once the broker's PUBCOMP is in
+            raise AssertionError(f"the broker did not acknowledge a QoS {qos} publish to {topic}")
 
     def topics(self) -> list[str]:
         return [t for t, _, _ in self.got]

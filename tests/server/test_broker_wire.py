@@ -50,9 +50,44 @@ def test_malformed_and_oversized_packets_close_the_connection(addr: tuple[str, i
     assert _closed_after(addr, _connect("", flags=0)) == b"\x20\x02\x00\x02"  # no id, persistent session
 
 
-def test_qos2_publishes_close_the_connection(addr: tuple[str, int]) -> None:
-    publish = b"\x34\x07\x00\x03a/b\x00\x01"  # QoS 2, packet id 1
-    assert _closed_after(addr, _connect() + publish) == b"\x20\x02\x00\x00"  # accepted, then closed
+def _packets(sock: socket.socket, n: int) -> list[bytes]:
+    """The next ``n`` whole packets read from ``sock`` (short ones: a one-byte remaining length)."""
+    buf, out = b"", []
+    while len(out) < n:
+        while len(buf) < 2 or len(buf) < 2 + buf[1]:
+            chunk = sock.recv(4096)
+            assert chunk, f"closed after {out}"
+            buf += chunk
+        out.append(buf[:2 + buf[1]])
+        buf = buf[2 + buf[1]:]
+    return out
+
+
+def test_a_qos2_publish_is_routed_once_and_its_handshake_completes(addr: tuple[str, int]) -> None:
+    with socket.create_connection(addr, timeout=5) as sub, socket.create_connection(addr, timeout=5) as pub:
+        sub.sendall(_connect("sub") + b"\x82\x08\x00\x01\x00\x03a/b\x02")  # SUBSCRIBE a/b at QoS 2
+        assert _packets(sub, 2) == [b"\x20\x02\x00\x00", b"\x90\x03\x00\x01\x01"]  # granted QoS 1
+        pub.sendall(_connect("pub"))
+        assert _packets(pub, 1) == [b"\x20\x02\x00\x00"]
+        publish = b"\x00\x03a/b\x00\x07x"  # topic a/b, packet id 7, payload "x"
+        pub.sendall(b"\x34\x08" + publish)  # QoS 2
+        assert _packets(pub, 1) == [b"\x50\x02\x00\x07"]  # PUBREC
+        pub.sendall(b"\x3c\x08" + publish)  # the same again, DUP set, as after a lost PUBREC
+        assert _packets(pub, 1) == [b"\x50\x02\x00\x07"]  # acknowledged again, not routed again
+        pub.sendall(b"\x62\x02\x00\x07")  # PUBREL
+        assert _packets(pub, 1) == [b"\x70\x02\x00\x07"]  # PUBCOMP
+        pub.sendall(b"\x30\x05\x00\x03a/b")  # a QoS 0 marker, routed after them
+        got = _packets(sub, 2)
+        assert got[0][0] == 0x32 and got[0].endswith(b"a/b\x00\x01x")  # once, at QoS 1 with its own id
+        assert got[1] == b"\x30\x05\x00\x03a/b"  # and then the marker: no second copy came between
+        # after PUBCOMP the id is free: a new message with it is routed
+        pub.sendall(b"\x34\x08" + publish[:-1] + b"y")
+        assert _packets(pub, 1) == [b"\x50\x02\x00\x07"]
+        assert _packets(sub, 1)[0].endswith(b"y")
+
+
+def test_a_malformed_pubrel_closes_the_connection(addr: tuple[str, int]) -> None:
+    assert _closed_after(addr, _connect() + b"\x60\x02\x00\x01") == b"\x20\x02\x00\x00"  # flags must be 2
 
 
 @pytest.mark.parametrize(("f", "topic", "expected"), [
