@@ -4,12 +4,13 @@ takeover, keepalive, and identities with topic access rules. ``server.broker`` r
 What it implements (what pfl-edge's server and devices use): QoS 0 and 1, and QoS 2 inbound (a QoS 2 publish or
 will is routed once, on arrival, and answered PUBREC; its PUBREL gets PUBCOMP; a resent duplicate of a packet id
 still awaiting its PUBREL is not routed again) with delivery downgraded to QoS 1 (QoS 2 subscriptions are granted
-QoS 1, as MQTT 3.1.1 section 3.8.4 allows: subscribers see each message at least once), retained messages delivered by topic filter only, last wills, persistent
-sessions (clean_session False) whose QoS 1 messages wait while the client is away and are sent again on
-reconnect, client-id takeover (a second connection with a client id closes the first, without its will, and gets
-the session), keepalive (a connection silent for 1.5 x its keepalive is closed and its will published; keepalive
-0 gets ``idle_s``), and bounded memory (connections, packet size, per-session queue, write buffer: a client that
-stops reading is disconnected instead of buffered forever; CONNECT must come within ``connect_timeout_s``).
+QoS 1, as MQTT 3.1.1 section 3.8.4 allows: subscribers see each message at least once); retained messages
+delivered by topic filter only, last wills, persistent sessions (clean_session False) whose QoS 1 messages wait
+while the client is away and are sent again on reconnect, client-id takeover (a second connection with a client
+id closes the first, without its will, and gets the session), keepalive (a connection silent for 1.5 x its
+keepalive is closed and its will published; keepalive 0 gets ``idle_s``), and bounded memory (connections,
+packet size, per-session queue, write buffer: a client that stops reading is disconnected instead of buffered
+forever; CONNECT must come within ``connect_timeout_s``).
 
 Access: ``authenticate(client_id, username, password)`` (called in a worker thread: it may query a database)
 answers an :class:`Identity` or None (refused). An identity reads (subscribes to, receives, gets retained) only
