@@ -32,7 +32,8 @@ def check(database_url: str, blob_dir: Path, device_dirs: list[Path], *, recompu
     from sqlalchemy import select
 
     from edge_runtime.state import StateDir
-    from server.db import Device, Federation, Round, Update, make_engine, make_sessionmaker
+    from server.db import Device, Federation, Round, Update, make_engine
+    from server.migrations import make_sessionmaker
 
     engine = make_engine(database_url)
     sessions = make_sessionmaker(engine)

@@ -23,9 +23,10 @@ from .blobs import DirBlobStore
 from .broker import EmbeddedBroker
 from .broker_setup import start_mqtt
 from .coordinator import Coordinator
-from .db import make_engine, make_sessionmaker
+from .db import make_engine
 from .errors import ApiError
 from .limits import install as install_limits
+from .migrations import make_sessionmaker
 from .mqtt import MqttLink
 from .ratelimit import enrol_gate
 from .routers import api, dashboard, health, prom

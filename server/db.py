@@ -30,7 +30,7 @@ from sqlalchemy import (
     create_engine,
     event,
 )
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from .states import RoundState
 
@@ -49,7 +49,6 @@ __all__ = [
     "hash_token",
     "inputs_digest",
     "make_engine",
-    "make_sessionmaker",
     "now",
     "verify_secret",
 ]
@@ -214,14 +213,6 @@ def make_engine(url: str) -> Engine:
 
         return engine
     return create_engine(url, pool_pre_ping=True)
-
-
-def make_sessionmaker(engine: Engine) -> sessionmaker[Any]:
-    """Sessions on ``engine``, once its schema is this server's (created, upgraded, or refused: ConfigError)."""
-    from .migrations import migrate  # it builds on this module's tables
-
-    migrate(engine)
-    return sessionmaker(engine, expire_on_commit=False)
 
 
 def hash_token(token: str) -> str:

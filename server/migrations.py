@@ -15,14 +15,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import Connection, Engine, insert, inspect, select, text, update
+from sqlalchemy.orm import sessionmaker
 
 from pfl_edge.errors import ConfigError
 
 from .db import Base, SchemaVersion, now
 
-__all__ = ["SCHEMA_VERSION", "STEPS", "Step", "migrate", "schema_version"]
+__all__ = ["SCHEMA_VERSION", "STEPS", "Step", "make_sessionmaker", "migrate", "schema_version"]
 
 log = logging.getLogger(__name__)
 
@@ -129,3 +131,9 @@ def schema_version(engine: Engine) -> int | None:
     """The version the database holds (None: no table of ours; 1: from before versioning)."""
     with engine.connect() as conn:
         return _found_version(conn)
+
+
+def make_sessionmaker(engine: Engine) -> sessionmaker[Any]:
+    """Sessions on ``engine``, once its schema is this server's (created, upgraded, or refused: ConfigError)."""
+    migrate(engine)
+    return sessionmaker(engine, expire_on_commit=False)

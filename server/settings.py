@@ -20,7 +20,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from pfl_edge.cli.common import read_secret_file
+from pfl_edge.secret_file import read_secret_file
 
 __all__ = ["Settings", "ensure_admin_token", "load_settings", "secure_data_dir"]
 

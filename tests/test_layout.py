@@ -1,11 +1,13 @@
-"""The code's shape, checked: the running system (server, device runtime) imports nothing of the simulator (nor
-the removed ``pfl_edge.local``), server and edge runtime never import each other, no package holds a bare
-``assert`` (invariants raise InternalError), and files and functions stay small (a longer function says why in
-a ``# long:`` comment)."""
+"""The code's shape, checked: every package imports only what docs/design.md's table allows (the running system
+nothing of the simulator or the CLI, server and edge runtime never each other, the server's process no program
+runtime, the core no web, broker or database library), no two modules import each other even through others, no
+package holds a bare ``assert`` (invariants raise InternalError), and files and functions stay small (a longer
+function says why in a ``# long:`` comment)."""
 
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,12 +15,25 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("pfl_edge", "server", "edge_runtime", "export", "device_profiles")
 FILES = sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py"))
-FORBIDDEN = {
-    "server": ("pfl_edge.sim", "pfl_edge.local", "edge_runtime"),
-    "edge_runtime": ("pfl_edge.sim", "pfl_edge.local", "server"),
-    "export": ("edge_runtime", "server"),
-    "pfl_edge": ("pfl_edge.local", "fastapi", "sqlalchemy", "paho", "amqtt", "httpx"),
+# docs/design.md's table, "may import": the project's packages each may import (its own too)
+MAY_IMPORT = {
+    "pfl_edge": {"pfl_edge"},
+    "device_profiles": {"pfl_edge", "device_profiles"},
+    "export": {"pfl_edge", "device_profiles", "export"},
+    "server": {"pfl_edge", "device_profiles", "server"},
+    "edge_runtime": {"pfl_edge", "device_profiles", "export", "edge_runtime"},
 }
+# and what none of them may, within what the table allows: the simulator and the CLI are not part of the running
+# system; the server's process runs neither ONNX Runtime nor ExecuTorch (export.worker runs in a child of its own)
+NEVER = {
+    "server": ("pfl_edge.sim", "pfl_edge.cli", "pfl_edge.local", "onnx", "onnxruntime", "executorch", "torchao"),
+    "edge_runtime": ("pfl_edge.sim", "pfl_edge.cli", "pfl_edge.local"),
+    "export": ("pfl_edge.cli",),
+    "device_profiles": ("pfl_edge.cli",),
+    "pfl_edge": ("pfl_edge.local",),
+}
+# the core's third-party libraries ("never web, broker or database libraries"); the rest is the standard library
+CORE_LIBRARIES = {"torch", "numpy", "pydantic", "matplotlib", "tqdm", "rich", "safetensors", "PIL"}
 ALLOWED = {"pfl_edge/cli"}  # the CLI imports the other packages (lazily, per subcommand)
 
 
@@ -46,8 +61,12 @@ def test_module_shape(path: Path) -> None:
     source = path.read_text()
     tree = ast.parse(source)
     if not any(rel.startswith(a) for a in ALLOWED):
-        bad = [m for m in _imports(tree, package) if m.startswith(FORBIDDEN.get(package, ()))]
-        assert not bad, f"{rel} imports {bad}"
+        imported = [m for m in _imports(tree, package) if m.split(".")[0] != "__future__"]
+        bad = [m for m in imported if m.startswith(NEVER[package])
+               or (m.split(".")[0] in PACKAGES and m.split(".")[0] not in MAY_IMPORT[package])
+               or (package == "pfl_edge" and m.split(".")[0] not in (*PACKAGES, *CORE_LIBRARIES)
+                   and m.split(".")[0] not in sys.stdlib_module_names)]
+        assert not bad, f"{rel} imports {bad}, which docs/design.md's table does not allow"
     asserts = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Assert)]
     assert not asserts, f"{rel}: bare assert on lines {asserts}; raise InternalError"
     assert len(source.splitlines()) <= 400, f"{rel} has {len(source.splitlines())} lines"
@@ -57,3 +76,97 @@ def test_module_shape(path: Path) -> None:
             length = (node.end_lineno or node.lineno) - node.lineno + 1
             said = any("# long:" in line for line in lines[node.lineno - 1: node.lineno + 2])
             assert length <= 60 or said, f"{rel}:{node.lineno} {node.name} is {length} lines"
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _type_checking_only(tree: ast.AST) -> set[int]:
+    """Line numbers of imports under ``if TYPE_CHECKING:`` (never run, so never part of a cycle)."""
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for sub in node.body:
+                lines.update(n.lineno for n in ast.walk(sub) if isinstance(n, ast.Import | ast.ImportFrom))
+    return lines
+
+
+def _graph() -> dict[str, set[str]]:
+    """Module -> the project's modules it imports, at module level or inside a function (a lazy import that
+    closes a cycle still ties the two together)."""
+    modules = {_module(p): p for p in FILES}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for mod, path in modules.items():
+        tree = ast.parse(path.read_text())
+        skip = _type_checking_only(tree)
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Import | ast.ImportFrom) or node.lineno in skip:
+                continue
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                if node.level:
+                    base = base[:len(base) - node.level + 1]
+                    frm = ".".join([*base, node.module] if node.module else base)
+                else:
+                    frm = node.module or ""
+                targets = [f"{frm}.{a.name}" if f"{frm}.{a.name}" in modules else frm for a in node.names]
+            graph[mod].update(t for t in targets if t in modules and t != mod)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    x = stack.pop()
+                    on.discard(x)
+                    comp.append(x)
+                    if x == v:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return out
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    graph = _graph()
+    assert "server.services.artefacts" in graph and graph["server.app"], "the import graph was not read"
+    assert not _cycles(graph), _cycles(graph)

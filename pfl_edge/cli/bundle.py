@@ -15,7 +15,7 @@ def _cmd_bundle(args: argparse.Namespace) -> int:
 
     from edge_runtime.bundle import BundleOptions, write_bundle
 
-    from .common import read_secret_file
+    from ..secret_file import read_secret_file
 
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     if args.admin_token_file is not None:

@@ -31,7 +31,7 @@ def enrol_secret(args: argparse.Namespace) -> str:
     given (fine for a device already enrolled; the agent says what to give otherwise)."""
     import os
 
-    from .common import read_secret_file
+    from ..secret_file import read_secret_file
 
     if args.enrol_secret:
         return str(args.enrol_secret)

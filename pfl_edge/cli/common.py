@@ -25,15 +25,3 @@ def _check_writable(out: Path, save_dir: Path | None) -> None:
             raise ConfigError(f"{d} is not writable")
 
 
-def read_secret_file(path: str | Path) -> str:
-    """A secret kept in a file (its first line, stripped): a token or an enrolment secret that should not sit on
-    a command line, where every local user can read it. ConfigError if it is missing or empty."""
-    p = Path(path)
-    try:
-        text = p.read_text().strip().splitlines()
-    except OSError as e:
-        raise ConfigError(f"cannot read the secret file {p}: {e}") from None
-    if not text or not text[0].strip():
-        raise ConfigError(f"the secret file {p} is empty")
-    return text[0].strip()
-

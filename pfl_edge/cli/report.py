@@ -11,7 +11,7 @@ from typing import Any
 from urllib.parse import quote, urlsplit
 
 from ..errors import ConfigError, DataError
-from .common import read_secret_file
+from ..secret_file import read_secret_file
 
 _USAGE = """\
 Writes report.md, report.html (one self-contained page: plots inline, nothing fetched), report.json (every

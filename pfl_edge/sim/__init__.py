@@ -1,8 +1,9 @@
 """The in-process simulator."""
 
 from ..federation import ALGORITHMS, SimConfig, load_config_file
-from .algorithms import ALGORITHM_CLASSES, Algorithm, CentralPFL, Context, RoundStats, make_algorithm
+from .algorithms import Algorithm, CentralPFL, Context, RoundStats
 from .report import client_table, plot_rounds, write_result
+from .runners import ALGORITHM_CLASSES, make_algorithm
 from .simulator import build_context, sample_participants, simulate
 
 __all__ = [

@@ -5,7 +5,6 @@ FLOPs it spends)."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -13,14 +12,14 @@ from torch import Tensor
 
 from ..accounting import payload_bytes
 from ..algorithms import Algorithm, Clients, central, get_algorithm
-from ..errors import InternalError, UnknownNameError
-from ..federation import CENTRAL, FederationConfig
+from ..errors import InternalError
+from ..federation import FederationConfig
 from ..models import BlockModel
 from ..parallel import Trainer
 from ..split import Split
 from ..train import ClientTensors, Stack, index_stack, stack_states, unstack
 
-__all__ = ["ALGORITHM_CLASSES", "Algorithm", "CentralPFL", "Context", "RoundStats", "make_algorithm"]
+__all__ = ["Algorithm", "CentralPFL", "Context", "RoundStats", "Runner", "weighted_loss"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -151,23 +150,3 @@ class CentralPFL(Runner):
 
     def shared(self) -> dict[str, Tensor] | None:
         return dict(self.base) if self.base else None
-
-
-ALGORITHM_CLASSES: dict[str, Callable[[Context], Runner]] = dict.fromkeys(CENTRAL, CentralPFL)
-
-
-def _register_decentral() -> None:
-    from .decentral import DisPFLRunner, DPSGDRunner
-
-    ALGORITHM_CLASSES.update({"dispfl": DisPFLRunner, "dpsgd": DPSGDRunner, "dpsgd-ft": DPSGDRunner})
-
-
-_register_decentral()
-
-
-def make_algorithm(ctx: Context) -> Runner:
-    try:
-        cls = ALGORITHM_CLASSES[ctx.cfg.algorithm]
-    except KeyError:
-        raise UnknownNameError("algorithm", ctx.cfg.algorithm, sorted(ALGORITHM_CLASSES)) from None
-    return cls(ctx)

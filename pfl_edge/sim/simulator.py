@@ -18,7 +18,8 @@ from ..parallel import Trainer
 from ..seeding import seed_everything
 from ..split import split_keys
 from ..train import ClientTensors, unstack
-from .algorithms import Context, RoundStats, make_algorithm
+from .algorithms import Context, RoundStats
+from .runners import make_algorithm
 
 __all__ = ["build_context", "sample_participants", "simulate"]
 

@@ -8,16 +8,17 @@ the mode, K_P (mode ``personal`` only) and the batch size. Weights do not decide
 into every program (ONNX graph inputs named by state-dict key; the training program's parameters in place), so
 one file serves every federation and device of that model.
 
-Exports run in a child process (``python -m server.services.artefacts <work dir>``; its work, and the checks of
-every program against eager PyTorch, are ``server.services.program_export``), one batch at a time, off the
-request threads and off the server's interpreter: an export holds a CPU for seconds to minutes and would starve
-the event loop of the GIL. ONNX programs are exported before any training program, and each training program in
-a child of its own, so that a card that needs only ONNX is answered within seconds and each training program as
-soon as it is ready. A federation's programs are scheduled when it is created (``prefetch``; setting
-``export_on_create``); a request for a program not exported yet schedules it and is answered 503 with
-``Retry-After``; the device's client retries 5xx answers. Files land in ``<data_dir>/programs/``: the program
-(``os.replace`` from the child's work dir), then its record ``<file>.json`` (written atomically): a program
-without a record is an interrupted export and is exported again. So the cache survives restarts, and a reader
+Exports run in a child process, the export worker (``python -m export.worker <work dir>``: the export and the
+checks of every program against eager PyTorch), one batch at a time, off the request threads and off the
+server's interpreter: an export holds a CPU for seconds to minutes and would starve the event loop of the GIL,
+and the server's process imports neither ONNX Runtime nor ExecuTorch (it only names the module to run). ONNX
+programs are exported before any training program, and each training program in a child of its own, so that a
+card that needs only ONNX is answered within seconds and each training program as soon as it is ready. A
+federation's programs are scheduled when it is created (``prefetch``; setting ``export_on_create``); a request
+for a program not exported yet schedules it and is answered 503 with ``Retry-After``; the device's client
+retries 5xx answers. Files land in ``<data_dir>/programs/``: the program (``os.replace`` from the child's work
+dir), then its record ``<file>.json`` (written atomically): a program without a record is an interrupted export
+and is exported again. So the cache survives restarts, and a reader
 never sees half a file."""
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ __all__ = ["Artefacts", "NotReady", "ProgramKey", "ProgramRecord"]
 
 log = logging.getLogger(__name__)
 
+EXPORT_WORKER = "export.worker"  # the module the child runs (it is installed beside the server, not imported)
 EXPORT_TIMEOUT_S = 1800.0  # a large model's training export, on a slow host
 RETRY_AFTER_S = 5  # what a 503 asks the caller to wait: the cnn's exports take about that
 FAILED_BACKOFF_S = 60.0  # a failed export is not tried again for this long (no export storm from retries)
@@ -246,10 +248,10 @@ class Artefacts:
         self.exports += 1
         work = Path(tempfile.mkdtemp(prefix=".export-", dir=self.root))
         try:
-            (work / "request.json").write_text(json.dumps([k.to_json() for k in batch]))
+            (work / "request.json").write_text(json.dumps([{"file": k.file, **k.to_json()} for k in batch]))
             log.info("exporting %s", ", ".join(k.file for k in batch))
             started = time.monotonic()
-            proc = subprocess.run([self.python, "-m", "server.services.artefacts", str(work)], capture_output=True,
+            proc = subprocess.run([self.python, "-m", EXPORT_WORKER, str(work)], capture_output=True,
                                   timeout=self.timeout_s, check=False)
             if proc.returncode != 0:
                 tail = proc.stderr.decode(errors="replace")[-2000:]
@@ -277,23 +279,3 @@ class Artefacts:
         os.replace(tmp, self.root / (file + _RECORD))  # last: its presence says the program is whole
         with self._lock:
             self._records[file] = rec
-
-
-# ------------------------------------------------------------------------------------------- the child process
-
-def _child(work: Path) -> int:
-    from .program_export import export_one
-
-    keys = [ProgramKey.from_json(d) for d in json.loads((work / "request.json").read_text())]
-    results: list[dict[str, Any]] = []
-    for key in keys:
-        try:
-            results.append({"file": key.file, "details": export_one(key, work)})
-        except Exception as e:  # one failed export must not take the others of the batch with it
-            results.append({"file": key.file, "error": f"{type(e).__name__}: {e}"})
-    (work / "result.json").write_text(json.dumps(results))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_child(Path(sys.argv[1])))

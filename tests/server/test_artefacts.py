@@ -22,6 +22,7 @@ from server_testkit import FEDPER, Dev, bearer, create
 from edge_runtime.http import Http
 from edge_runtime.programs import ProgramSource
 from edge_runtime.training import ExecuTorchBackend
+from export.worker import gradient_mismatches
 from pfl_edge.checkpoint import ModelSpec, build_model
 from pfl_edge.data import get_dataset
 from pfl_edge.errors import ConfigError
@@ -32,7 +33,6 @@ from server.app import create_app
 from server.fedmodel import fed_model
 from server.routers.models import program_keys
 from server.services.artefacts import Artefacts
-from server.services.program_export import gradient_mismatches
 from server.settings import Settings
 
 ADMIN = "admin-token-artefacts"

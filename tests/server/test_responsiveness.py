@@ -26,9 +26,10 @@ from sqlalchemy import create_engine
 from pfl_edge.aggregate import update_norm
 from pfl_edge.codec import encode
 from pfl_edge.errors import CodecError
-from server.db import Device, Federation, Update, make_engine, make_sessionmaker
+from server.db import Device, Federation, Update, make_engine
 from server.errors import Conflict, TooLarge, Unprocessable
 from server.fedmodel import FedModel, fed_model
+from server.migrations import make_sessionmaker
 from server.routers import health
 from server.services.enrolment import EnrolmentService
 from server.services.planning import Planner

@@ -14,8 +14,8 @@ from sqlalchemy import Engine, inspect, text
 
 from pfl_edge.errors import ConfigError
 from server.app import create_app
-from server.db import make_engine, make_sessionmaker
-from server.migrations import SCHEMA_VERSION, STEPS, migrate, schema_version
+from server.db import make_engine
+from server.migrations import SCHEMA_VERSION, STEPS, make_sessionmaker, migrate, schema_version
 from server.settings import Settings
 
 ADMIN = "admin-token-for-schema-tests"

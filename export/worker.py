@@ -1,5 +1,8 @@
-"""The export child's work (``python -m server.services.artefacts``): one program per key, each checked against
-eager PyTorch before it is ever served.
+"""The export worker, ``python -m export.worker WORK``: the server's programs are made here, in a process of
+their own, so that the server's process imports neither ONNX Runtime nor ExecuTorch (docs/design.md). It reads
+``WORK/request.json`` (a list of program keys: ``file``, ``spec``, ``kind``, ``mode``, ``kp``, ``batch_size``;
+the server names the file), exports each program into ``WORK/<file>``, checks it against eager PyTorch before it
+is ever served, and writes ``WORK/result.json`` (per key: its ``details``, or an ``error``).
 
 The ONNX inference program takes every state-dict tensor as a graph input, by key, after ``input``: a device feeds
 its own weights at every run. It is traced from a wrapper whose ``forward(input, *weights)`` puts the given tensors
@@ -18,21 +21,24 @@ from __future__ import annotations
 
 import copy
 import io
+import json
 import os
+import sys
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-if TYPE_CHECKING:
-    from export import Prepared
+from device_profiles import get_profile, list_profiles
+from pfl_edge.checkpoint import ModelSpec
 
-    from .artefacts import ProgramKey
+from .stages import ONNX_OPSET, ExportError, Lowered, Prepared, package, prepare
+from .training import lower_executorch_training
 
 __all__ = ["GRAD_ATOL", "GRAD_MAX_RTOL", "GRAD_RTOL", "LOSS_TOL", "check_onnx", "check_training", "export_one",
-           "gradient_mismatches", "onnx_weights_as_inputs"]
+           "gradient_mismatches", "main", "onnx_weights_as_inputs"]
 
 # ExecuTorch's kernels sum in float32 in another (plainer) order than PyTorch's: mobilenet-v1's program at 1x28x28,
 # batch 16, is off by up to 5e-3 of a gradient's largest element (dw1's GroupNorm, 12,544 terms a group per
@@ -47,28 +53,27 @@ _PACKAGE_ONLY = {"format", "path", "bytes", "sha256", "model", "model_spec", "ro
                  "verify"}
 
 
-def export_one(key: ProgramKey, out: Path) -> dict[str, Any]:
-    """Export ``key`` into ``out/<key.file>``; its details (what a device needs to drive it)."""
-    from device_profiles import get_profile, list_profiles
-    from export import lower_executorch_training, package, prepare
-
+def export_one(key: dict[str, Any], out: Path) -> dict[str, Any]:
+    """Export the program ``key`` names into ``out/<key["file"]>``; its details (what a device needs to drive it)."""
+    spec = ModelSpec(**key["spec"])
+    kind, mode, batch_size = key["kind"], key.get("mode"), key.get("batch_size")
     # a program does not depend on the profile (only on the key); prepare wants one for its file name
-    prep = prepare(get_profile(list_profiles()[0]), spec=key.spec, seed=0)
-    if key.kind == "inference":
+    prep = prepare(get_profile(list_profiles()[0]), spec=spec, seed=0)
+    if kind == "inference":
         lowered, interface = onnx_weights_as_inputs(prep)
         check_onnx(lowered.program, prep)
         packaged = package(lowered, out / "pkg")
         details = {k: v for k, v in packaged.entry.items() if k not in _PACKAGE_ONLY}
         details.update(interface)
     else:
-        if key.mode is None or key.batch_size is None:
+        if mode is None or batch_size is None:
             raise ValueError(f"training key {key} lacks a mode or batch size")
-        lowered = lower_executorch_training(prep, mode=key.mode, batch_size=key.batch_size,
-                                            kp=key.kp if key.mode == "personal" else None)
+        lowered = lower_executorch_training(prep, mode=mode, batch_size=batch_size,
+                                            kp=key.get("kp") if mode == "personal" else None)
         packaged = package(lowered, out / "pkg")
         check_training(lowered.program, lowered.details, prep)
         details = {k: v for k, v in packaged.entry.items() if k not in _PACKAGE_ONLY}
-    os.replace(packaged.path, out / key.file)
+    os.replace(packaged.path, out / str(key["file"]))
     return details
 
 
@@ -97,8 +102,6 @@ def onnx_weights_as_inputs(prep: Prepared) -> tuple[Any, dict[str, Any]]:
     """The ONNX program (a ``Lowered``, at ``ONNX_OPSET``, batch dynamic) whose inputs are ``input`` then every
     state-dict tensor by key, with no initialiser of the model's; its inputs and outputs, described."""
     import onnx
-
-    from export import ONNX_OPSET, ExportError, Lowered
 
     state = prep.model.state_dict()
     keys = list(state)
@@ -204,3 +207,20 @@ def check_training(program: bytes, details: dict[str, Any], prep: Prepared) -> N
     prep.model.zero_grad()
     if bad:
         raise ValueError(f"the training program's gradients differ from eager PyTorch's: {'; '.join(bad[:5])}")
+
+
+def main(work: Path) -> int:
+    """Export every key of ``work/request.json``; one failed export does not take the others with it."""
+    keys = json.loads((work / "request.json").read_text())
+    results: list[dict[str, Any]] = []
+    for key in keys:
+        try:
+            results.append({"file": key["file"], "details": export_one(key, work)})
+        except Exception as e:  # reported per key: the server marks that program failed and serves the rest
+            results.append({"file": key["file"], "error": f"{type(e).__name__}: {e}"})
+    (work / "result.json").write_text(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1])))
