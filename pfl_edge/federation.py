@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from .checkpoint import ModelSpec, build_model
-from .data import Dataset, Partition, get_dataset, partition
+from .data import Dataset, Labels, Partition, get_dataset, get_labels, partition
 from .errors import ConfigError
 from .protocol import MAX_CLIENTS, MAX_NEIGHBOURS, MAX_ROUND
 from .seeding import derive_seed, generator, numpy_rng
@@ -35,6 +35,7 @@ __all__ = [
     "Stream",
     "check_device_config",
     "deal",
+    "deal_labels",
     "device_capacity",
     "init_state",
     "load_config_file",
@@ -210,10 +211,20 @@ def deal(cfg: FederationConfig, *, data_dir: str | None = None) -> tuple[Dataset
     """``cfg``'s data set, dealt to its clients, and the model spec it implies: the one place the simulator,
     the server and every device deal a federation's data (so they deal it identically)."""
     ds = get_dataset(cfg.dataset, data_dir=data_dir or cfg.data_dir)
-    part = partition(cfg.partition, ds.train_y, ds.test_y, cfg.clients, ds.num_classes,
+    return (ds, *_deal(cfg, Labels.of(ds)))
+
+
+def deal_labels(cfg: FederationConfig, *, data_dir: str | None = None) -> tuple[Partition, ModelSpec]:
+    """What ``deal`` gives a coordinator, the partition and the model spec, from the data set's labels alone
+    (``pfl_edge.data.get_labels``): the same deal, without loading (or holding) a single image."""
+    return _deal(cfg, get_labels(cfg.dataset, data_dir=data_dir or cfg.data_dir))
+
+
+def _deal(cfg: FederationConfig, lab: Labels) -> tuple[Partition, ModelSpec]:
+    part = partition(cfg.partition, lab.train_y, lab.test_y, cfg.clients, lab.num_classes,
                      numpy_rng(cfg.seed, Stream.PARTITION.value), samples_per_client=cfg.samples_per_client,
                      test_per_client=cfg.test_per_client)
-    return ds, part, model_spec(cfg, part.num_classes, ds.in_channels, ds.image_size)
+    return part, model_spec(cfg, part.num_classes, lab.in_channels, lab.image_size)
 
 
 def model_spec(cfg: FederationConfig, num_classes: int, in_channels: int, image_size: int) -> ModelSpec:

@@ -9,15 +9,27 @@ from .partition import (
     partition,
     register_partitioner,
 )
-from .registry import Dataset, DatasetLoader, get_dataset, list_datasets, register_dataset
+from .registry import (
+    Dataset,
+    DatasetLoader,
+    Labels,
+    LabelsLoader,
+    get_dataset,
+    get_labels,
+    list_datasets,
+    register_dataset,
+)
 
 __all__ = [
     "ClientData",
     "Dataset",
     "DatasetLoader",
+    "Labels",
+    "LabelsLoader",
     "Partition",
     "PartitionerFn",
     "get_dataset",
+    "get_labels",
     "list_datasets",
     "list_partitioners",
     "partition",

@@ -1,4 +1,9 @@
-"""Data set registry: ``list_datasets()``, ``get_dataset(name, data_dir=...)``, ``@register_dataset``."""
+"""Data set registry: ``list_datasets()``, ``get_dataset(name, data_dir=...)``, ``get_labels(name, ...)``,
+``@register_dataset``.
+
+``get_labels`` is what a coordinator needs to deal a federation's data without holding it: the labels of both
+splits and the images' shape. A data set registers a loader of its own for them where its files allow reading
+the labels without the images (Fashion-MNIST's label files); otherwise they are taken from the full load."""
 
 from __future__ import annotations
 
@@ -12,7 +17,8 @@ from torch import Tensor
 
 from ..errors import ConfigError, DataError, UnknownNameError
 
-__all__ = ["Dataset", "DatasetLoader", "get_dataset", "list_datasets", "register_dataset"]
+__all__ = ["Dataset", "DatasetLoader", "Labels", "LabelsLoader", "get_dataset", "get_labels", "list_datasets",
+           "register_dataset"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -49,17 +55,39 @@ class Dataset:
         return int(self.train_x.shape[2])
 
 
+@dataclass(frozen=True, eq=False)
+class Labels:
+    """A data set without its images: the labels of both splits (int64), the class count and the images' shape."""
+
+    name: str
+    train_y: Tensor
+    test_y: Tensor
+    num_classes: int
+    in_channels: int
+    image_size: int
+
+    @staticmethod
+    def of(ds: Dataset) -> Labels:
+        return Labels(ds.name, ds.train_y, ds.test_y, ds.num_classes, ds.in_channels, ds.image_size)
+
+
 DatasetLoader = Callable[[Path | None], Dataset]
+LabelsLoader = Callable[[Path | None], Labels]
 _DATASETS: dict[str, DatasetLoader] = {}
+_LABELS: dict[str, LabelsLoader] = {}
 
 
-def register_dataset(name: str) -> Callable[[DatasetLoader], DatasetLoader]:
-    """Register ``loader(data_dir: Path | None) -> Dataset``; raise ``DataError`` when files are missing."""
+def register_dataset(name: str, *, labels: LabelsLoader | None = None) -> Callable[[DatasetLoader], DatasetLoader]:
+    """Register ``loader(data_dir: Path | None) -> Dataset`` (raise ``DataError`` when files are missing) and,
+    where its files allow, ``labels(data_dir) -> Labels`` reading no image; it must give what the full load
+    gives (tests/pfl_edge/test_data.py holds every data set to it)."""
 
     def deco(loader: DatasetLoader) -> DatasetLoader:
         if name in _DATASETS:
             raise ConfigError(f"data set {name!r} is already registered")
         _DATASETS[name] = loader
+        if labels is not None:
+            _LABELS[name] = labels
         return loader
 
     return deco
@@ -76,6 +104,19 @@ def get_dataset(name: str, *, data_dir: str | Path | None = None) -> Dataset:
     return _load(name, None if data_dir is None else Path(data_dir).expanduser().resolve())
 
 
+def get_labels(name: str, *, data_dir: str | Path | None = None) -> Labels:
+    """The data set's labels and shape, without its images where it registered a labels loader."""
+    if name not in _DATASETS:
+        raise UnknownNameError("data set", name, list_datasets())
+    return _load_labels(name, None if data_dir is None else Path(data_dir).expanduser().resolve())
+
+
 @functools.lru_cache(maxsize=4)
 def _load(name: str, data_dir: Path | None) -> Dataset:
     return _DATASETS[name](data_dir)
+
+
+@functools.lru_cache(maxsize=16)
+def _load_labels(name: str, data_dir: Path | None) -> Labels:
+    own = _LABELS.get(name)
+    return own(data_dir) if own is not None else Labels.of(_load(name, data_dir))

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ..errors import DataError
-from .registry import Dataset, register_dataset
+from .registry import Dataset, Labels, register_dataset
 
 __all__ = ["FASHION_MNIST_DIRS", "load_idx"]
 
@@ -51,14 +51,42 @@ def _normalise(images: np.ndarray, mean: list[float], std: list[float]) -> torch
     return (x - m) / s
 
 
-@register_dataset("fashion-mnist")
-def fashion_mnist(data_dir: Path | None) -> Dataset:
-    dirs = (data_dir,) if data_dir is not None else FASHION_MNIST_DIRS
-    for d in dirs:
+def _fashion_mnist_dir(data_dir: Path | None) -> Path:
+    for d in (data_dir,) if data_dir is not None else FASHION_MNIST_DIRS:
         if (d / "train-images-idx3-ubyte.gz").exists():
-            break
-    else:
-        raise DataError(FASHION_MNIST_HINT)
+            return d
+    raise DataError(FASHION_MNIST_HINT)
+
+
+def _idx_shape(path: Path) -> list[int]:
+    """The dimensions in an IDX file's header (its first bytes only: the images need not be read)."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as f:
+            head = f.read(4)
+            if len(head) < 4 or head[:3] != b"\x00\x00\x08":
+                raise DataError(f"{path} is not an IDX file of unsigned bytes")
+            dims = f.read(4 * head[3])
+    except (OSError, EOFError, zlib.error) as e:
+        raise DataError(f"cannot read {path}: {e}") from e
+    return [int.from_bytes(dims[4 * i: 4 * i + 4], "big") for i in range(len(dims) // 4)]
+
+
+def fashion_mnist_labels(data_dir: Path | None) -> Labels:
+    """Both label files and the images' shape from the train images' header: ~70 KB read, not 30 MB."""
+    d = _fashion_mnist_dir(data_dir)
+    ys = [torch.from_numpy(load_idx(d / f"{p}-labels-idx1-ubyte.gz").astype(np.int64)) for p in ("train", "t10k")]
+    dims = _idx_shape(d / "train-images-idx3-ubyte.gz")
+    if len(dims) != 3 or dims[0] != len(ys[0]) or dims[1] != dims[2]:
+        raise DataError(f"{d}: train images {dims} and {len(ys[0])} labels do not match")
+    if any(y.numel() and (int(y.min()) < 0 or int(y.max()) >= 10) for y in ys):
+        raise DataError(f"{d}: labels outside [0, 10)")
+    return Labels("fashion-mnist", ys[0], ys[1], num_classes=10, in_channels=1, image_size=dims[1])
+
+
+@register_dataset("fashion-mnist", labels=fashion_mnist_labels)
+def fashion_mnist(data_dir: Path | None) -> Dataset:
+    d = _fashion_mnist_dir(data_dir)
 
     def part(prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
         imgs = load_idx(d / f"{prefix}-images-idx3-ubyte.gz")

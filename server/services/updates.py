@@ -26,7 +26,6 @@ from sqlalchemy.orm import Session
 
 from pfl_edge.aggregate import AggregationRule
 from pfl_edge.errors import CodecError
-from pfl_edge.federation import deal
 from pfl_edge.protocol import AggregationSettings, UpdateAccepted, UpdateRequest
 from pfl_edge.sparse import erk_densities, mask_ones
 
@@ -40,7 +39,6 @@ from .store import Store
 __all__ = ["SAMPLE_FACTOR", "Updates", "aggregation_rule", "counted_samples", "erk_ones", "sample_cap"]
 
 SAMPLE_FACTOR = 2
-_DEALT: weakref.WeakKeyDictionary[FedModel, int] = weakref.WeakKeyDictionary()
 _CACHE_LOCK = threading.Lock()
 _ERK: weakref.WeakKeyDictionary[FedModel, dict[float, dict[str, int]]] = weakref.WeakKeyDictionary()
 
@@ -60,12 +58,7 @@ def sample_cap(fed: Federation, fm: FedModel) -> int:
     cap = _settings(fed).max_samples
     if cap is not None:
         return cap
-    with _CACHE_LOCK:
-        hit = _DEALT.get(fm)
-        if hit is None:  # dealt once per config, as fed_model deals it
-            _, part, _ = deal(fm.cfg)
-            hit = _DEALT[fm] = SAMPLE_FACTOR * max(len(c.train_idx) for c in part.clients)
-    return hit
+    return SAMPLE_FACTOR * fm.largest_share
 
 
 def erk_ones(fm: FedModel, density: float) -> dict[str, int]:

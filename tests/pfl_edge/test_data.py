@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from pfl_edge.data import get_dataset, list_datasets, list_partitioners, partition
+from pfl_edge.data import get_dataset, get_labels, list_datasets, list_partitioners, partition
 from pfl_edge.errors import ConfigError, DataError, UnknownNameError
+from pfl_edge.federation import FederationConfig, deal, deal_labels
 from pfl_edge.seeding import numpy_rng
 
 
@@ -225,3 +226,38 @@ def test_dirichlet_client_split_gives_equal_sizes_and_skewed_priors() -> None:
 
     assert top_share(0.1) > 0.6  # most of a client's data from one class
     assert top_share(100.0) < 0.2  # close to uniform (1/10)
+
+
+def _header_only_images(d: Path) -> None:
+    """Fashion-MNIST's folder with the real label files and a train-images file that is its header alone: reading
+    its shape works, loading an image fails."""
+    src = Path("/usr/share/datasets/fashion-mnist")
+    d.mkdir(parents=True, exist_ok=True)
+    for name in ("train-labels-idx1-ubyte.gz", "t10k-labels-idx1-ubyte.gz"):
+        (d / name).symlink_to(src / name)
+    with gzip.open(d / "train-images-idx3-ubyte.gz", "wb") as f:
+        f.write(b"\x00\x00\x08\x03" + (60000).to_bytes(4, "big") + (28).to_bytes(4, "big") * 2)
+
+
+@pytest.mark.parametrize("name", ["synthetic", pytest.param("fashion-mnist", marks=pytest.mark.needs_fmnist)])
+def test_the_labels_alone_are_the_full_loads(name: str) -> None:
+    lab, ds = get_labels(name), get_dataset(name)
+    assert torch.equal(lab.train_y, ds.train_y) and torch.equal(lab.test_y, ds.test_y)
+    assert (lab.num_classes, lab.in_channels, lab.image_size) == (ds.num_classes, ds.in_channels, ds.image_size)
+
+
+@pytest.mark.needs_fmnist
+@pytest.mark.parametrize("split", ["pathological:2", "dirichlet-client:0.3", "preference"])
+def test_a_coordinator_deals_fashion_mnist_from_its_labels_alone(tmp_path: Path, split: str) -> None:
+    _header_only_images(tmp_path / "labels-only")
+    cfg = FederationConfig(algorithm="fedper", dataset="fashion-mnist", partition=split, clients=20, kp=1,
+                           samples_per_client=500, seed=3)
+    with pytest.raises(DataError, match="does not match its header"):
+        deal(cfg, data_dir=str(tmp_path / "labels-only"))  # no image to be had there
+    part, spec = deal_labels(cfg, data_dir=str(tmp_path / "labels-only"))
+    _, full, full_spec = deal(cfg)
+    assert spec == full_spec and part.num_classes == full.num_classes
+    for a, b in zip(part.clients, full.clients, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(
+            (a.train_idx, a.train_y, a.test_idx, a.test_y), (b.train_idx, b.train_y, b.test_idx, b.test_y),
+            strict=True))
