@@ -1,9 +1,12 @@
-"""``GET /metrics``: the server's counters in Prometheus' text exposition format 0.0.4, written here by hand.
+"""``GET /metrics``: the server's counters in Prometheus' text exposition format 0.0.4, written by
+``prometheus_client`` from one collector per app (its own ``CollectorRegistry``, never the process-global one:
+two apps in one process, as in the tests, do not share or clash).
 
-Per federation, from the database (they survive restarts): rounds closed, current round and state, updates
-accepted, update bytes received, bytes devices report downloading, devices enrolled and online; the blob store's
-blobs and bytes. From this process (``server.services.telemetry``; zero after a restart): HTTP request latency
-by route template and method, requests by status class, and body bytes received and sent by route.
+Per federation, from the database (they survive restarts, so they are read at each scrape rather than kept in
+client-side counters): rounds closed, current round and state, updates accepted, update bytes received, bytes
+devices report downloading, devices enrolled and online; the blob store's blobs and bytes. From this process
+(``server.services.telemetry``; zero after a restart): HTTP request latency by route template and method,
+requests by status class, and body bytes received and sent by route.
 
 Auth: ``Authorization: Bearer`` with the admin token or the read-only ``metrics_token`` (``PFL_METRICS_TOKEN``),
 which opens this endpoint only. docs/dashboard.md lists every metric and a scrape configuration.
@@ -12,22 +15,26 @@ which opens this endpoint only. docs/dashboard.md lists every metric and a scrap
 from __future__ import annotations
 
 import hmac
-from collections.abc import Iterable
-from typing import Annotated
+from collections.abc import Callable, Iterator
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request, Response
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.registry import Collector
 
-from ..deps import MetricsDep, Token
+from ..deps import Token
 from ..errors import Unauthorized
 from ..services.metrics import FederationCounters, Metrics
 from ..services.telemetry import BUCKETS_S, RouteStats, telemetry_of
 from ..states import RoundState
 
-__all__ = ["CONTENT_TYPE", "exposition", "router"]
+__all__ = ["CONTENT_TYPE", "PflCollector", "exposition", "router"]
 
 router = APIRouter(tags=["ops"])
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # text/plain; version=0.0.4; charset=utf-8
 
 
 async def metrics_reader(request: Request, tok: Token) -> None:
@@ -50,84 +57,99 @@ MetricsReader = Annotated[None, Depends(metrics_reader)]
 
 @router.get("/metrics", response_class=Response,
             responses={200: {"content": {CONTENT_TYPE: {}}, "description": "Prometheus text format 0.0.4"}})
-def prometheus(request: Request, _reader: MetricsReader, metrics: MetricsDep) -> Response:
-    return Response(exposition(metrics, telemetry_of(request.app).snapshot()), media_type=CONTENT_TYPE)
+def prometheus(request: Request, _reader: MetricsReader) -> Response:
+    return Response(generate_latest(_registry(request.app)), media_type=CONTENT_TYPE)
 
 
-def _esc(v: str) -> str:
-    """A label value as the format wants it: backslash, double quote and newline escaped."""
-    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+def _registry(app: Any) -> CollectorRegistry:
+    reg = getattr(app.state, "prom_registry", None)
+    if not isinstance(reg, CollectorRegistry):
+        reg = CollectorRegistry(auto_describe=False)
+        reg.register(PflCollector(lambda: app.state.pfl.coordinator.metrics,
+                                  lambda: telemetry_of(app).snapshot()))
+        app.state.prom_registry = reg
+    return reg
 
 
-def _labels(**kv: str) -> str:
-    return "{" + ",".join(f'{k}="{_esc(v)}"' for k, v in kv.items()) + "}" if kv else ""
+class PflCollector(Collector):
+    """Every family of one scrape, read when Prometheus asks: the database's counters through ``metrics()``, this
+    process's HTTP telemetry through ``http()``."""
 
+    def __init__(self, metrics: Callable[[], Metrics],
+                 http: Callable[[], dict[tuple[str, str], RouteStats]]) -> None:
+        self.metrics, self.http = metrics, http
 
-def _num(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else repr(float(x))
-
-
-class _Doc:
-    """Lines of one exposition; each family's HELP and TYPE come once, before its samples."""
-
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def family(self, name: str, kind: str, help_: str, samples: Iterable[tuple[str, float]]) -> None:
-        self.lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
-        self.lines += [f"{name}{labels} {_num(v)}" for labels, v in samples]
+    def collect(self) -> Iterator[Metric]:
+        m = self.metrics()
+        yield from _federations(m.counters())
+        n, size = m.blob_store()
+        yield _gauge("pfl_blob_store_blobs", "Blobs in the blob store.", [], [([], n)])
+        yield _gauge("pfl_blob_store_bytes", "Bytes of the blobs in the blob store.", [], [([], size)])
+        yield from _http(self.http())
 
 
 def exposition(metrics: Metrics, http: dict[tuple[str, str], RouteStats]) -> str:
-    """The whole text of one scrape."""
-    doc = _Doc()
-    _federations(doc, metrics.counters())
-    n, size = metrics.blob_store()
-    doc.family("pfl_blob_store_blobs", "gauge", "Blobs in the blob store.", [("", n)])
-    doc.family("pfl_blob_store_bytes", "gauge", "Bytes of the blobs in the blob store.", [("", size)])
-    _http(doc, http)
-    return "\n".join(doc.lines) + "\n"
+    """The whole text of one scrape (what ``GET /metrics`` answers, for these inputs)."""
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(PflCollector(lambda: metrics, lambda: http))
+    return generate_latest(reg).decode()
 
 
-def _federations(doc: _Doc, feds: list[FederationCounters]) -> None:
-    def each(attr: str) -> list[tuple[str, float]]:
-        return [(_labels(federation=f.federation), getattr(f, attr)) for f in feds]
-
-    doc.family("pfl_rounds_closed_total", "counter", "Rounds closed (aggregated) per federation.",
-               each("rounds_closed"))
-    doc.family("pfl_round_current", "gauge", "The federation's current round (0: enrolment).", each("round"))
-    doc.family("pfl_round_state", "gauge", "1 for the current round's state, 0 for the others.",
-               [(_labels(federation=f.federation, state=s.value), int(f.state == s.value))
-                for f in feds for s in RoundState])
-    doc.family("pfl_updates_accepted_total", "counter", "Updates accepted (the updates ledger).",
-               each("updates_accepted"))
-    doc.family("pfl_update_bytes_received_total", "counter",
-               "Distinct blob bytes the federation's devices uploaded.", each("bytes_received"))
-    doc.family("pfl_update_bytes_down_reported_total", "counter",
-               "Bytes the federation's devices report downloading, summed over their updates.",
-               each("bytes_down_reported"))
-    doc.family("pfl_devices_enrolled", "gauge", "Devices enrolled and not revoked.", each("devices_enrolled"))
-    doc.family("pfl_devices_online", "gauge", "Devices online by their MQTT status (not revoked).",
-               each("devices_online"))
+Rows = list[tuple[list[str], float]]
 
 
-def _http(doc: _Doc, http: dict[tuple[str, str], RouteStats]) -> None:
-    name = "pfl_http_request_duration_seconds"
-    doc.lines += [f"# HELP {name} HTTP request latency, from the request to the end of its response, by route "
-                  "template and method (since this process started).", f"# TYPE {name} histogram"]
+def _gauge(name: str, help_: str, labels: list[str], rows: Rows) -> GaugeMetricFamily:
+    g = GaugeMetricFamily(name, help_, labels=labels)
+    for values, v in rows:
+        g.add_metric(values, v)
+    return g
+
+
+def _counter(name: str, help_: str, labels: list[str], rows: Rows) -> CounterMetricFamily:
+    c = CounterMetricFamily(name, help_, labels=labels)
+    for values, v in rows:
+        c.add_metric(values, v)
+    return c
+
+
+def _federations(feds: list[FederationCounters]) -> Iterator[Metric]:
+    def each(attr: str) -> Rows:
+        return [([f.federation], getattr(f, attr)) for f in feds]
+
+    fed = ["federation"]
+    yield _counter("pfl_rounds_closed_total", "Rounds closed (aggregated) per federation.", fed,
+                   each("rounds_closed"))
+    yield _gauge("pfl_round_current", "The federation's current round (0: enrolment).", fed, each("round"))
+    yield _gauge("pfl_round_state", "1 for the current round's state, 0 for the others.", ["federation", "state"],
+                 [([f.federation, s.value], int(f.state == s.value)) for f in feds for s in RoundState])
+    yield _counter("pfl_updates_accepted_total", "Updates accepted (the updates ledger).", fed,
+                   each("updates_accepted"))
+    yield _counter("pfl_update_bytes_received_total", "Distinct blob bytes the federation's devices uploaded.",
+                   fed, each("bytes_received"))
+    yield _counter("pfl_update_bytes_down_reported_total",
+                   "Bytes the federation's devices report downloading, summed over their updates.", fed,
+                   each("bytes_down_reported"))
+    yield _gauge("pfl_devices_enrolled", "Devices enrolled and not revoked.", fed, each("devices_enrolled"))
+    yield _gauge("pfl_devices_online", "Devices online by their MQTT status (not revoked).", fed,
+                 each("devices_online"))
+
+
+def _http(http: dict[tuple[str, str], RouteStats]) -> Iterator[Metric]:
+    rm = ["route", "method"]
+    h = HistogramMetricFamily("pfl_http_request_duration_seconds", "HTTP request latency, from the request to "
+                              "the end of its response, by route template and method (since this process "
+                              "started).", labels=rm)
     for (route, method), st in http.items():
-        cum = 0
+        cum, buckets = 0, []
         for bound, n in zip((*BUCKETS_S, float("inf")), st.buckets, strict=True):
             cum += n  # the format's buckets are cumulative: requests that took at most ``le`` seconds
-            le = "+Inf" if bound == float("inf") else repr(bound)
-            doc.lines.append(f"{name}_bucket{_labels(route=route, method=method, le=le)} {cum}")
-        lab = _labels(route=route, method=method)
-        doc.lines += [f"{name}_sum{lab} {st.sum_s!r}", f"{name}_count{lab} {st.count}"]
-    doc.family("pfl_http_requests_total", "counter", "HTTP requests by route template, method and status class.",
-               [(_labels(route=r, method=m, code=c), n) for (r, m), st in http.items()
-                for c, n in sorted(st.codes.items())])
-    doc.family("pfl_http_received_bytes_total", "counter",
-               "Request body bytes received, by route template and method.",
-               [(_labels(route=r, method=m), st.bytes_in) for (r, m), st in http.items()])
-    doc.family("pfl_http_sent_bytes_total", "counter", "Response body bytes sent, by route template and method.",
-               [(_labels(route=r, method=m), st.bytes_out) for (r, m), st in http.items()])
+            buckets.append(("+Inf" if bound == float("inf") else repr(bound), cum))
+        h.add_metric([route, method], buckets, st.sum_s)
+    yield h
+    yield _counter("pfl_http_requests_total", "HTTP requests by route template, method and status class.",
+                   ["route", "method", "code"],
+                   [([r, m, c], n) for (r, m), st in http.items() for c, n in sorted(st.codes.items())])
+    yield _counter("pfl_http_received_bytes_total", "Request body bytes received, by route template and method.",
+                   rm, [([r, m], st.bytes_in) for (r, m), st in http.items()])
+    yield _counter("pfl_http_sent_bytes_total", "Response body bytes sent, by route template and method.", rm,
+                   [([r, m], st.bytes_out) for (r, m), st in http.items()])

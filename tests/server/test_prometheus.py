@@ -1,7 +1,7 @@
-"""``GET /metrics``: Prometheus' text format 0.0.4, parsed here by a small parser of our own (prometheus_client is
-not a dependency). The counters follow a real round (updates, bytes and closes counted against what the test
-itself sent), the latency histogram is consistent, labels are route templates, and only the admin or metrics
-token may read it."""
+"""``GET /metrics``: Prometheus' text format 0.0.4, written by prometheus_client and parsed here by a small,
+strict parser of our own (independent of the library that writes it). The counters follow a real round (updates,
+bytes and closes counted against what the test itself sent), the latency histogram is consistent, labels are
+route templates, and only the admin or metrics token may read it."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from server_testkit import FEDPER, Dev, bearer, create, fed_state, perturbed, wa
 from pfl_edge.codec import encode
 from pfl_edge.split import take
 from server.app import create_app
-from server.routers.prom import CONTENT_TYPE
+from server.routers.prom import CONTENT_TYPE, exposition
 from server.services.telemetry import BUCKETS_S, Telemetry
 from server.settings import Settings
 
@@ -160,17 +160,14 @@ def test_only_the_admin_or_metrics_token_reads_it(client: TestClient) -> None:
 
 def test_histogram_buckets_and_label_escaping() -> None:
     """Buckets by hand: each observation lands in the first bucket whose bound is >= its duration."""
-    from server.routers.prom import _Doc, _http, _labels
-
     tel = Telemetry()
     durations = [0.0005, 0.001, 0.003, 0.2, 100.0]
     for d in durations:
         tel.observe('/odd"\\route\n', "GET", 200, d, 7, 11)
     tel.observe('/odd"\\route\n', "GET", 404, 0.01, 0, 5)
 
-    doc = _Doc()
-    _http(doc, tel.snapshot())
-    s, types = parse("\n".join(doc.lines) + "\n")
+    text = exposition(_NoFederations(), tel.snapshot())  # type: ignore[arg-type]
+    s, types = parse(text)
     assert types["pfl_http_request_duration_seconds"] == "histogram"
     lab = {"route": '/odd"\\route\n', "method": "GET"}
     all_d = [*durations, 0.01]
@@ -181,4 +178,13 @@ def test_histogram_buckets_and_label_escaping() -> None:
     assert get(s, "pfl_http_requests_total", code="2xx", **lab) == 5
     assert get(s, "pfl_http_requests_total", code="4xx", **lab) == 1
     assert get(s, "pfl_http_received_bytes_total", **lab) == 35 and get(s, "pfl_http_sent_bytes_total", **lab) == 60
-    assert _labels(a='x"y\\z\nw') == '{a="x\\"y\\\\z\\nw"}'
+    assert 'route="/odd\\"\\\\route\\n"' in text  # quote, backslash and newline escaped, as the format asks
+    assert get(s, "pfl_blob_store_blobs") == 0 and types["pfl_rounds_closed_total"] == "counter"
+
+
+class _NoFederations:
+    def counters(self) -> list[object]:
+        return []
+
+    def blob_store(self) -> tuple[int, int]:
+        return 0, 0
