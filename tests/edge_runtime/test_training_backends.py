@@ -21,6 +21,7 @@ SPEC = ModelSpec("cnn", 10, 1, 28)
 B = 8
 N = 21  # 3 batches per epoch, the last one partial (5 samples)
 ATOL = 1e-5
+ROUND_ATOL = 1e-4  # a float32 round against a float64 one: rounding plus a ReLU crossing (the fedper test)
 
 
 @pytest.fixture(scope="module")
@@ -87,10 +88,12 @@ def test_fedper_whole_model_matches_torch(prep: Prepared, fedper: Lowered, data:
     assert _max_diff(tb.state(), eb.state()) < ATOL
     moved = _max_diff(eb.state(), prep.model.state_dict())
     assert moved > 100 * ATOL  # the comparison is not between two untouched models
-    # a second round on the same loaded program: swap in the trained weights of another run and go on. Held to
-    # a float64 run of the same steps, no further from it than eager float32 is: over these steps float32
-    # trajectories drift apart by rounding (measured: eager float32 and the program 2e-5 to 7e-5 from float64,
-    # each by its own summation order), so neither float32 run can judge the other
+    # a second round on the same loaded program, from where its first left it. Held to a float64 run of the
+    # same steps: a float32 run drifts from it by rounding, and now and then by a jump where a pre-activation near
+    # 0 lands on the other side of a ReLU in float32 (measured on an AVX-only EPYC: 3.3e-5 for whichever float32
+    # run crosses, eager or the program, depending on the start's last bits; 2e-8 for the one that does not; on
+    # an earlier machine of this kind both 2e-5 to 7e-5), so neither float32 run can judge the other below that. Round 1 above,
+    # at 1e-5 against eager, is what catches a wrong step (weight decay ignored: 2.2e-4 over its 6 steps).
     cfg = TrainConfig(epochs=1, batch_size=B, lr=0.05, momentum=0.9, weight_decay=1e-3)
     t64 = TorchBackend(build_model(SPEC).double())
     t64.load({k: v.double() for k, v in eb.state().items()})
@@ -101,7 +104,7 @@ def test_fedper_whole_model_matches_torch(prep: Prepared, fedper: Lowered, data:
     def off(b: TorchBackend | ExecuTorchBackend) -> float:
         return _max_diff({k: v.double() for k, v in b.state().items()}, t64.state())
 
-    assert off(eb) < max(ATOL, 3 * off(tb)), (off(eb), off(tb))
+    assert off(eb) < max(ROUND_ATOL, 3 * off(tb)), (off(eb), off(tb))
     assert off(eb) < 1e-3  # and the bound itself is no excuse for a program that trains something else
 
 
