@@ -92,8 +92,8 @@ def test_fedper_whole_model_matches_torch(prep: Prepared, fedper: Lowered, data:
     # same steps: a float32 run drifts from it by rounding, and now and then by a jump where a pre-activation near
     # 0 lands on the other side of a ReLU in float32 (measured on an AVX-only EPYC: 3.3e-5 for whichever float32
     # run crosses, eager or the program, depending on the start's last bits; 2e-8 for the one that does not; on
-    # an earlier machine of this kind both 2e-5 to 7e-5), so neither float32 run can judge the other below that. Round 1 above,
-    # at 1e-5 against eager, is what catches a wrong step (weight decay ignored: 2.2e-4 over its 6 steps).
+    # an earlier machine of this kind both 2e-5 to 7e-5), so neither float32 run can judge the other below that.
+    # Round 1 above, at 1e-5 against eager, catches a wrong step (weight decay ignored: 2.2e-4 over its 6 steps).
     cfg = TrainConfig(epochs=1, batch_size=B, lr=0.05, momentum=0.9, weight_decay=1e-3)
     t64 = TorchBackend(build_model(SPEC).double())
     t64.load({k: v.double() for k, v in eb.state().items()})
