@@ -7,13 +7,18 @@ BIN := $(VENV)/bin
 TORCH_INDEX ?=
 FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 
-.PHONY: demo test lint data venv clean
+.PHONY: demo test test-slow lint data venv clean
 
 demo: $(VENV)/.installed data
 	$(BIN)/pfl-edge demo
 
 test: $(VENV)/.installed data
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
+
+# the few tests that must be long (a fresh venv's install, mobilenet-v1's training export, the soak); CI runs
+# them after make test
+test-slow: $(VENV)/.installed data
+	$(BIN)/python -m pytest -q -m slow --durations=10
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check pfl_edge device_profiles export edge_runtime server tests bench

@@ -183,6 +183,7 @@ def test_a_bundle_device_takes_part(tmp_path: Path) -> None:
         fed.close()
 
 
+@pytest.mark.slow  # a fresh virtual environment with torch and ExecuTorch installed: 1-3 minutes
 def test_a_bundle_installs_into_a_fresh_environment_and_takes_part(tmp_path: Path) -> None:
     """install.sh into a fresh virtual environment (the device's requirements only, each without its declared
     dependencies; its check: imports, a torch step, the ONNX program, the ExecuTorch training program), then its

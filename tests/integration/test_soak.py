@@ -52,6 +52,7 @@ def soak(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path
     return json.loads(out.read_text()), work / "run"
 
 
+@pytest.mark.slow  # the soak's own run, its faults and ledger check: about a minute, more under load
 @pytest.mark.needs_fmnist  # the soak's federations train on Fashion-MNIST
 def test_the_short_soak_loses_nothing_and_counts_nothing_twice(soak: tuple[dict[str, Any], Path]) -> None:
     report, _ = soak
@@ -73,6 +74,7 @@ def test_the_short_soak_loses_nothing_and_counts_nothing_twice(soak: tuple[dict[
 
 
 @pytest.mark.needs_fmnist
+@pytest.mark.slow  # on the soak's run
 def test_the_check_catches_a_lost_update_and_a_wrong_aggregate(soak: tuple[dict[str, Any], Path],
                                                                  tmp_path: Path) -> None:
     """The same run's database, tampered: one update the ledgers name deleted, one round's published model
