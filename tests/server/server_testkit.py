@@ -143,6 +143,18 @@ def wait_for(cond: Callable[[], bool], timeout: float = 20.0, what: str = "condi
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+def settled(srv: Any, *, past: float | None = None, timeout: float = 30.0) -> None:
+    """Wait until the server's round worker has run one whole tick that began after now (and after unix time
+    ``past``, e.g. a round's deadline): whatever a tick would do with what the test did so far, it has done. The
+    event a check that something did *not* happen waits for, instead of a sleep."""
+    worker = srv.app_state.coordinator.worker
+    if past is not None:
+        wait_for(lambda: time.time() > past, timeout=timeout + max(0.0, past - time.time()), what="the deadline")
+    start = worker.ticks
+    # ticks run one after another in one thread: the second start after ``start`` means a whole tick ran
+    wait_for(lambda: worker.ticks >= start + 2, timeout=timeout, what="a whole tick of the round worker")
+
+
 def fed_state(c: httpx.Client | Any, admin: str, fed: str) -> tuple[int, str]:
     j = c.get(f"/v1/federations/{fed}", headers=bearer(admin)).json()
     return int(j["round"]), str(j["state"])

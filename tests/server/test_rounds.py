@@ -5,7 +5,6 @@ close a round without a dead device, and a server killed mid-round resumes it.""
 from __future__ import annotations
 
 import hashlib
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from server_testkit import (
     dispfl_initial,
     fed_state,
     perturbed,
+    settled,
     train_one,
     wait_for,
 )
@@ -189,7 +189,11 @@ def test_quorum_deadline_and_a_dead_device(srv: BackgroundServer) -> None:
     base = take(devs[0].fm.init_state(), devs[0].fm.base_keys(2))
     agents[0].wait(task_topic("q", devs[0].id), lambda x: x["round"] == 1)
     d0 = devs[0].send(1, perturbed(base, 0), n=10)
-    time.sleep(1.3)  # past the deadline with 1 update: min_updates is 2, so the round waits
+    with Session(srv.app_state.engine) as s:  # type: ignore[union-attr]
+        open_round = s.get(Round, ("q", 1))
+        assert open_round is not None
+        deadline = open_round.deadline
+    settled(srv, past=deadline)  # past the deadline with 1 update: min_updates is 2, so the round waits
     assert fed_state(c, ADMIN, "q") == (1, "collecting")
     d1 = devs[1].send(1, perturbed(base, 1), n=30)  # the second update closes it at once
     task = agents[0].wait(task_topic("q", devs[0].id), lambda x: x["round"] == 2)
@@ -216,7 +220,7 @@ def test_quorum_fraction_closes_early(srv: BackgroundServer) -> None:
     wait_for(lambda: fed_state(c, ADMIN, "h") == (1, "collecting"), what="round 1")
     base = take(devs[0].fm.init_state(), devs[0].fm.base_keys(2))
     devs[0].send(1, perturbed(base, 0))
-    time.sleep(0.3)
+    settled(srv)  # a whole tick after one update of four: quorum 0.5 is not reached, the round goes on
     assert fed_state(c, ADMIN, "h") == (1, "collecting")
     devs[1].send(1, perturbed(base, 1))
     wait_for(lambda: fed_state(c, ADMIN, "h") == (2, "collecting"), what="round 2 after half the devices")

@@ -115,10 +115,11 @@ def test_a_thousand_idle_connections_do_not_take_the_server_down(tmp_path: Path,
         waited = time.monotonic() - t0
         assert ok, "the server did not answer /healthz within 30 s of 1,100 idle connections"
         assert waited < 15, waited
-        # the idle ones were closed by the header timeout: each reads EOF
-        time.sleep(1.5)
-        closed = sum(1 for s in socks[:50] if _closed(s))
-        assert closed == 50
+        # the idle ones are closed by the header timeout: each reads EOF (within a generous bound)
+        deadline = time.monotonic() + 20
+        while sum(1 for s in socks[:50] if _closed(s)) < 50 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert sum(1 for s in socks[:50] if _closed(s)) == 50
         assert log.stat().st_size < 100_000, log.read_text()[-2000:]
     finally:
         for s in socks:
