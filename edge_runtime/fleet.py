@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 
 from device_profiles import get_fleet
+from pfl_edge.algorithms import algorithm_class, device_algorithms
 from pfl_edge.errors import ConfigError, PflEdgeError
-from pfl_edge.federation import DEVICE_ALGORITHMS
 from pfl_edge.protocol import API_PREFIX
 
 __all__ = ["DemoConfig", "Federation", "free_port", "run_demo", "start_server"]
@@ -63,8 +63,9 @@ class DemoConfig:
             raise ConfigError(f"--devices must be >= 2, got {self.devices}")
         if self.rounds < 1:
             raise ConfigError(f"--rounds must be >= 1, got {self.rounds}")
-        if self.algorithm not in DEVICE_ALGORITHMS:
-            raise ConfigError(f"unknown algorithm {self.algorithm!r}; valid: {', '.join(DEVICE_ALGORITHMS)}")
+        if not algorithm_class(self.algorithm).on_devices:  # an unknown name: UnknownNameError, listing them
+            raise ConfigError(f"algorithm {self.algorithm!r} does not run on devices; valid: "
+                              f"{', '.join(device_algorithms())}")
         get_fleet(self.fleet)  # unknown fleets fail here, with the valid names
 
     def federation_config(self) -> dict[str, Any]:
@@ -77,7 +78,7 @@ class DemoConfig:
         }
         if self.topology is not None:
             cfg["topology"] = self.topology
-        if self.profile_capacity and self.algorithm == "dispfl":
+        if self.profile_capacity and algorithm_class(self.algorithm).sparse:
             # recorded so that the simulator run of this config gives every client its device's density
             cfg["densities"] = list(get_fleet(self.fleet).densities())
         return {**cfg, **self.extra}

@@ -11,18 +11,18 @@ import tomllib
 import types
 import typing
 from dataclasses import dataclass, fields
-from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
+from .algorithms.algorithm import algorithm_class, device_algorithms, list_algorithms
 from .checkpoint import ModelSpec, build_model
 from .data import Dataset, Labels, Partition, get_dataset, get_labels, partition
 from .errors import ConfigError
-from .protocol import MAX_CLIENTS, MAX_NEIGHBOURS, MAX_ROUND
-from .seeding import derive_seed, generator, numpy_rng
+from .protocol import MAX_CLIENTS, MAX_ROUND
+from .seeding import Stream, derive_seed, numpy_rng, stream
 from .train import TrainConfig
 
 __all__ = [
@@ -44,9 +44,9 @@ __all__ = [
     "stream",
 ]
 
-CENTRAL = ("local", "fedavg", "fedavg-ft", "fedper", "fedper-ft")
-DECENTRAL = ("dispfl", "dpsgd", "dpsgd-ft")
-ALGORITHMS = CENTRAL + DECENTRAL
+ALGORITHMS = tuple(list_algorithms())  # every registered algorithm (pfl_edge.algorithms)
+CENTRAL = tuple(n for n in ALGORITHMS if not algorithm_class(n).decentral)
+DECENTRAL = tuple(n for n in ALGORITHMS if algorithm_class(n).decentral)
 
 
 @dataclass(frozen=True)
@@ -90,8 +90,7 @@ class FederationConfig:
     def __post_init__(self) -> None:
         _check_types(self)
         _check_bounds(self)  # before anything sized by a field (clients, rounds, samples) is built
-        if self.algorithm not in ALGORITHMS:
-            raise ConfigError(f"unknown algorithm {self.algorithm!r}; valid algorithms: {', '.join(ALGORITHMS)}")
+        algo = algorithm_class(self.algorithm)  # UnknownNameError (a ConfigError) listing the valid names
         for name in ("clients", "rounds", "local_epochs", "batch_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -103,8 +102,9 @@ class FederationConfig:
             raise ConfigError(f"participation must be in (0, 1], got {self.participation}")
         if self.base not in ("deep", "linear"):
             raise ConfigError(f"base must be 'deep' or 'linear', got {self.base!r}")
-        if self.base == "linear" and (self.algorithm not in ("fedper", "fedper-ft", "local") or self.kp < 1):
-            raise ConfigError("base 'linear' is FedPer's control: use it with fedper, fedper-ft or local and kp >= 1")
+        if self.base == "linear" and (not algo.linear_base or self.kp < 1):
+            valid = ", ".join(n for n in ALGORITHMS if algorithm_class(n).linear_base)
+            raise ConfigError(f"base 'linear' is FedPer's control: use it with {valid} and kp >= 1")
         if self.engine not in ("auto", "vmap", "loop"):
             raise ConfigError(f"engine must be auto, vmap or loop, got {self.engine!r}")
         for d in (self.density, *(self.densities or ())):
@@ -120,12 +120,7 @@ class FederationConfig:
             raise ConfigError(f"lr_decay must be in (0, 1], got {self.lr_decay}")
         if self.clip_norm is not None and not self.clip_norm > 0:
             raise ConfigError(f"clip_norm must be > 0, got {self.clip_norm}")
-        if self.algorithm in DECENTRAL:
-            from .topology import check_topology
-
-            check_topology(self.topology_spec, self.clients)
-            if self.participation != 1.0:
-                raise ConfigError("decentralized algorithms train every client every round: participation must be 1")
+        algo.check_config(self)
         if self.workers is not None and self.workers < 1:
             raise ConfigError(f"workers must be >= 1, got {self.workers}")
         for name in ("samples_per_client", "test_per_client"):
@@ -136,12 +131,9 @@ class FederationConfig:
 
     @property
     def effective_kp(self) -> int | None:
-        """K_P as the algorithm uses it: 0 for FedAvg, every block for local (None), else kp."""
-        if self.algorithm in ("fedavg", "fedavg-ft") or self.algorithm in DECENTRAL:
-            return 0
-        if self.algorithm == "local":
-            return None
-        return self.kp
+        """K_P as the algorithm uses it (``Algorithm.personal_blocks``): 0 for FedAvg and the decentralised ones,
+        every block for local (None), else kp."""
+        return algorithm_class(self.algorithm).personal_blocks(self)
 
     def client_density(self, i: int) -> float:
         """Client i's capacity: ``densities`` cycled over clients, else ``density``."""
@@ -156,7 +148,7 @@ class FederationConfig:
 
     @property
     def clips_unmasked(self) -> bool:
-        return self.algorithm == "dispfl" if self.clip_unmasked is None else self.clip_unmasked
+        return algorithm_class(self.algorithm).clips_unmasked if self.clip_unmasked is None else self.clip_unmasked
 
     def train_config(self, t: int, epochs: int | None = None) -> TrainConfig:
         """Local SGD of round ``t`` (1-based; round 0, a late joiner's first fine-tuning, uses round 1's lr)."""
@@ -180,28 +172,6 @@ class FederationConfig:
 
 
 SimConfig = FederationConfig  # the name the simulator's users know
-
-
-# ------------------------------------------------------------------------------------------- random streams
-
-
-class Stream(StrEnum):
-    """The named random streams of a federation (``pfl_edge.seeding``): each consumer draws from its own, so the
-    simulator and a device draw the same numbers for the same client and round."""
-
-    PARTITION = "partition"  # (): who gets which sample
-    INIT = "init"  # (): the initial model
-    PARTICIPANTS = "participants"  # (t): the clients of a round, when participation < 1
-    TOPOLOGY = "topology"  # (t): the round's neighbour graph
-    MASK = "mask"  # (slot): a DisPFL client's initial mask
-    TRAIN = "train"  # (t, slot): batches of local training
-    FINETUNE = "finetune"  # (t, slot): batches of fine-tuning (FedPer-FT, -FT evaluation)
-    REGROW = "regrow"  # (t, slot): the batch of the dense-gradient regrowth screen
-    REGROW_RANDOM = "regrow-random"  # (t, slot): random regrowth
-
-
-def stream(seed: int, name: Stream, *index: int) -> torch.Generator:
-    return generator(seed, name.value, *index)
 
 
 # ------------------------------------------------------------------------------------------- data and model
@@ -245,11 +215,11 @@ def init_state(cfg: FederationConfig, spec: ModelSpec) -> dict[str, Tensor]:
 
 # ------------------------------------------------------------------------------------------- devices
 
-DEVICE_ALGORITHMS = ("fedavg", "fedper", "fedper-ft", "dispfl")
+DEVICE_ALGORITHMS = tuple(device_algorithms())
 
 
 def check_device_config(cfg: FederationConfig) -> None:
-    if cfg.algorithm not in DEVICE_ALGORITHMS:
+    if not algorithm_class(cfg.algorithm).on_devices:
         raise ConfigError(f"algorithm {cfg.algorithm!r} does not run on devices; valid: {', '.join(DEVICE_ALGORITHMS)}")
 
 
@@ -262,11 +232,10 @@ def device_capacity(cfg: FederationConfig, slot: int, *, profile_density: float 
         density, kp = float(profile_density), int(profile_kp)
     else:
         density, kp = cfg.client_density(slot), cfg.kp
-    if cfg.effective_kp == 0:
-        kp = 0
-    elif cfg.base == "linear":
+    if cfg.base == "linear":  # its model is built for the config's K_P
         kp = cfg.kp
-    return density, kp
+    own = algorithm_class(cfg.algorithm).personal_blocks(cfg)
+    return density, 0 if own == 0 else kp
 
 
 # The most each field may be: a federation's config arrives from the network (an admin's request), and a field
@@ -295,12 +264,6 @@ def _check_bounds(cfg: FederationConfig) -> None:
     for name in ("lr_decay", "alpha0", "participation", "density"):
         if not math.isfinite(getattr(cfg, name)):
             raise ConfigError(f"{name} must be finite, got {getattr(cfg, name)}")
-    if cfg.algorithm in DECENTRAL:  # every round lists clients x degree edges, and each device fetches its degree
-        name, _, arg = cfg.topology_spec.partition(":")
-        degree = cfg.clients - 1 if name == "full" else int(arg) if arg.isdigit() and len(arg) < 12 else 0
-        if degree > MAX_NEIGHBOURS:
-            raise ConfigError(f"topology {cfg.topology_spec!r:.40} gives each of {cfg.clients:,} clients {degree:,} "
-                              f"neighbours; at most {MAX_NEIGHBOURS:,} (random:K with a smaller K)")
 
 
 def _check_types(cfg: FederationConfig) -> None:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import random
+from enum import StrEnum
 
 import numpy as np
 import torch
 
-__all__ = ["derive_seed", "generator", "numpy_rng", "seed_everything"]
+__all__ = ["Stream", "derive_seed", "generator", "numpy_rng", "seed_everything", "stream"]
 
 
 def derive_seed(seed: int, label: str, *index: int) -> int:
@@ -40,3 +41,22 @@ def seed_everything(seed: int) -> None:
     random.seed(derive_seed(seed, "python"))
     np.random.seed(derive_seed(seed, "numpy") % (1 << 32))
     torch.manual_seed(derive_seed(seed, "torch"))
+
+
+class Stream(StrEnum):
+    """The named random streams of a federation: each consumer draws from its own, so the simulator and a device
+    draw the same numbers for the same client and round."""
+
+    PARTITION = "partition"  # (): who gets which sample
+    INIT = "init"  # (): the initial model
+    PARTICIPANTS = "participants"  # (t): the clients of a round, when participation < 1
+    TOPOLOGY = "topology"  # (t): the round's neighbour graph
+    MASK = "mask"  # (slot): a DisPFL client's initial mask
+    TRAIN = "train"  # (t, slot): batches of local training
+    FINETUNE = "finetune"  # (t, slot): batches of fine-tuning (FedPer-FT, -FT evaluation)
+    REGROW = "regrow"  # (t, slot): the batch of the dense-gradient regrowth screen
+    REGROW_RANDOM = "regrow-random"  # (t, slot): random regrowth
+
+
+def stream(seed: int, name: Stream, *index: int) -> torch.Generator:
+    return generator(seed, name.value, *index)

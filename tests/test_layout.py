@@ -170,3 +170,50 @@ def test_no_module_imports_itself_through_others() -> None:
     graph = _graph()
     assert "server.services.artefacts" in graph and graph["server.app"], "the import graph was not read"
     assert not _cycles(graph), _cycles(graph)
+
+
+def _algorithm_comparisons(tree: ast.AST, names: set[str]) -> list[int]:
+    """Lines that compare an algorithm's name: ``x.algorithm == ...``, ``algorithm in (...)``,
+    ``cfg.algorithm.startswith(...)``, or a registered name compared with anything but a program ``mode``."""
+
+    def about_algorithm(n: ast.AST) -> bool:
+        return (isinstance(n, ast.Attribute) and n.attr == "algorithm") or (isinstance(n, ast.Name)
+                                                                            and n.id == "algorithm")
+
+    def a_name(n: ast.AST) -> bool:
+        if isinstance(n, ast.Constant):
+            return n.value in names
+        return isinstance(n, ast.Tuple | ast.List | ast.Set) and any(a_name(e) for e in n.elts)
+
+    def a_mode(n: ast.AST) -> bool:
+        return (isinstance(n, ast.Attribute) and n.attr == "mode") or (isinstance(n, ast.Name) and n.id == "mode")
+
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(about_algorithm(x) for x in sides) or (any(a_name(x) for x in sides)
+                                                          and not any(a_mode(x) for x in sides)):
+                lines.append(node.lineno)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in ("startswith", "endswith") and about_algorithm(node.func.value)):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_only_the_algorithms_compare_an_algorithms_name() -> None:
+    from pfl_edge.algorithms import list_algorithms
+
+    names = set(list_algorithms())
+    assert _algorithm_comparisons(ast.parse('if cfg.algorithm == "fedper": pass'), names) == [1]
+    assert _algorithm_comparisons(ast.parse('x = "dispfl" in kinds'), names) == [1]
+    assert _algorithm_comparisons(ast.parse('ok = mode in ("fedper", "dispfl")'), names) == []  # program modes
+    found = {}
+    for path in FILES:
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith("pfl_edge/algorithms/"):
+            continue
+        lines = _algorithm_comparisons(ast.parse(path.read_text()), names)
+        if lines:
+            found[rel] = lines
+    assert not found, f"ask the algorithm (its class's traits or methods) instead of comparing its name: {found}"

@@ -5,7 +5,10 @@ client's row, a device over its one row, the server calls plan and aggregate."""
 from . import central, dispfl, dpsgd
 from .algorithm import (
     Algorithm,
+    Decentralised,
     DeviceRound,
+    algorithm_class,
+    device_algorithms,
     get_algorithm,
     list_algorithms,
     register_algorithm,
@@ -16,13 +19,16 @@ from .base import Clients, Metrics, Neighbour, Received, Trainer, Upload, one_ro
 __all__ = [
     "Algorithm",
     "Clients",
+    "Decentralised",
     "DeviceRound",
     "Metrics",
     "Neighbour",
     "Received",
     "Trainer",
     "Upload",
+    "algorithm_class",
     "central",
+    "device_algorithms",
     "dispfl",
     "dpsgd",
     "get_algorithm",

@@ -1,30 +1,41 @@
 """The interface each algorithm implements once, and the registry.
 
-An algorithm object is built for a federation config and a model (and, for FedPer, the K_P of the clients it
-serves). Its client side is a set of pure functions over stacks (``Clients`` says whose rows they are); its
-coordinator side plans a round and aggregates. The device-level methods (``device_*``) compose the client
-side for one device's round, so the agent runs a round without knowing which algorithm it follows.
+An algorithm is a class registered under its name. What the rest of pfl-edge needs to know about it before
+there is a model (does it run on devices, how many blocks are personal, which config rules it adds, whether its
+clients keep sparse masks) is on the class, so that the federation config, the simulator, the server and the
+device ask it instead of comparing names. An algorithm object is built for a federation config and a model (and,
+for FedPer, the K_P of the clients it serves). Its client side is a set of pure functions over stacks
+(``Clients`` says whose rows they are); its coordinator side plans a round and aggregates. The device-level
+methods (``device_*``) compose the client side for one device's round, so the agent runs a round without knowing
+which algorithm it follows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar, Literal, TypeVar
 
 import torch
 from torch import Tensor
 
 from ..errors import ConfigError, UnknownNameError
-from ..federation import FederationConfig, Stream, stream
 from ..models import BlockModel
+from ..protocol import MAX_NEIGHBOURS
+from ..seeding import Stream, stream
 from ..split import Split, split_keys
-from ..topology import neighbours
+from ..topology import check_topology, neighbours
 from .base import Clients, Metrics, Received, Upload
+
+if TYPE_CHECKING:  # the config asks its algorithm's class; the algorithms only read its fields
+    from ..federation import FederationConfig
 
 __all__ = [
     "Algorithm",
     "Decentralised",
     "DeviceRound",
+    "algorithm_class",
+    "device_algorithms",
     "get_algorithm",
     "list_algorithms",
     "register_algorithm",
@@ -57,16 +68,53 @@ def sample_participants(seed: int, t: int, num_clients: int, fraction: float) ->
 
 
 class Algorithm:
+    #: the name it is registered under (``register_algorithm``) and a config names it by
+    name: ClassVar[str] = ""
+    #: which blocks stay on a client: "kp" the config's K_P (FedPer), "none" (FedAvg, the decentralised ones:
+    #: every tensor travels), "all" (local training)
+    personal: ClassVar[Literal["kp", "none", "all"]] = "kp"
     #: devices exchange models among themselves (through the server's relay); the server never averages
-    decentral: bool = False
+    decentral: ClassVar[bool] = False
+    #: it runs on devices (the agent, the server's coordination), not only in the simulator
+    on_devices: ClassVar[bool] = False
+    #: each client keeps a personal sparse mask at its own density, sent with its model (DisPFL)
+    sparse: ClassVar[bool] = False
+    #: it may run FedPer's control with a linear base (``base = "linear"``)
+    linear_base: ClassVar[bool] = False
+    #: its clients fine-tune their personal blocks for ``ft_epochs`` on every base they receive (FedPer-FT)
+    finetunes_personal: ClassVar[bool] = False
+    #: what a client deploys (and is evaluated on) is its model fine-tuned for ``ft_epochs``, not kept (-FT)
+    deploys_finetuned: ClassVar[bool] = False
+    #: the whole gradient is clipped before masks apply, when the config leaves ``clip_unmasked`` unset
+    clips_unmasked: ClassVar[bool] = False
     #: a device sends its initial model before round 1 (its first neighbours average it)
-    sends_initial_model: bool = False
+    sends_initial_model: ClassVar[bool] = False
     #: the server ends the federation with a final task on which every device evaluates (FedPer: its personal
     #: blocks on the last base); otherwise a device's last round is its last evaluation
-    final_evaluation: bool = False
+    final_evaluation: ClassVar[bool] = False
     #: the on-device training program a device of this algorithm runs (``export.TRAINING_MODES``): the whole model
     #: (its personal blocks alone for -FT's fine-tuning), or DisPFL's masked program with the dense gradient
-    program_mode: str = "fedper"
+    program_mode: ClassVar[str] = "fedper"
+
+    @classmethod
+    def personal_blocks(cls, cfg: FederationConfig) -> int | None:
+        """K_P as the config gives it to this algorithm: the blocks that stay personal (None: every block)."""
+        return {"kp": cfg.kp, "none": 0, "all": None}[cls.personal]
+
+    @classmethod
+    def split_kp(cls, cfg: FederationConfig, num_blocks: int, kp: int | None = None) -> int:
+        """The K_P rule, once: the personal blocks of a client of a ``num_blocks`` model, for a client of ``kp``
+        (a device's capacity) where the algorithm has personal blocks to give; 0 where nothing is personal."""
+        own = cls.personal_blocks(cfg)
+        if own is None:
+            return num_blocks
+        if own == 0:
+            return 0
+        return own if kp is None else kp
+
+    @classmethod
+    def check_config(cls, cfg: FederationConfig) -> None:
+        """The rules this algorithm adds to the federation config's own (ConfigError)."""
 
     @property
     def program_modes(self) -> tuple[str, ...]:
@@ -75,16 +123,9 @@ class Algorithm:
         return (self.program_mode,)
 
     def __init__(self, cfg: FederationConfig, model: BlockModel, kp: int | None = None) -> None:
-        self.name = cfg.algorithm
         self.cfg = cfg
         self.model = model
-        eff = cfg.effective_kp  # the K_P rule: 0 where nothing is personal, every block for local training
-        if eff is None:
-            k = len(model.block_names)
-        elif eff == 0:
-            k = 0
-        else:
-            k = eff if kp is None else kp
+        k = self.split_kp(cfg, len(model.block_names), kp)
         self.split: Split = split_keys(model, k, local_norm_stats=cfg.local_norm_stats)
 
     # ------------------------------------------------------------------------------------------ coordinator
@@ -102,10 +143,6 @@ class Algorithm:
         return None
 
     # ------------------------------------------------------------------------------------------ device
-    @property
-    def on_devices(self) -> bool:
-        return False
-
     def device_init(self, dev: Clients, init: Mapping[str, Tensor], density: float) -> dict[str, Tensor]:
         """A device's state before its first round, from the federation's initial model."""
         raise ConfigError(f"algorithm {self.name!r} does not run on devices")
@@ -131,32 +168,60 @@ class Decentralised(Algorithm):
     no server averages."""
 
     decentral = True
+    personal = "none"  # every tensor travels (DisPFL's personalisation is its mask, not its blocks)
+
+    @classmethod
+    def check_config(cls, cfg: FederationConfig) -> None:
+        check_topology(cfg.topology_spec, cfg.clients)
+        if cfg.participation != 1.0:
+            raise ConfigError("decentralized algorithms train every client every round: participation must be 1")
+        # every round lists clients x degree edges, and each device fetches its degree
+        name, _, arg = cfg.topology_spec.partition(":")
+        degree = cfg.clients - 1 if name == "full" else int(arg) if arg.isdigit() and len(arg) < 12 else 0
+        if degree > MAX_NEIGHBOURS:
+            raise ConfigError(f"topology {cfg.topology_spec!r:.40} gives each of {cfg.clients:,} clients {degree:,} "
+                              f"neighbours; at most {MAX_NEIGHBOURS:,} (random:K with a smaller K)")
 
     def neighbours(self, t: int) -> list[list[int]] | None:
         return neighbours(self.cfg.topology_spec, self.cfg.clients, t, self.cfg.seed)
 
 
-_REGISTRY: dict[str, Callable[[FederationConfig, BlockModel, int | None], Algorithm]] = {}
+_REGISTRY: dict[str, type[Algorithm]] = {}
+A = TypeVar("A", bound=type[Algorithm])
 
 
-def register_algorithm(*names: str) -> Callable[[type[Algorithm]], type[Algorithm]]:
-    def deco(cls: type[Algorithm]) -> type[Algorithm]:
-        for n in names:
-            _REGISTRY[n] = cls
+def register_algorithm(name: str) -> Callable[[A], A]:
+    """Register an algorithm class under ``name`` (its ``name`` from then on); a name is registered once."""
+
+    def deco(cls: A) -> A:
+        if name in _REGISTRY:
+            raise ConfigError(f"algorithm {name!r} is already registered")
+        cls.name = name
+        _REGISTRY[name] = cls
         return cls
 
     return deco
 
 
 def list_algorithms() -> list[str]:
-    return sorted(_REGISTRY)
+    """Every registered name, in registration order."""
+    return list(_REGISTRY)
+
+
+def device_algorithms() -> list[str]:
+    """The algorithms that run on devices."""
+    return [n for n, c in _REGISTRY.items() if c.on_devices]
+
+
+def algorithm_class(name: str) -> type[Algorithm]:
+    """The class registered under ``name``; an error listing the valid names if there is none."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise UnknownNameError("algorithm", name, list_algorithms()) from None
 
 
 def get_algorithm(cfg: FederationConfig, model: BlockModel, kp: int | None = None) -> Algorithm:
     """The algorithm ``cfg.algorithm`` for this config and model (``kp``: the K_P of the clients it serves; by
     default the config's)."""
-    try:
-        cls = _REGISTRY[cfg.algorithm]
-    except KeyError:
-        raise UnknownNameError("algorithm", cfg.algorithm, list_algorithms()) from None
-    return cls(cfg, model, kp)
+    return algorithm_class(cfg.algorithm)(cfg, model, kp)

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
 
-from ..federation import FederationConfig, Stream, stream
 from ..models import BlockModel
+from ..seeding import Stream, stream
 from ..train import Stack, TrainConfig, TrainResult
+
+if TYPE_CHECKING:
+    from ..federation import FederationConfig
 
 __all__ = ["Clients", "Metrics", "Neighbour", "Received", "Trainer", "Upload", "one_row"]
 

@@ -14,13 +14,14 @@ from collections.abc import Iterable, Mapping
 from torch import Tensor
 
 from ..aggregate import PartialAverage
-from ..federation import Stream
+from ..seeding import Stream
 from ..split import Split, take
 from ..train import Stack, TrainResult, unstack
 from .algorithm import Algorithm, DeviceRound, register_algorithm
 from .base import Clients, Metrics, Received, Upload, one_row
 
-__all__ = ["Central", "aggregate_bases", "deploy", "personal_finetune", "train_round", "upload", "with_base"]
+__all__ = ["Central", "FedAvg", "FedAvgFT", "FedPer", "FedPerFT", "Local", "aggregate_bases", "deploy",
+           "personal_finetune", "train_round", "upload", "with_base"]
 
 
 def with_base(state: Mapping[str, Tensor], base: Mapping[str, Tensor] | None, split: Split) -> Stack:
@@ -49,10 +50,10 @@ def train_round(cl: Clients, state: Stack, t: int) -> TrainResult:
     return cl.trainer.train(state, cl.slots, cl.cfg.train_config(t), cl.gens(Stream.TRAIN, t))
 
 
-def deploy(cl: Clients, state: Stack, t: int) -> Stack:
-    """What the clients deploy (and are evaluated on): their model, or for FedAvg-FT a copy of the global model
-    fine-tuned on their data for ``ft_epochs`` (not kept)."""
-    if cl.cfg.algorithm != "fedavg-ft" or not cl.cfg.ft_epochs:
+def deploy(cl: Clients, state: Stack, t: int, *, finetuned: bool) -> Stack:
+    """What the clients deploy (and are evaluated on): their model, or (``finetuned``: FedAvg-FT) a copy of the
+    global model fine-tuned on their data for ``ft_epochs`` (not kept)."""
+    if not finetuned or not cl.cfg.ft_epochs:
         return state
     return cl.trainer.train(state, cl.slots, cl.cfg.train_config(t, cl.cfg.ft_epochs),
                             cl.gens(Stream.FINETUNE, t)).stack
@@ -73,17 +74,15 @@ def aggregate_bases(prev: Mapping[str, Tensor],
     return avg.result(prev)
 
 
-@register_algorithm("local", "fedavg", "fedavg-ft", "fedper", "fedper-ft")
 class Central(Algorithm):
+    """The server-coordinated algorithms: clients train every block, send their base (the blocks below K_P) and
+    take the server's sample-weighted average of the bases back; the personal blocks never leave a client."""
+
     final_evaluation = True
 
     def aggregate(self, prev: Mapping[str, Tensor],
                   updates: Iterable[tuple[Mapping[str, Tensor], float]]) -> dict[str, Tensor] | None:
         return aggregate_bases(prev, updates) if self.split.base else None
-
-    @property
-    def finetunes_personal(self) -> bool:
-        return self.cfg.algorithm == "fedper-ft"
 
     @property
     def program_modes(self) -> tuple[str, ...]:
@@ -100,10 +99,6 @@ class Central(Algorithm):
         return out
 
     # ------------------------------------------------------------------------------------------ device
-    @property
-    def on_devices(self) -> bool:
-        return self.cfg.algorithm in ("fedavg", "fedper", "fedper-ft")
-
     def device_init(self, dev: Clients, init: Mapping[str, Tensor], density: float) -> dict[str, Tensor]:
         return dict(init)
 
@@ -128,3 +123,42 @@ class Central(Algorithm):
         # what it deploys is its state (saved anyway) until the final step puts it on the last base
         return DeviceRound(new, self.device_upload(new), metrics, train_loss=float(res.loss[0]),
                            steps=int(res.steps[0]))
+
+
+@register_algorithm("local")
+class Local(Central):
+    """Every block personal: clients train alone (nothing is sent)."""
+
+    linear_base = True
+    personal = "all"
+
+
+@register_algorithm("fedavg")
+class FedAvg(Central):
+    """One global model: nothing personal."""
+
+    on_devices = True
+    personal = "none"
+
+
+@register_algorithm("fedavg-ft")
+class FedAvgFT(FedAvg):
+    """FedAvg, each client deploying the global model fine-tuned on its own data (simulator only)."""
+
+    on_devices = False
+    deploys_finetuned = True
+
+
+@register_algorithm("fedper")
+class FedPer(Central):
+    """The base (blocks below K_P) averaged by the server, the K_P personal blocks kept on the client."""
+
+    on_devices = True
+    linear_base = True
+
+
+@register_algorithm("fedper-ft")
+class FedPerFT(FedPer):
+    """FedPer whose clients adapt their personal blocks to each new base for ``ft_epochs``."""
+
+    finetunes_personal = True

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from ..aggregate import neighbourhood_average
-from ..federation import Stream, stream
+from ..seeding import Stream, stream
 from ..sparse import erk_densities, init_masks, prune_rate, prune_regrow
 from ..train import Stack, TrainResult, stack_states, unstack
 from .algorithm import Decentralised, DeviceRound, register_algorithm
@@ -111,14 +111,13 @@ def round_step(cl: Clients, state: SparseClients, mixing: Tensor, t: int,
 
 @register_algorithm("dispfl")
 class DisPFL(Decentralised):
+    on_devices = True
+    sparse = True
+    clips_unmasked = True  # as the reference does: the whole gradient is clipped, then masked
     sends_initial_model = True
     program_mode = "dispfl"
 
     # ------------------------------------------------------------------------------------------ device
-    @property
-    def on_devices(self) -> bool:
-        return True
-
     def device_init(self, dev: Clients, init: Mapping[str, Tensor], density: float) -> dict[str, Tensor]:
         return pack(init_clients(dev, init, [density]))
 

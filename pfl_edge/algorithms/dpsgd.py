@@ -7,26 +7,37 @@ from __future__ import annotations
 from torch import Tensor
 
 from ..aggregate import neighbourhood_average
-from ..federation import Stream
+from ..seeding import Stream
 from ..train import Stack, TrainResult
 from .algorithm import Decentralised, register_algorithm
 from .base import Clients
 
-__all__ = ["DPSGD", "round_step"]
+__all__ = ["DPSGD", "DPSGDFT", "round_step"]
 
 
-def round_step(cl: Clients, weights: Stack, mixing: Tensor, t: int) -> tuple[Stack, TrainResult, Stack]:
+def round_step(cl: Clients, weights: Stack, mixing: Tensor, t: int, *,
+               finetuned: bool = False) -> tuple[Stack, TrainResult, Stack]:
     """Train, average over each row of ``mixing``; returns the averages, the training result and what each
-    client deploys."""
+    client deploys (``finetuned``: D-PSGD-FT's, the average fine-tuned for ``ft_epochs``, not kept)."""
     res = cl.trainer.train(weights, cl.slots, cl.cfg.train_config(t), cl.gens(Stream.TRAIN, t))
     avg = neighbourhood_average(res.stack, mixing)
     deployed = avg
-    if cl.cfg.algorithm == "dpsgd-ft" and cl.cfg.ft_epochs:
+    if finetuned and cl.cfg.ft_epochs:
         deployed = cl.trainer.train(avg, cl.slots, cl.cfg.train_config(t, cl.cfg.ft_epochs),
                                     cl.gens(Stream.FINETUNE, t)).stack
     return avg, res, deployed
 
 
-@register_algorithm("dpsgd", "dpsgd-ft")
+@register_algorithm("dpsgd")
 class DPSGD(Decentralised):
     """Registered for the simulator; D-PSGD does not run on devices."""
+
+    def round_step(self, cl: Clients, weights: Stack, mixing: Tensor, t: int) -> tuple[Stack, TrainResult, Stack]:
+        return round_step(cl, weights, mixing, t, finetuned=self.deploys_finetuned)
+
+
+@register_algorithm("dpsgd-ft")
+class DPSGDFT(DPSGD):
+    """D-PSGD whose clients deploy their neighbourhood average fine-tuned on their own data."""
+
+    deploys_finetuned = True

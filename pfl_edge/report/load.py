@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..algorithms import algorithm_class, list_algorithms
 from ..errors import ConfigError, DataError
 
 __all__ = [
@@ -163,6 +164,12 @@ def _num(x: Any, where: str, *, optional: bool = True) -> float | None:
     return float(x)
 
 
+def _keeps_blocks(name: Any) -> bool:
+    """Does the run's algorithm keep the config's K_P blocks personal (FedPer and its -FT)? False for a name
+    this version does not know (a result written by another)."""
+    return isinstance(name, str) and name in list_algorithms() and algorithm_class(name).personal == "kp"
+
+
 def _int(x: Any, where: str, *, optional: bool = True) -> int | None:
     if x is None and optional:
         return None
@@ -240,7 +247,7 @@ def from_simulation(result: Any, *, name: str = "simulation") -> Run:
     res = _obj(result, name)
     cfg = _obj(res.get("config"), f"{name}.config")
     rounds_in = _list(res.get("rounds"), f"{name}.rounds")
-    kp = _int(cfg.get("kp"), "config.kp") if str(cfg.get("algorithm", "")).startswith("fedper") else None
+    kp = _int(cfg.get("kp"), "config.kp") if _keeps_blocks(cfg.get("algorithm")) else None
     rounds, densities = [], {}
     for i, r in enumerate(rounds_in):
         where = f"{name}.rounds[{i}]"

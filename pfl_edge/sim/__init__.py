@@ -3,12 +3,12 @@
 from ..federation import ALGORITHMS, SimConfig, load_config_file
 from .algorithms import Algorithm, CentralPFL, Context, RoundStats
 from .report import client_table, plot_rounds, write_result
-from .runners import ALGORITHM_CLASSES, make_algorithm
+from .runners import RUNNERS, make_algorithm
 from .simulator import build_context, sample_participants, simulate
 
 __all__ = [
     "ALGORITHMS",
-    "ALGORITHM_CLASSES",
+    "RUNNERS",
     "Algorithm",
     "CentralPFL",
     "Context",

@@ -132,13 +132,13 @@ class CentralPFL(Runner):
         for i in participants.tolist():
             up[i] = down[i] = base_bytes
         self.clients = algo.receive(everyone, self.clients, self.base, t)
-        deployed = central.deploy(everyone, self.clients, t)
+        deployed = central.deploy(everyone, self.clients, t, finetuned=algo.deploys_finetuned)
         self._deployed = deployed
         acc, loss = ctx.trainer.evaluate(deployed, everyone.slots)
         # training a sample costs 3 forwards; fine-tuning counts alike (docs/algorithms.md's accounting)
         epochs = torch.zeros(ctx.num_clients, dtype=torch.int64)
         epochs[participants] += ctx.cfg.local_epochs
-        if ctx.cfg.algorithm == "fedavg-ft" or (algo.finetunes_personal and self.personal_params):
+        if algo.deploys_finetuned or (algo.finetunes_personal and self.personal_params):
             epochs += ctx.cfg.ft_epochs
         flops = (3 * ctx.dense_flops * epochs * ctx.train_data.n).tolist()
         return RoundStats(acc.tolist(), loss.tolist(), weighted_loss(res.loss, part.n_train), up, down,

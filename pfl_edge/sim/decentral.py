@@ -105,12 +105,13 @@ class DPSGDRunner(Runner):
         ctx, cfg = self.ctx, self.ctx.cfg
         cl = ctx.clients
         nbrs = graph(self.algo, t)
-        self.weights, res, deployed = dpsgd.round_step(cl, self.weights, mixing_matrix(nbrs), t)
+        self.weights, res, deployed = dpsgd.round_step(cl, self.weights, mixing_matrix(nbrs), t,
+                                                       finetuned=self.algo.deploys_finetuned)
         up, down, busiest, received = _traffic([payload_bytes(unstack(res.stack, i)) for i in range(len(cl))],
                                                nbrs)
         self._deployed = deployed
         acc, loss = ctx.trainer.evaluate(deployed, cl.slots)
-        epochs = cfg.local_epochs + (cfg.ft_epochs if cfg.algorithm == "dpsgd-ft" else 0)
+        epochs = cfg.local_epochs + (cfg.ft_epochs if self.algo.deploys_finetuned else 0)
         flops = (3 * ctx.dense_flops * epochs * ctx.train_data.n).tolist()
         return RoundStats(acc.tolist(), loss.tolist(), weighted_loss(res.loss, ctx.train_data.n), up, down,
                           busiest, received, cl.slots.tolist(), flops, [1.0] * len(cl))

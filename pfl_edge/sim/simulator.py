@@ -10,13 +10,12 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from ..algorithms import sample_participants
+from ..algorithms import get_algorithm, sample_participants
 from ..checkpoint import ModelSpec, build_model, save_checkpoint
 from ..federation import FederationConfig, deal, init_state
 from ..flops import forward_flops
 from ..parallel import Trainer
 from ..seeding import seed_everything
-from ..split import split_keys
 from ..train import ClientTensors, unstack
 from .algorithms import Context, RoundStats
 from .runners import make_algorithm
@@ -29,8 +28,7 @@ def build_context(cfg: FederationConfig) -> tuple[Context, ModelSpec]:
     ds, part, spec = deal(cfg)
     init = init_state(cfg, spec)
     model = build_model(spec)
-    kp = cfg.effective_kp if cfg.effective_kp is not None else len(model.block_names)  # local: all personal
-    split = split_keys(model, kp, local_norm_stats=cfg.local_norm_stats)
+    split = get_algorithm(cfg, model).split  # the algorithm's K_P rule (Algorithm.split_kp)
     train_data = ClientTensors.build(ds.train_x, [c.train_idx for c in part.clients],
                                      [c.train_y for c in part.clients])
     test_data = ClientTensors.build(ds.test_x, [c.test_idx for c in part.clients],

@@ -118,7 +118,7 @@ class Updates:
     def _check_payload(self, fm: FedModel, dev: Device, t: int, digest: str, start: str | None) -> float | None:
         """The blob must be exactly what this device may send this round; its norm from the round's ``start``
         model (None without one), for the round's norm bound."""
-        ones = erk_ones(fm, dev.density) if fm.cfg.algorithm == "dispfl" else None  # sparse at its capacity
+        ones = erk_ones(fm, dev.density) if fm.algorithm().sparse else None  # sparse at its capacity
         try:  # decoded and measured in the decode processes (each keeps the round's start model decoded)
             rnd, norm = self.blobs.check_update(digest, fm, fm.expected(dev.kp), start, ones)
         except CodecError as e:
