@@ -18,8 +18,9 @@ from typing import Any
 import httpx
 
 from device_profiles import get_fleet
-from pfl_edge.algorithms import algorithm_class, device_algorithms
+from pfl_edge.algorithms import algorithm_class
 from pfl_edge.errors import ConfigError, PflEdgeError
+from pfl_edge.federation import check_device_algorithm
 from pfl_edge.protocol import API_PREFIX
 
 __all__ = ["DemoConfig", "Federation", "free_port", "run_demo", "start_server"]
@@ -63,9 +64,7 @@ class DemoConfig:
             raise ConfigError(f"--devices must be >= 2, got {self.devices}")
         if self.rounds < 1:
             raise ConfigError(f"--rounds must be >= 1, got {self.rounds}")
-        if not algorithm_class(self.algorithm).on_devices:  # an unknown name: UnknownNameError, listing them
-            raise ConfigError(f"algorithm {self.algorithm!r} does not run on devices; valid: "
-                              f"{', '.join(device_algorithms())}")
+        check_device_algorithm(self.algorithm)
         get_fleet(self.fleet)  # unknown fleets fail here, with the valid names
 
     def federation_config(self) -> dict[str, Any]:

@@ -33,6 +33,7 @@ __all__ = [
     "FederationConfig",
     "SimConfig",
     "Stream",
+    "check_device_algorithm",
     "check_device_config",
     "deal",
     "deal_labels",
@@ -218,9 +219,14 @@ def init_state(cfg: FederationConfig, spec: ModelSpec) -> dict[str, Tensor]:
 DEVICE_ALGORITHMS = tuple(device_algorithms())
 
 
+def check_device_algorithm(name: str) -> None:
+    """ConfigError unless ``name`` runs on devices (an unknown name: UnknownNameError, listing them all)."""
+    if not algorithm_class(name).on_devices:
+        raise ConfigError(f"algorithm {name!r} does not run on devices; valid: {', '.join(DEVICE_ALGORITHMS)}")
+
+
 def check_device_config(cfg: FederationConfig) -> None:
-    if not algorithm_class(cfg.algorithm).on_devices:
-        raise ConfigError(f"algorithm {cfg.algorithm!r} does not run on devices; valid: {', '.join(DEVICE_ALGORITHMS)}")
+    check_device_algorithm(cfg.algorithm)
 
 
 def device_capacity(cfg: FederationConfig, slot: int, *, profile_density: float | None = None,

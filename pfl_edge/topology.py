@@ -8,7 +8,7 @@ import torch
 from .errors import ConfigError
 from .seeding import generator
 
-__all__ = ["check_topology", "mixing_matrix", "neighbours"]
+__all__ = ["check_topology", "in_degree", "mixing_matrix", "neighbours"]
 
 
 def check_topology(spec: str, num_clients: int) -> None:
@@ -23,6 +23,13 @@ def check_topology(spec: str, num_clients: int) -> None:
             raise ConfigError(f"{name} takes no argument, got {spec!r}")
     else:
         raise ConfigError(f"unknown topology {spec!r}; valid topologies: random:K, ring, full")
+
+
+def in_degree(spec: str, num_clients: int) -> int:
+    """How many in-neighbours each client has in a round of topology ``spec`` (checked first)."""
+    check_topology(spec, num_clients)
+    name, _, arg = spec.partition(":")
+    return {"full": num_clients - 1, "ring": min(2, num_clients - 1)}.get(name) or int(arg)
 
 
 def neighbours(spec: str, num_clients: int, t: int, seed: int) -> list[list[int]]:

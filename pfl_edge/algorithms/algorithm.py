@@ -24,7 +24,7 @@ from ..models import BlockModel
 from ..protocol import MAX_NEIGHBOURS
 from ..seeding import Stream, stream
 from ..split import Split, split_keys
-from ..topology import check_topology, neighbours
+from ..topology import in_degree, neighbours
 from .base import Clients, Metrics, Received, Upload
 
 if TYPE_CHECKING:  # the config asks its algorithm's class; the algorithms only read its fields
@@ -172,12 +172,10 @@ class Decentralised(Algorithm):
 
     @classmethod
     def check_config(cls, cfg: FederationConfig) -> None:
-        check_topology(cfg.topology_spec, cfg.clients)
+        degree = in_degree(cfg.topology_spec, cfg.clients)  # the topology checked, then its in-degree
         if cfg.participation != 1.0:
             raise ConfigError("decentralized algorithms train every client every round: participation must be 1")
         # every round lists clients x degree edges, and each device fetches its degree
-        name, _, arg = cfg.topology_spec.partition(":")
-        degree = cfg.clients - 1 if name == "full" else int(arg) if arg.isdigit() and len(arg) < 12 else 0
         if degree > MAX_NEIGHBOURS:
             raise ConfigError(f"topology {cfg.topology_spec!r:.40} gives each of {cfg.clients:,} clients {degree:,} "
                               f"neighbours; at most {MAX_NEIGHBOURS:,} (random:K with a smaller K)")

@@ -32,9 +32,6 @@ def round_step(cl: Clients, weights: Stack, mixing: Tensor, t: int, *,
 class DPSGD(Decentralised):
     """Registered for the simulator; D-PSGD does not run on devices."""
 
-    def round_step(self, cl: Clients, weights: Stack, mixing: Tensor, t: int) -> tuple[Stack, TrainResult, Stack]:
-        return round_step(cl, weights, mixing, t, finetuned=self.deploys_finetuned)
-
 
 @register_algorithm("dpsgd-ft")
 class DPSGDFT(DPSGD):
