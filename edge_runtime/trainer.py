@@ -38,15 +38,16 @@ class DeviceTrainer:
             raise InternalError(f"a device trains its own slot only, asked for {len(rows)} clients")
 
     def train(self, stack: Mapping[str, Tensor], rows: Tensor, cfg: TrainConfig, gens: Sequence[torch.Generator],
-              *, trainable: Collection[str] | None = None,
-              masks: Mapping[str, Tensor] | None = None) -> TrainResult:
+              *, trainable: Collection[str] | None = None, masks: Mapping[str, Tensor] | None = None,
+              anchor: Mapping[str, Tensor] | None = None) -> TrainResult:
         self._one(rows)
         state = unstack(stack, 0)
         start = time.perf_counter()
         self.backend.load(state)
         x, y = self.data.xy
         st = self.backend.train(x, y, cfg, gens[0], trainable=trainable,
-                                mask=None if masks is None else unstack(masks, 0))
+                                mask=None if masks is None else unstack(masks, 0),
+                                anchor=None if anchor is None else unstack(anchor, 0))
         self.train_s += time.perf_counter() - start
         return TrainResult(one_row({**state, **self.backend.state()}), torch.tensor([st.loss]),
                            torch.tensor([st.steps]), torch.tensor([st.samples]))

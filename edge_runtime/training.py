@@ -78,9 +78,11 @@ class TrainingBackend(Protocol):
         ...
 
     def train(self, x: Tensor, y: Tensor, cfg: TrainConfig, gen: torch.Generator, *,
-              trainable: Collection[str] | None = None, mask: Mapping[str, Tensor] | None = None) -> TrainStats:
+              trainable: Collection[str] | None = None, mask: Mapping[str, Tensor] | None = None,
+              anchor: Mapping[str, Tensor] | None = None) -> TrainStats:
         """``cfg.epochs`` epochs of SGD on ``(x, y)``; ``trainable``: parameter names to update (default all);
-        ``mask``: 0/1 tensors for some parameters, held at zero where 0."""
+        ``mask``: 0/1 tensors for some parameters, held at zero where 0; ``anchor``: what ``cfg.prox``'s
+        proximal term pulls the weights towards (``pfl_edge.train.TrainConfig.prox``)."""
         ...
 
     def dense_gradients(self, x: Tensor, y: Tensor, batch_size: int, gen: torch.Generator) -> dict[str, Tensor]:
@@ -115,11 +117,13 @@ class TorchBackend:
         return ClientTensors(x[None], y[None], torch.tensor([len(x)], dtype=torch.int64))
 
     def train(self, x: Tensor, y: Tensor, cfg: TrainConfig, gen: torch.Generator, *,
-              trainable: Collection[str] | None = None, mask: Mapping[str, Tensor] | None = None) -> TrainStats:
+              trainable: Collection[str] | None = None, mask: Mapping[str, Tensor] | None = None,
+              anchor: Mapping[str, Tensor] | None = None) -> TrainStats:
         masks = None if mask is None else {k: m[None] for k, m in mask.items()}
         # engine "loop": what the simulator's Trainer runs ("auto" there means the loop), so results are identical
         res = train(self.model, stack_states([self._state]), self._one(x, y), torch.tensor([0]), cfg, [gen],
-                    trainable=trainable, masks=masks, engine="loop")
+                    trainable=trainable, masks=masks, engine="loop",
+                    anchor=None if anchor is None else {k: a[None] for k, a in anchor.items()})
         self._state = unstack(res.stack, 0)
         return TrainStats(float(res.loss[0]), int(res.steps[0]), int(res.samples[0]))
 
@@ -134,14 +138,19 @@ class ProgramSGD:
     program is fed: mask and clip the gradients first, in the simulator's order, then the optimiser's step; then
     the mask re-applied to the weights (``pfl_edge.train``'s step, one step at a time)."""
 
-    def __init__(self, params: dict[str, Tensor], cfg: TrainConfig, masks: Mapping[str, Tensor]) -> None:
+    def __init__(self, params: dict[str, Tensor], cfg: TrainConfig, masks: Mapping[str, Tensor],
+                 anchor: Mapping[str, Tensor] | None = None) -> None:
         self.params, self.cfg = params, cfg
         self.masks = {k: m for k, m in masks.items() if k in params}
+        # the proximal term's anchors (TrainConfig.prox), as pfl_edge.train adds them: to the loss's gradient
+        self.anchor = {k: a for k, a in (anchor or {}).items() if k in params} if cfg.prox else {}
         self._opt = torch.optim.SGD(list(params.values()), lr=cfg.lr, momentum=cfg.momentum,
                                     weight_decay=cfg.weight_decay)
 
     def step(self, grads: Mapping[str, Tensor]) -> None:
         g = {k: grads[k] for k in self.params}  # fresh tensors from the runtime: safe to change in place
+        for k, a in self.anchor.items():
+            g[k].add_(self.params[k] - a, alpha=self.cfg.prox)
         if self.cfg.clip_unmasked:  # the DisPFL reference's order: clip the whole gradient, then mask it
             self._clip(g)
         for k, m in self.masks.items():
@@ -267,11 +276,11 @@ class ExecuTorchBackend:
         return self._run(x.to(torch.float32).contiguous(), y.to(torch.int64).contiguous(), w)
 
     def sgd(self, cfg: TrainConfig, *, trainable: Collection[str] | None = None,
-            mask: Mapping[str, Tensor] | None = None) -> ProgramSGD:
+            mask: Mapping[str, Tensor] | None = None, anchor: Mapping[str, Tensor] | None = None) -> ProgramSGD:
         """A fresh optimizer over ``trainable`` (default: every trainable parameter of the program)."""
         names = self._names(trainable)
         self._require_loaded()
-        return ProgramSGD({k: self._w[k] for k in names}, cfg, mask or {})
+        return ProgramSGD({k: self._w[k] for k in names}, cfg, mask or {}, anchor)
 
     def _names(self, trainable: Collection[str] | None) -> list[str]:
         if trainable is None:
@@ -283,7 +292,8 @@ class ExecuTorchBackend:
         return [k for k in self.trainable if k in set(trainable)]
 
     def train(self, x: Tensor, y: Tensor, cfg: TrainConfig, gen: torch.Generator, *,
-              trainable: Collection[str] | None = None, mask: Mapping[str, Tensor] | None = None) -> TrainStats:
+              trainable: Collection[str] | None = None, mask: Mapping[str, Tensor] | None = None,
+              anchor: Mapping[str, Tensor] | None = None) -> TrainStats:
         self._require_loaded()
         if cfg.batch_size > self.batch_size:
             raise ConfigError(f"batch size {cfg.batch_size} > the program's {self.batch_size}; export for it")
@@ -294,7 +304,7 @@ class ExecuTorchBackend:
         with torch.no_grad():  # training starts from w * m, as pfl_edge.train's does
             for k, m in masks.items():
                 self._w[k].mul_(m)
-        opt = self.sgd(cfg, trainable=trainable, mask=masks)
+        opt = self.sgd(cfg, trainable=trainable, mask=masks, anchor=anchor)
         n = len(x)
         idx, w = batch_schedule(torch.tensor([n]), cfg.epochs, cfg.batch_size, [gen])
         loss_sum, steps = 0.0, 0

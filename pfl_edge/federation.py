@@ -84,6 +84,9 @@ class FederationConfig:
     densities: tuple[float, ...] | None = None  # cycled over clients; overrides density
     alpha0: float = 0.5
     regrow: Literal["gradient", "random"] = "gradient"
+    # the algorithm's own options, checked by its ``Options`` dataclass (Ditto: lam, personal_epochs); a TOML
+    # config gives them as an ``[options]`` table
+    options: dict[str, Any] | None = None
     engine: Literal["auto", "vmap", "loop"] = "auto"
     workers: int | None = None  # training processes; None: one per core
     seed: int = 0
@@ -121,6 +124,7 @@ class FederationConfig:
             raise ConfigError(f"lr_decay must be in (0, 1], got {self.lr_decay}")
         if self.clip_norm is not None and not self.clip_norm > 0:
             raise ConfigError(f"clip_norm must be > 0, got {self.clip_norm}")
+        algo.options_for(self)  # the algorithm's own options: unknown keys and bad values refused here
         algo.check_config(self)
         if self.workers is not None and self.workers < 1:
             raise ConfigError(f"workers must be >= 1, got {self.workers}")
@@ -265,6 +269,12 @@ def _check_bounds(cfg: FederationConfig) -> None:
         v = getattr(cfg, f.name)
         if isinstance(v, str) and len(v) > _MAX_TEXT:
             raise ConfigError(f"{f.name} must be at most {_MAX_TEXT} characters, got {len(v)}")
+    if cfg.options is not None:
+        if len(cfg.options) > 64:
+            raise ConfigError(f"options must hold at most 64 entries, got {len(cfg.options):,}")
+        for k, v in cfg.options.items():
+            if len(k) > 64 or (isinstance(v, str) and len(v) > _MAX_TEXT):
+                raise ConfigError(f"option {k!r:.70} is too long (names at most 64 characters, texts {_MAX_TEXT})")
     if cfg.densities is not None and len(cfg.densities) > MAX_CLIENTS:
         raise ConfigError(f"densities must list at most {MAX_CLIENTS:,} values, got {len(cfg.densities):,}")
     for name in ("lr_decay", "alpha0", "participation", "density"):
@@ -297,6 +307,10 @@ def _coerce(value: Any, hint: Any) -> tuple[bool, Any]:
         return value is None, value
     if origin is Literal:
         return value in typing.get_args(hint), value
+    if origin is dict:  # a table of plain values (an algorithm's options)
+        ok = isinstance(value, dict) and all(
+            isinstance(k, str) and (v is None or isinstance(v, int | float | str | bool)) for k, v in value.items())
+        return ok, value
     if origin is tuple:
         if not isinstance(value, list | tuple):
             return False, value
@@ -320,6 +334,8 @@ def _describe(hint: Any) -> str:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
     if origin is tuple:
         return f"a list of ({_describe(typing.get_args(hint)[0])})"
+    if origin is dict:
+        return "a table of names to numbers, strings or booleans"
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(hint, str(hint))
 
 

@@ -70,9 +70,9 @@ def _evaluate_shard(args: tuple[Any, ...]) -> tuple[Tensor, Tensor]:
 
 
 def _train_shard(args: tuple[Any, ...]) -> TrainResult:
-    stack, rows, cfg, gen_states, trainable, masks, engine = args
+    stack, rows, cfg, gen_states, trainable, masks, anchor, engine = args
     return train(_WORKER["model"], stack, _WORKER["data"], rows, cfg, _gens(gen_states), trainable=trainable,
-                 masks=masks, engine=engine)
+                 masks=masks, anchor=anchor, engine=engine)
 
 
 class Trainer:
@@ -98,17 +98,19 @@ class Trainer:
             self._pool = ctx.Pool(self.workers, initializer=_init_worker, initargs=(model, data, test_data, threads))
 
     def train(self, stack: Mapping[str, Tensor], rows: Tensor, cfg: TrainConfig, gens: Sequence[torch.Generator],
-              *, trainable: Collection[str] | None = None, masks: Mapping[str, Tensor] | None = None) -> TrainResult:
+              *, trainable: Collection[str] | None = None, masks: Mapping[str, Tensor] | None = None,
+              anchor: Mapping[str, Tensor] | None = None) -> TrainResult:
         if self._pool is None or len(rows) < 2:
             return train(self.model, stack, self.data, rows, cfg, gens, trainable=trainable, masks=masks,
-                         engine=self.engine)
+                         anchor=anchor, engine=self.engine)
         shards = _balance(self.data.n[rows].tolist(), self.workers)
         jobs = []
         for pos in shards:
             sel = torch.tensor(pos, dtype=torch.int64)
             jobs.append((index_stack(stack, sel), rows[sel], cfg, [gens[i].get_state() for i in pos],
                          None if trainable is None else list(trainable),
-                         None if masks is None else index_stack(masks, sel), self.engine))
+                         None if masks is None else index_stack(masks, sel),
+                         None if anchor is None else index_stack(anchor, sel), self.engine))
         parts: list[TrainResult] = self._pool.map(_train_shard, jobs)
         cat = _concat_in_order(shards)
         stack_out = {k: cat([p.stack[k] for p in parts]) for k in parts[0].stack}

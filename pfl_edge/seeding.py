@@ -56,6 +56,7 @@ class Stream(StrEnum):
     FINETUNE = "finetune"  # (t, slot): batches of fine-tuning (FedPer-FT, -FT evaluation)
     REGROW = "regrow"  # (t, slot): the batch of the dense-gradient regrowth screen
     REGROW_RANDOM = "regrow-random"  # (t, slot): random regrowth
+    PERSONAL = "personal"  # (t, slot): batches of a second, personal model's training (Ditto)
 
 
 def stream(seed: int, name: Stream, *index: int) -> torch.Generator:

@@ -58,6 +58,10 @@ class TrainConfig:
     weight_decay: float = 0.0
     clip_norm: float | None = None
     clip_unmasked: bool = False  # clip the whole gradient before masking it (the DisPFL reference's order)
+    # a proximal term (lambda/2) ||w - anchor||^2 in the objective: lambda (w - anchor) is added to the loss's
+    # gradient of every trained tensor that has an anchor (``train(..., anchor=)``), before masks and clipping
+    # (Ditto's personal model, regularised towards the global one); 0: none
+    prox: float = 0.0
 
     def __post_init__(self) -> None:
         if self.epochs < 0:
@@ -72,6 +76,8 @@ class TrainConfig:
             raise ConfigError(f"weight_decay must be >= 0, got {self.weight_decay}")
         if self.clip_norm is not None and not self.clip_norm > 0:
             raise ConfigError(f"clip_norm must be > 0, got {self.clip_norm}")
+        if not (math.isfinite(self.prox) and self.prox >= 0):
+            raise ConfigError(f"prox must be finite and >= 0, got {self.prox}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -156,13 +162,16 @@ def train(
     *,
     trainable: Collection[str] | None = None,
     masks: Mapping[str, Tensor] | None = None,
+    anchor: Mapping[str, Tensor] | None = None,
     engine: Engine = "auto",
 ) -> TrainResult:
     """Train client ``rows[c]`` of ``data`` from state ``stack[*][c]`` for ``cfg.epochs`` epochs.
 
     ``trainable``: parameter names to update (default: all parameters); the rest stay fixed. ``masks``: 0/1
     tensors stacked like ``stack`` for some parameters; gradients are masked and the mask is re-applied after
-    every step, so masked-out weights stay zero. Returns a new stack; the input is not modified.
+    every step, so masked-out weights stay zero. ``anchor``: tensors stacked like ``stack`` that the proximal
+    term ``cfg.prox`` pulls the trained weights towards (ignored when ``cfg.prox`` is 0). Returns a new stack;
+    the input is not modified.
     """
     if len(rows) != len(gens):
         raise ConfigError(f"{len(rows)} clients but {len(gens)} generators")
@@ -171,15 +180,35 @@ def train(
     unknown = set(trainable or ()) - set(param_names)
     if unknown:
         raise ConfigError(f"trainable names that are not parameters: {sorted(unknown)}")
+    pull = _anchor(anchor, names, stack, cfg)
     idx, w = batch_schedule(data.n[rows], cfg.epochs, cfg.batch_size, gens)
     chosen = _engine(model, engine)
     fn = _train_vmap if chosen == "vmap" else _train_loop
-    return fn(model, stack, data, rows, cfg, idx, w, names, masks or {})
+    return fn(model, stack, data, rows, cfg, idx, w, names, masks or {}, pull)
+
+
+def _anchor(anchor: Mapping[str, Tensor] | None, names: Sequence[str], stack: Mapping[str, Tensor],
+            cfg: TrainConfig) -> dict[str, Tensor]:
+    """The anchors of the trained tensors, checked against the stack's shapes; none without a proximal term."""
+    if not cfg.prox or anchor is None:
+        return {}
+    out = {k: anchor[k] for k in names if k in anchor}
+    for k, a in out.items():
+        if a.shape != stack[k].shape:
+            raise ConfigError(f"anchor {k} has shape {tuple(a.shape)}, the stack {tuple(stack[k].shape)}")
+    return out
+
+
+def _pull(grads: dict[str, Tensor], params: Mapping[str, Tensor], anchor: Mapping[str, Tensor], prox: float) -> None:
+    """The proximal term's gradient, prox (w - anchor), added in place."""
+    for k, a in anchor.items():
+        if k in grads:
+            grads[k].add_(params[k] - a, alpha=prox)
 
 
 def _train_vmap(model: nn.Module, stack: Mapping[str, Tensor], data: ClientTensors, rows: Tensor,
                 cfg: TrainConfig, idx: Tensor, w: Tensor, names: list[str],
-                masks: Mapping[str, Tensor]) -> TrainResult:
+                masks: Mapping[str, Tensor], anchor: Mapping[str, Tensor]) -> TrainResult:
     out = {k: v.detach().clone() for k, v in stack.items()}
     fixed = {k: v for k, v in out.items() if k not in set(names)}
     params = {k: out[k] for k in names}
@@ -209,6 +238,7 @@ def _train_vmap(model: nn.Module, stack: Mapping[str, Tensor], data: ClientTenso
             with torch.no_grad():
                 loss_sum += torch.where(active, loss, 0.0)
                 steps += active.to(torch.int64)
+                _pull(grads, params, anchor, cfg.prox)
                 _sgd_step(params, grads, bufs, masks, active, cfg)
     finally:
         model.train(was_training)
@@ -255,7 +285,7 @@ def _clip(grads: dict[str, Tensor], clip_norm: float | None) -> None:
 
 def _train_loop(model: nn.Module, stack: Mapping[str, Tensor], data: ClientTensors, rows: Tensor,
                 cfg: TrainConfig, idx: Tensor, w: Tensor, names: list[str],
-                masks: Mapping[str, Tensor]) -> TrainResult:
+                masks: Mapping[str, Tensor], anchor: Mapping[str, Tensor]) -> TrainResult:
     out = {k: v.detach().clone() for k, v in stack.items()}
     n_clients = len(rows)
     loss_sum = torch.zeros(n_clients)
@@ -272,6 +302,7 @@ def _train_loop(model: nn.Module, stack: Mapping[str, Tensor], data: ClientTenso
             for p in train_params:
                 p.requires_grad_(True)
             cmask = {k: m[c] for k, m in masks.items()}
+            canchor = {k: a[c] for k, a in anchor.items()}
             with torch.no_grad():
                 for k, m in cmask.items():
                     named[k].mul_(m)
@@ -286,6 +317,10 @@ def _train_loop(model: nn.Module, stack: Mapping[str, Tensor], data: ClientTenso
                 opt.zero_grad(set_to_none=True)
                 loss = F.cross_entropy(model(data.x[r, b]), data.y[r, b])
                 loss.backward()
+                if canchor:
+                    with torch.no_grad():
+                        for k, a in canchor.items():
+                            named[k].grad.add_(named[k] - a, alpha=cfg.prox)  # type: ignore[union-attr]
                 if cfg.clip_norm is not None and cfg.clip_unmasked:
                     torch.nn.utils.clip_grad_norm_(train_params, cfg.clip_norm)
                 for k, m in cmask.items():

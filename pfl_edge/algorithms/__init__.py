@@ -2,11 +2,12 @@
 with what it received, and what the coordinator plans and aggregates. The simulator runs them over every
 client's row, a device over its one row, the server calls plan and aggregate."""
 
-from . import central, dispfl, dpsgd
+from . import central, dispfl, ditto, dpsgd
 from .algorithm import (
     Algorithm,
     Decentralised,
     DeviceRound,
+    NoOptions,
     algorithm_class,
     device_algorithms,
     get_algorithm,
@@ -23,6 +24,7 @@ __all__ = [
     "DeviceRound",
     "Metrics",
     "Neighbour",
+    "NoOptions",
     "Received",
     "Trainer",
     "Upload",
@@ -30,6 +32,7 @@ __all__ = [
     "central",
     "device_algorithms",
     "dispfl",
+    "ditto",
     "dpsgd",
     "get_algorithm",
     "list_algorithms",

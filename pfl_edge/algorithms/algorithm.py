@@ -13,8 +13,8 @@ which algorithm it follows.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Literal, TypeVar
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 import torch
 from torch import Tensor
@@ -34,6 +34,7 @@ __all__ = [
     "Algorithm",
     "Decentralised",
     "DeviceRound",
+    "NoOptions",
     "algorithm_class",
     "device_algorithms",
     "get_algorithm",
@@ -67,9 +68,16 @@ def sample_participants(seed: int, t: int, num_clients: int, fraction: float) ->
     return torch.randperm(num_clients, generator=stream(seed, Stream.PARTICIPANTS, t))[:m].sort().values
 
 
+@dataclass(frozen=True)
+class NoOptions:
+    """The options of an algorithm that has none."""
+
+
 class Algorithm:
     #: the name it is registered under (``register_algorithm``) and a config names it by
     name: ClassVar[str] = ""
+    #: its own options (a frozen dataclass that validates them), given as the config's ``options`` table
+    Options: ClassVar[type[Any]] = NoOptions
     #: which blocks stay on a client: "kp" the config's K_P (FedPer), "none" (FedAvg, the decentralised ones:
     #: every tensor travels), "all" (local training)
     personal: ClassVar[Literal["kp", "none", "all"]] = "kp"
@@ -116,6 +124,20 @@ class Algorithm:
     def check_config(cls, cfg: FederationConfig) -> None:
         """The rules this algorithm adds to the federation config's own (ConfigError)."""
 
+    @classmethod
+    def options_for(cls, cfg: FederationConfig) -> Any:
+        """The config's ``options`` as this algorithm's ``Options`` (ConfigError naming the valid keys)."""
+        given = dict(cfg.options or {})
+        known = [f.name for f in fields(cls.Options)]
+        unknown = sorted(set(given) - set(known))
+        if unknown:
+            raise ConfigError(f"algorithm {cls.name!r} has no option {', '.join(map(repr, unknown))}; its options: "
+                              f"{', '.join(known) or 'none'}")
+        try:
+            return cls.Options(**given)
+        except TypeError as e:
+            raise ConfigError(f"algorithm {cls.name!r}'s options: {e}") from None
+
     @property
     def program_modes(self) -> tuple[str, ...]:
         """Every training program a device of this algorithm may run, ``program_mode`` (the one the agent trains
@@ -125,6 +147,7 @@ class Algorithm:
     def __init__(self, cfg: FederationConfig, model: BlockModel, kp: int | None = None) -> None:
         self.cfg = cfg
         self.model = model
+        self.options = self.options_for(cfg)
         k = self.split_kp(cfg, len(model.block_names), kp)
         self.split: Split = split_keys(model, k, local_norm_stats=cfg.local_norm_stats)
 

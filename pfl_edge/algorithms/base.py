@@ -32,8 +32,8 @@ class Trainer(Protocol):
     (its one slot)."""
 
     def train(self, stack: Mapping[str, Tensor], rows: Tensor, cfg: TrainConfig, gens: Sequence[torch.Generator],
-              *, trainable: Collection[str] | None = None,
-              masks: Mapping[str, Tensor] | None = None) -> TrainResult: ...
+              *, trainable: Collection[str] | None = None, masks: Mapping[str, Tensor] | None = None,
+              anchor: Mapping[str, Tensor] | None = None) -> TrainResult: ...
 
     def evaluate(self, stack: Mapping[str, Tensor], rows: Tensor) -> tuple[Tensor, Tensor]: ...
 

@@ -16,7 +16,7 @@ from torch import Tensor
 from ..aggregate import PartialAverage
 from ..seeding import Stream
 from ..split import Split, take
-from ..train import Stack, TrainResult, unstack
+from ..train import Stack, TrainResult, stack_states, unstack
 from .algorithm import Algorithm, DeviceRound, register_algorithm
 from .base import Clients, Metrics, Received, Upload, one_row
 
@@ -76,7 +76,12 @@ def aggregate_bases(prev: Mapping[str, Tensor],
 
 class Central(Algorithm):
     """The server-coordinated algorithms: clients train every block, send their base (the blocks below K_P) and
-    take the server's sample-weighted average of the bases back; the personal blocks never leave a client."""
+    take the server's sample-weighted average of the bases back; the personal blocks never leave a client.
+
+    A round is composed once, from the methods below, for the simulator (over every client's row) and for a
+    device (its one row): ``receive`` the base, evaluate what it ``deploy``s, train (``local_round``), send
+    (``device_upload``). An algorithm of this family that keeps more per client (Ditto: a second, personal
+    model) says so in ``init_clients``, ``local_round`` and ``deployed_view``."""
 
     final_evaluation = True
 
@@ -90,6 +95,31 @@ class Central(Algorithm):
         return (self.program_mode, "personal") if self.finetunes_personal and self.split.personal else (
             self.program_mode,)
 
+    def init_clients(self, cl: Clients, init: Mapping[str, Tensor]) -> Stack:
+        """Every client's state before round 1, stacked, from the federation's initial model."""
+        return stack_states([dict(init)] * len(cl))
+
+    def local_round(self, cl: Clients, state: Stack, t: int) -> TrainResult:
+        """The clients' training of round ``t`` from ``state`` (the base received): local SGD over every block."""
+        return train_round(cl, state, t)
+
+    def deployed_view(self, state: Stack) -> Stack:
+        """The model in a client's state that it deploys (its whole state here), before any fine-tuning."""
+        return state
+
+    def deploy(self, cl: Clients, state: Stack, t: int) -> Stack:
+        """What the clients deploy after round ``t`` (and are evaluated on)."""
+        return deploy(cl, self.deployed_view(state), t, finetuned=self.deploys_finetuned)
+
+    def train_epochs(self, participated: bool) -> int:
+        """Epochs over its data a client spends in a round (for the FLOPs count): its local training if it took
+        part, plus fine-tuning where the algorithm fine-tunes every round."""
+        cfg = self.cfg
+        personal = set(self.split.personal)
+        ft = self.deploys_finetuned or (self.finetunes_personal
+                                        and any(k in personal for k, _ in self.model.named_parameters()))
+        return (cfg.local_epochs if participated else 0) + (cfg.ft_epochs if ft else 0)
+
     def receive(self, cl: Clients, state: Stack, base: Mapping[str, Tensor] | None, t: int, *,
                 finetune: bool | None = None) -> Stack:
         """Clients take the base of round ``t`` (FedPer-FT, or ``finetune``: and adapt their personal blocks)."""
@@ -100,7 +130,7 @@ class Central(Algorithm):
 
     # ------------------------------------------------------------------------------------------ device
     def device_init(self, dev: Clients, init: Mapping[str, Tensor], density: float) -> dict[str, Tensor]:
-        return dict(init)
+        return unstack(self.init_clients(dev, init), 0)
 
     def device_upload(self, state: Mapping[str, Tensor]) -> Upload:
         return Upload(upload(state, self.split))
@@ -113,12 +143,14 @@ class Central(Algorithm):
         ft = self.finetunes_personal or (late and prev == 0 and bool(self.split.personal))
         synced = self.receive(dev, one_row(state), received.base, prev, finetune=ft)
         metrics = []
-        if prev >= 1:
-            acc, loss = dev.trainer.evaluate(synced, dev.slots)
+        deployed = self.deploy(dev, synced, prev) if prev >= 1 or final else None
+        if deployed is not None and prev >= 1:
+            acc, loss = dev.trainer.evaluate(deployed, dev.slots)
             metrics.append(Metrics(prev, float(acc[0]), float(loss[0])))
         if final:
-            return DeviceRound(unstack(synced, 0), None, metrics, deployed=unstack(synced, 0))
-        res = train_round(dev, synced, t)
+            return DeviceRound(unstack(synced, 0), None, metrics,
+                               deployed=None if deployed is None else unstack(deployed, 0))
+        res = self.local_round(dev, synced, t)
         new = unstack(res.stack, 0)
         # what it deploys is its state (saved anyway) until the final step puts it on the last base
         return DeviceRound(new, self.device_upload(new), metrics, train_loss=float(res.loss[0]),

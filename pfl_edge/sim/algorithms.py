@@ -107,20 +107,18 @@ class CentralPFL(Runner):
         if not isinstance(self.algo, central.Central):
             raise InternalError(f"{ctx.cfg.algorithm} is not a centralised algorithm")
         self.central: central.Central = self.algo
-        self.clients: Stack = stack_states([ctx.init_state] * ctx.num_clients)
+        self.clients: Stack = self.central.init_clients(ctx.clients, ctx.init_state)
         self.base: dict[str, Tensor] | None = (central.upload(ctx.init_state, self.central.split)
                                                if self.central.split.base else None)
         self._deployed: Stack | None = None
-        self.personal_params = [k for k in ctx.clients.param_names if k in set(self.central.split.personal)]
-        if self.central.finetunes_personal:
-            self.clients = self.central.receive(ctx.clients, self.clients, self.base, 0)
+        self.clients = self.central.receive(ctx.clients, self.clients, self.base, 0)  # FedPer-FT adapts at once
 
     def run_round(self, t: int, participants: Tensor) -> RoundStats:
         ctx, algo = self.ctx, self.central
         everyone = ctx.clients
         part = everyone.subset(participants)
         start = central.with_base(index_stack(self.clients, participants), self.base, algo.split)
-        res = central.train_round(part, start, t)
+        res = algo.local_round(part, start, t)
         for k, v in res.stack.items():
             self.clients[k][participants] = v
         base_bytes = payload_bytes(self.base) if self.base else 0
@@ -132,21 +130,20 @@ class CentralPFL(Runner):
         for i in participants.tolist():
             up[i] = down[i] = base_bytes
         self.clients = algo.receive(everyone, self.clients, self.base, t)
-        deployed = central.deploy(everyone, self.clients, t, finetuned=algo.deploys_finetuned)
+        deployed = algo.deploy(everyone, self.clients, t)
         self._deployed = deployed
         acc, loss = ctx.trainer.evaluate(deployed, everyone.slots)
         # training a sample costs 3 forwards; fine-tuning counts alike (docs/algorithms.md's accounting)
-        epochs = torch.zeros(ctx.num_clients, dtype=torch.int64)
-        epochs[participants] += ctx.cfg.local_epochs
-        if algo.deploys_finetuned or (algo.finetunes_personal and self.personal_params):
-            epochs += ctx.cfg.ft_epochs
+        took_part = set(participants.tolist())
+        epochs = torch.tensor([algo.train_epochs(i in took_part) for i in range(ctx.num_clients)])
         flops = (3 * ctx.dense_flops * epochs * ctx.train_data.n).tolist()
         return RoundStats(acc.tolist(), loss.tolist(), weighted_loss(res.loss, part.n_train), up, down,
                           sum(up) + sum(down), sum(up), participants.tolist(), flops, [1.0] * ctx.num_clients)
 
     def deployed(self) -> Stack:
-        return self._deployed if self._deployed is not None else central.with_base(self.clients, self.base,
-                                                                                  self.central.split)
+        if self._deployed is not None:
+            return self._deployed
+        return self.central.deployed_view(central.with_base(self.clients, self.base, self.central.split))
 
     def shared(self) -> dict[str, Tensor] | None:
         return dict(self.base) if self.base else None

@@ -47,13 +47,15 @@ def _wire(tensors: dict[str, torch.Tensor], masks: dict[str, torch.Tensor], spec
     return decode(encode(tensors, model_id=model_id(spec), round=t, masks=masks))
 
 
-@pytest.mark.parametrize("algorithm", ["fedper", "fedper-ft", "fedavg"])
+@pytest.mark.parametrize("algorithm", ["fedper", "fedper-ft", "fedavg", "ditto"])
 def test_fedper_devices_match_simulator(tmp_path: Path, algorithm: str) -> None:
-    cfg = SimConfig(algorithm=algorithm, kp=2, **QUICK)
+    options = {"lam": 0.5, "personal_epochs": 2} if algorithm == "ditto" else None
+    cfg = SimConfig(algorithm=algorithm, kp=2, options=options, **QUICK)
     res, want = _sim(cfg, tmp_path)
     devs = _devices(cfg)
     init = init_state(cfg, devs[0][0].spec)
     states = [algo.device_init(dev, init, 1.0) for _, dev, algo in devs]
+    deployed: list[dict[str, torch.Tensor]] = [{} for _ in devs]
     base = devs[0][2].device_upload(init).tensors
     for t in range(1, cfg.rounds + 2):
         final = t > cfg.rounds
@@ -61,6 +63,9 @@ def test_fedper_devices_match_simulator(tmp_path: Path, algorithm: str) -> None:
         for i, (data, dev, algo) in enumerate(devs):
             out = algo.device_round(dev, states[i], Received(base=base), t, prev=t - 1, final=final)
             states[i] = out.state
+            if final:
+                assert out.deployed is not None
+                deployed[i] = out.deployed
             if t > 1:  # the metrics of the round before, on the base it produced
                 assert [m.round for m in out.metrics] == [t - 1]
                 assert out.metrics[0].accuracy == pytest.approx(res["rounds"][t - 2]["client_acc"][i], abs=1e-6)
@@ -68,11 +73,30 @@ def test_fedper_devices_match_simulator(tmp_path: Path, algorithm: str) -> None:
                 assert out.upload is not None
                 sent = _wire(out.upload.tensors, out.upload.masks, data.spec, t)
                 assert set(sent.tensors) == set(algo.split.base)  # nothing personal leaves the device
+                assert set(sent.tensors) <= set(data.model.state_dict())  # nor Ditto's personal model
                 uploads.append((sent.tensors, float(data.n_train)))
         if not final:
             base = devs[0][2].aggregate(base, uploads)
     for i in range(cfg.clients):
-        _equal(states[i], want[i])
+        _equal(deployed[i], want[i])
+        if algorithm != "ditto":
+            _equal(states[i], want[i])  # what it keeps is what it deploys
+
+
+def test_ditto_deploys_its_personal_model_and_sends_the_global_one(tmp_path: Path) -> None:
+    """Ditto keeps two models: what a device sends is its copy of the global model (the server's average is
+    FedAvg's, to the bit, with the same global stream), what it deploys is the personal one, which differs."""
+    common = dict(kp=2, **{**QUICK, "rounds": 2})
+    cfg = SimConfig(algorithm="ditto", options={"lam": 0.5}, **common)
+    ditto = simulate(cfg, save_dir=tmp_path / "d", progress=False)
+    fedavg = simulate(SimConfig(algorithm="fedavg", **common), save_dir=tmp_path / "f", progress=False)
+    shared_d = load_checkpoint(tmp_path / "d" / "base.safetensors")[0]
+    shared_f = load_checkpoint(tmp_path / "f" / "base.safetensors")[0]
+    _equal(shared_d, shared_f)  # the personal models never touch the global one
+    for i in range(cfg.clients):
+        personal = load_checkpoint(tmp_path / "d" / f"client_{i:03d}.safetensors")[0]
+        assert any(not torch.equal(personal[k], shared_d[k]) for k in shared_d)
+    assert ditto["rounds"][-1]["client_acc"] != fedavg["rounds"][-1]["client_acc"]
 
 
 @pytest.mark.parametrize("regrow", ["gradient", "random"])

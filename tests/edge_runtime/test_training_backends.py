@@ -211,3 +211,19 @@ def test_profiler_measures_a_step_of_the_training_program(tmp_path: Path, fedper
     assert m.backend == "executorch" and m.batch == B and 0 < m.median_ms <= m.p95_ms
     assert program.name == "cnn-phone-low-fresh-train-fedper.pte"
     assert json.loads((tmp_path / "manifest.json").read_text())[0]["kind"] == "training"
+
+
+def test_the_proximal_term_matches_torch(prep: Prepared, fedper: Lowered, data: tuple[Tensor, Tensor]) -> None:
+    """Ditto's personal training on the program (ProgramSGD adds lam (w - anchor) to the program's gradients)
+    against the simulator's loop, and against the same training without the pull."""
+    x, y = data
+    torch.manual_seed(3)
+    anchor = {k: v + 0.3 * torch.randn_like(v) for k, v in prep.model.state_dict().items()}
+    cfg = TrainConfig(epochs=1, batch_size=B, lr=0.05, momentum=0.9, prox=0.8)
+    tb, eb = _pair(prep, fedper)
+    tb.train(x, y, cfg, torch.Generator().manual_seed(4), anchor=anchor)
+    eb.train(x, y, cfg, torch.Generator().manual_seed(4), anchor=anchor)
+    assert _max_diff(tb.state(), eb.state()) < ATOL
+    _, free = _pair(prep, fedper)
+    free.train(x, y, cfg, torch.Generator().manual_seed(4))
+    assert _max_diff(free.state(), eb.state()) > 100 * ATOL
