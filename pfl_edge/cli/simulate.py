@@ -11,7 +11,7 @@ from .common import _check_writable
 
 # flag -> (SimConfig field, type, help)
 _SIM_FLAGS: list[tuple[str, type, str]] = [
-    ("algorithm", str, "local | fedavg | fedavg-ft | fedper | fedper-ft | dispfl | dpsgd | dpsgd-ft"),
+    ("algorithm", str, "registered algorithm (pfl-edge list), e.g. fedper, dispfl, ditto"),
     ("model", str, "registered model (pfl-edge list)"),
     ("dataset", str, "registered data set (pfl-edge list)"),
     ("data-dir", str, "folder of the data set's files"),
@@ -50,6 +50,8 @@ def _add_sim_flags(p: argparse.ArgumentParser) -> None:
                    help="keep base normalisation statistics on the client (FedBN-style)")
     p.add_argument("--clip-unmasked", action=argparse.BooleanOptionalAction, default=None,
                    help="clip the whole gradient before masking it (default: yes for dispfl, the reference's order)")
+    p.add_argument("--option", action="append", metavar="KEY=VALUE", dest="options",
+                   help="one of the algorithm's own options (repeatable), e.g. ditto's --option lam=0.5")
     p.add_argument("--fleet", help="DisPFL: take the clients' densities from a device fleet (pfl-edge list)")
     p.add_argument("--config", type=Path, help="re-run a config: TOML, or the JSON of an earlier run")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -70,6 +72,8 @@ def _sim_config(args: argparse.Namespace, **defaults: Any) -> Any:
             values["densities"] = tuple(float(d) for d in values["densities"].split(","))
         except ValueError:
             raise ConfigError(f"--densities takes comma-separated numbers, got {values['densities']!r}") from None
+    if getattr(args, "options", None):
+        values["options"] = {**(values.get("options") or {}), **parse_options(args.options)}
     if getattr(args, "clip_unmasked", None) is not None:
         values["clip_unmasked"] = args.clip_unmasked
     if args.local_norm_stats:
@@ -80,6 +84,24 @@ def _sim_config(args: argparse.Namespace, **defaults: Any) -> Any:
         # the fleet's densities in dealing order, cycled over clients; recorded as plain densities
         values["densities"] = get_fleet(args.fleet).densities()
     return SimConfig.from_dict(values)
+
+
+def parse_options(items: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs as an options table: a value is read as JSON where it is a number, true/false or
+    null, else kept as text; the algorithm's Options dataclass checks the result."""
+    import json
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--option takes KEY=VALUE, got {item!r:.80}")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+        out[key] = value if value is None or isinstance(value, int | float | bool) else text
+    return out
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:

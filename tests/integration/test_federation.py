@@ -6,6 +6,7 @@ server never receives a personal block, and a device killed mid-run and restarte
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 import subprocess
@@ -284,6 +285,33 @@ def test_a_device_training_with_executorch_ends_where_the_simulator_does(tmp_pat
     programs = tmp_path / "run" / "devices" / "device-00" / "programs"
     assert list(programs.glob("*.pte")) and not (programs / "manifest.json").exists()  # downloaded, not exported
     _assert_simulator_models(cfg, tmp_path)
+
+
+def test_ditto_devices_end_with_the_simulators_models_and_keep_their_personal_model(tmp_path: Path) -> None:
+    """Ditto on three device processes, device 0 training through the ExecuTorch program (the proximal pull
+    added by ProgramSGD), the others in eager PyTorch: every device deploys the simulator's personal model, and
+    everything a device sent is its copy of the global model, never the personal one."""
+    from safetensors.torch import load_file
+
+    cfg = SimConfig(algorithm="ditto", clients=3, options={"lam": 0.5}, **BASE)
+    fed = _run(tmp_path / "run", cfg.to_dict(), ["phone-mid"] * 3, broker="embedded",
+               extra={0: ["--training-backend", "executorch"]})
+    fed.close()
+    _assert_simulator_models(cfg, tmp_path)
+    model_keys = set(load_local_data(cfg, 0).model.state_dict())
+    blobs = {p.name: p for p in (tmp_path / "run" / "server").rglob("*") if p.is_file()}
+    for i in range(cfg.clients):
+        d = tmp_path / "run" / "devices" / f"device-{i:02d}"
+        state = load_file(str(d / "model.safetensors"))
+        personal = {k.removeprefix("personal:"): v for k, v in state.items() if k.startswith("personal:")}
+        assert set(personal) == model_keys
+        sent = decode((d / "upload.bin").read_bytes()).tensors
+        assert set(sent) == model_keys
+        assert all(torch.equal(sent[k], state[k]) for k in sent)  # its global copy, as trained
+        assert all(not torch.equal(sent[k], personal[k]) for k in sent if sent[k].dim() > 1)
+        for line in (d / "ledger.jsonl").read_text().splitlines():  # every update it posted, as the server stored it
+            digest = json.loads(line)["digest"]
+            assert set(decode(blobs[digest].read_bytes()).tensors) == model_keys
 
 
 @pytest.mark.skipif(MOSQUITTO is None, reason="needs the mosquitto binary")
