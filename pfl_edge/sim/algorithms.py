@@ -17,7 +17,7 @@ from ..federation import FederationConfig
 from ..models import BlockModel
 from ..parallel import Trainer
 from ..split import Split
-from ..train import ClientTensors, Stack, index_stack, stack_states, unstack
+from ..train import ClientTensors, Stack, index_stack, unstack
 
 __all__ = ["Algorithm", "CentralPFL", "Context", "RoundStats", "Runner", "weighted_loss"]
 
