@@ -386,7 +386,7 @@ def solo_compute(cfg: DemoConfig) -> list[dict[str, Any]]:
         state = algo.device_init(dev, init_state(fed, data.spec), profiles[i].density)
         row: dict[str, Any] = {"device": f"device-{i:02d}", "profile": profiles[i].name}
         t0 = time.perf_counter()
-        if algo.decentral:
+        if isinstance(algo, dispfl.DisPFL):
             st = dispfl.unpack(state)
             start = dispfl.start_models(st.weights, st.support, torch.ones(1, 1), st.masks)
             trained = dispfl.train_round(dev, start, st.masks, 2).stack
@@ -396,7 +396,7 @@ def solo_compute(cfg: DemoConfig) -> list[dict[str, Any]]:
         t0 = time.perf_counter()
         dev.trainer.evaluate(trained, dev.slots)
         row["eval_s"] = time.perf_counter() - t0
-        if algo.decentral:
+        if isinstance(algo, dispfl.DisPFL):
             t0 = time.perf_counter()
             dispfl.update_masks(dev, trained, st.masks, 2)
             encode(unstack(trained, 0), model_id="m", round=2, masks=dispfl.sent_masks(unstack(st.masks, 0)))

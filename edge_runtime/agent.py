@@ -145,7 +145,7 @@ class Agent:
         if self.store.load_tensors("model.safetensors") is None:
             self._init_model(enr)
         prog = self.store.progress
-        if self.algo.sends_initial_model and not prog.initial_sent:
+        if self.algo.initial_upload() and not prog.initial_sent:
             # its initial model is what its first neighbours receive (a late joiner's too: the server gives it
             # tasks once it has one); rebuilt from the saved state if a restart came in between
             state, _, _ = self._load_model()
@@ -173,7 +173,7 @@ class Agent:
                                model_id=model_id(self.data.spec), max_bytes=self.cfg.max_blob_bytes,
                                training_backend=self.cfg.training_backend)
         return get_training_backend(name).for_device(BackendRequest(
-            self.data.model, self.data.spec, self.profile, self.algo.program_mode, self.fed.batch_size,
+            self.data.model, self.data.spec, self.profile, self.algo.training_program(), self.fed.batch_size,
             self.cfg.training_program, source.training))
 
     def _init_model(self, enr: Enrolment) -> None:
@@ -255,7 +255,7 @@ class Agent:
             self.on_event("task_mismatch", {"round": hint.round if hint else None, "why": why})
         if task is not None:
             self._run_task(task)
-        elif self.tasks.finished() and (not self.algo.final_evaluation or self.store.progress.final):
+        elif self.tasks.finished() and (not self.algo.final_task() or self.store.progress.final):
             self.done = self.cfg.exit_when_done
 
     def _run_task(self, task: Task) -> None:

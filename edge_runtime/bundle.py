@@ -165,7 +165,7 @@ def fetch_program(http: Http, federation: str, p: ProgramInfo, folder: Path, dea
 
 def training_program(card: ModelCard) -> ProgramInfo | None:
     """The ExecuTorch training program the agent runs for this card, if the card has one: the card lists the
-    algorithm's own mode first (``Algorithm.program_modes``), -FT's personal program after it."""
+    algorithm's own mode first (``Algorithm.device_programs``), -FT's personal program after it."""
     return next((p for p in card.programs if p.kind == "training" and p.runtime == "executorch"), None)
 
 

@@ -77,7 +77,7 @@ class DemoConfig:
         }
         if self.topology is not None:
             cfg["topology"] = self.topology
-        if self.profile_capacity and algorithm_class(self.algorithm).sparse:
+        if self.profile_capacity and algorithm_class(self.algorithm).has_masks():
             # recorded so that the simulator run of this config gives every client its device's density
             cfg["densities"] = list(get_fleet(self.fleet).densities())
         return {**cfg, **self.extra}

@@ -27,8 +27,6 @@ from .train import TrainConfig
 
 __all__ = [
     "ALGORITHMS",
-    "CENTRAL",
-    "DECENTRAL",
     "DEVICE_ALGORITHMS",
     "FederationConfig",
     "SimConfig",
@@ -46,8 +44,6 @@ __all__ = [
 ]
 
 ALGORITHMS = tuple(list_algorithms())  # every registered algorithm (pfl_edge.algorithms)
-CENTRAL = tuple(n for n in ALGORITHMS if not algorithm_class(n).decentral)
-DECENTRAL = tuple(n for n in ALGORITHMS if algorithm_class(n).decentral)
 
 
 @dataclass(frozen=True)
@@ -106,9 +102,6 @@ class FederationConfig:
             raise ConfigError(f"participation must be in (0, 1], got {self.participation}")
         if self.base not in ("deep", "linear"):
             raise ConfigError(f"base must be 'deep' or 'linear', got {self.base!r}")
-        if self.base == "linear" and (not algo.linear_base or self.kp < 1):
-            valid = ", ".join(n for n in ALGORITHMS if algorithm_class(n).linear_base)
-            raise ConfigError(f"base 'linear' is FedPer's control: use it with {valid} and kp >= 1")
         if self.engine not in ("auto", "vmap", "loop"):
             raise ConfigError(f"engine must be auto, vmap or loop, got {self.engine!r}")
         for d in (self.density, *(self.densities or ())):
@@ -124,8 +117,7 @@ class FederationConfig:
             raise ConfigError(f"lr_decay must be in (0, 1], got {self.lr_decay}")
         if self.clip_norm is not None and not self.clip_norm > 0:
             raise ConfigError(f"clip_norm must be > 0, got {self.clip_norm}")
-        algo.options_for(self)  # the algorithm's own options: unknown keys and bad values refused here
-        algo.check_config(self)
+        algo.validate(self)  # the algorithm's own rules and options
         if self.workers is not None and self.workers < 1:
             raise ConfigError(f"workers must be >= 1, got {self.workers}")
         for name in ("samples_per_client", "test_per_client"):
@@ -151,15 +143,12 @@ class FederationConfig:
     def lr_at(self, t: int) -> float:
         return self.lr * self.lr_decay ** (t - 1)
 
-    @property
-    def clips_unmasked(self) -> bool:
-        return algorithm_class(self.algorithm).clips_unmasked if self.clip_unmasked is None else self.clip_unmasked
-
     def train_config(self, t: int, epochs: int | None = None) -> TrainConfig:
         """Local SGD of round ``t`` (1-based; round 0, a late joiner's first fine-tuning, uses round 1's lr)."""
         return TrainConfig(epochs=self.local_epochs if epochs is None else epochs, batch_size=self.batch_size,
                            lr=self.lr_at(max(t, 1)), momentum=self.momentum, weight_decay=self.weight_decay,
-                           clip_norm=self.clip_norm, clip_unmasked=self.clips_unmasked)
+                           clip_norm=self.clip_norm,
+                           clip_unmasked=algorithm_class(self.algorithm).clip_order(self))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -225,7 +214,8 @@ DEVICE_ALGORITHMS = tuple(device_algorithms())
 
 def check_device_algorithm(name: str) -> None:
     """ConfigError unless ``name`` runs on devices (an unknown name: UnknownNameError, listing them all)."""
-    if not algorithm_class(name).on_devices:
+    algorithm_class(name)  # an unknown name: UnknownNameError, listing every algorithm
+    if name not in DEVICE_ALGORITHMS:
         raise ConfigError(f"algorithm {name!r} does not run on devices; valid: {', '.join(DEVICE_ALGORITHMS)}")
 
 

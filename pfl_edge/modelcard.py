@@ -298,14 +298,14 @@ def training_info(cfg: FederationConfig) -> TrainingInfo:
     """FederationConfig.train_config's SGD, its lr_at schedule and the epochs of a round."""
     tc = cfg.train_config(1)
     algo = algorithm_class(cfg.algorithm)
+    schedule = algo.mask_schedule(cfg)
     return TrainingInfo(
         lr=tc.lr, lr_schedule=LrSchedule(formula="lr * lr_decay ** (t - 1)", lr=cfg.lr, lr_decay=cfg.lr_decay,
                                           round_index="t: the round, from 1; round 0 (a late joiner's first "
                                                       "fine-tuning) uses round 1's lr"),
         momentum=tc.momentum, weight_decay=tc.weight_decay, clip_norm=tc.clip_norm, clip_unmasked=tc.clip_unmasked,
         batch_size=tc.batch_size, local_epochs=cfg.local_epochs,
-        ft_epochs=cfg.ft_epochs if algo.finetunes_personal else 0,
-        mask_schedule=MaskSchedule(alpha0=cfg.alpha0, rounds=cfg.rounds, regrow=cfg.regrow) if algo.sparse else None)
+        ft_epochs=algo.finetune_epochs(cfg), mask_schedule=None if schedule is None else MaskSchedule(**schedule))
 
 
 def build_card(*, federation: str, cfg: FederationConfig, spec: ModelSpec, model: BlockModel, profile: str,
@@ -322,6 +322,6 @@ def build_card(*, federation: str, cfg: FederationConfig, spec: ModelSpec, model
         input=InputInfo(shape=shape, normalisation=dataset_normalisation(cfg.dataset, spec.in_channels),
                         own_images=own_images_normalisation()),
         base_keys=[k for k in model.state_dict() if k in base], personal_keys=personal, kp=kp,
-        density=density if algorithm_class(cfg.algorithm).sparse else 1.0, training=training_info(cfg),
+        density=algorithm_class(cfg.algorithm).mask_density(density), training=training_info(cfg),
         programs=list(programs),
         **card_sections(model, shape, personal, layers=layers))

@@ -39,18 +39,12 @@ class FedModel:
         return self._algos[k]
 
     @property
-    def decentral(self) -> bool:
-        return self.algorithm().decentral
-
-    @property
     def num_blocks(self) -> int:
         return len(self.model.block_names)
 
     def base_keys(self, kp: int) -> tuple[str, ...]:
-        """What a device with ``kp`` personal blocks sends and receives (FedPer); every tensor for DisPFL."""
-        if self.decentral:
-            return tuple(self.shapes)
-        return self.algorithm(kp).split.base
+        """What a device with ``kp`` personal blocks sends and receives (``Algorithm.upload_keys``)."""
+        return self.algorithm(kp).upload_keys()
 
     def expected(self, kp: int) -> dict[str, tuple[int, ...]]:
         return {k: self.shapes[k] for k in self.base_keys(kp)}
@@ -80,7 +74,6 @@ def fed_model(config: dict[str, Any]) -> FedModel:
         model = build_model(spec)
         shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         fm = FedModel(cfg, spec, model, model_id(spec), shapes, max(len(c.train_idx) for c in part.clients))
-        if not fm.decentral:
-            fm.base_keys(cfg.kp)  # a kp the model cannot split is an error now, not at the first upload
+        fm.base_keys(cfg.kp)  # a kp the model cannot split is an error now, not at the first upload
         _CACHE[key] = fm
         return fm

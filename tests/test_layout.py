@@ -217,3 +217,30 @@ def test_only_the_algorithms_compare_an_algorithms_name() -> None:
         if lines:
             found[rel] = lines
     assert not found, f"ask the algorithm (its class's traits or methods) instead of comparing its name: {found}"
+
+
+def _trait_reads(tree: ast.AST, traits: set[str]) -> list[int]:
+    """Lines that read one of an algorithm class's traits (``algo.decentral``, ``cls.sparse_masks``, ...)."""
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr in traits]
+
+
+def test_only_the_algorithms_read_their_traits() -> None:
+    """The server, the device, the simulator and the config ask an algorithm's methods (what the server
+    publishes, keeps and serves, which programs a device needs, how a round deploys); the class traits that
+    answer them are read inside pfl_edge/algorithms only."""
+    from pfl_edge.algorithms import Algorithm
+
+    traits = {k for k, v in vars(Algorithm).items() if not k.startswith("_") and isinstance(v, bool | str)
+              and k != "name"} | {"keeps"}
+    assert {"decentral", "sends_initial_model", "final_evaluation", "sparse_masks", "on_devices", "keeps",
+            "program_mode", "deploys_finetuned", "finetunes_personal"} <= traits
+    assert _trait_reads(ast.parse("if fm.algorithm().decentral: pass"), traits) == [1]
+    found = {}
+    for path in [*FILES, *sorted((ROOT / "bench").glob("*.py"))]:
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith("pfl_edge/algorithms/"):
+            continue
+        lines = _trait_reads(ast.parse(path.read_text()), traits)
+        if lines:
+            found[rel] = lines
+    assert not found, f"ask the algorithm's methods instead of reading its traits: {found}"

@@ -80,13 +80,13 @@ class Algorithm:
     Options: ClassVar[type[Any]] = NoOptions
     #: which blocks stay on a client: "kp" the config's K_P (FedPer), "none" (FedAvg, the decentralised ones:
     #: every tensor travels), "all" (local training)
-    personal: ClassVar[Literal["kp", "none", "all"]] = "kp"
+    keeps: ClassVar[Literal["kp", "none", "all"]] = "kp"
     #: devices exchange models among themselves (through the server's relay); the server never averages
     decentral: ClassVar[bool] = False
     #: it runs on devices (the agent, the server's coordination), not only in the simulator
     on_devices: ClassVar[bool] = False
     #: each client keeps a personal sparse mask at its own density, sent with its model (DisPFL)
-    sparse: ClassVar[bool] = False
+    sparse_masks: ClassVar[bool] = False
     #: it may run FedPer's control with a linear base (``base = "linear"``)
     linear_base: ClassVar[bool] = False
     #: its clients fine-tune their personal blocks for ``ft_epochs`` on every base they receive (FedPer-FT)
@@ -107,7 +107,7 @@ class Algorithm:
     @classmethod
     def personal_blocks(cls, cfg: FederationConfig) -> int | None:
         """K_P as the config gives it to this algorithm: the blocks that stay personal (None: every block)."""
-        return {"kp": cfg.kp, "none": 0, "all": None}[cls.personal]
+        return {"kp": cfg.kp, "none": 0, "all": None}[cls.keeps]
 
     @classmethod
     def split_kp(cls, cfg: FederationConfig, num_blocks: int, kp: int | None = None) -> int:
@@ -121,8 +121,49 @@ class Algorithm:
         return own if kp is None else kp
 
     @classmethod
+    def validate(cls, cfg: FederationConfig) -> None:
+        """Every rule the algorithm puts on a federation config (ConfigError): its options, the linear-base
+        control's, and ``check_config``'s."""
+        cls.options_for(cfg)
+        if cfg.base == "linear" and (not cls.linear_base or cfg.kp < 1):
+            valid = ", ".join(n for n, c in _REGISTRY.items() if c.linear_base)
+            raise ConfigError(f"base 'linear' is FedPer's control: use it with {valid} and kp >= 1")
+        cls.check_config(cfg)
+
+    @classmethod
     def check_config(cls, cfg: FederationConfig) -> None:
         """The rules this algorithm adds to the federation config's own (ConfigError)."""
+
+    @classmethod
+    def clip_order(cls, cfg: FederationConfig) -> bool:
+        """Is the whole gradient clipped before masks apply? The config's ``clip_unmasked``, else the
+        algorithm's way (DisPFL's reference clips first; without masks the order makes no difference)."""
+        return cls.clips_unmasked if cfg.clip_unmasked is None else cfg.clip_unmasked
+
+    @classmethod
+    def keeps_config_kp(cls) -> bool:
+        """Does the config's ``kp`` name blocks that stay on a client (FedPer and FedPer-FT)?"""
+        return cls.keeps == "kp"
+
+    @classmethod
+    def has_masks(cls) -> bool:
+        """Does each client keep a personal sparse mask at its own density (so a device's density matters)?"""
+        return cls.sparse_masks
+
+    @classmethod
+    def mask_density(cls, density: float) -> float:
+        """The density a device of capacity ``density`` trains at: its own where it keeps a mask, else dense."""
+        return density if cls.sparse_masks else 1.0
+
+    @classmethod
+    def mask_schedule(cls, cfg: FederationConfig) -> dict[str, Any] | None:
+        """How a client's mask changes round to round, for the model card (None without masks)."""
+        return {"alpha0": cfg.alpha0, "rounds": cfg.rounds, "regrow": cfg.regrow} if cls.sparse_masks else None
+
+    @classmethod
+    def finetune_epochs(cls, cfg: FederationConfig) -> int:
+        """Epochs a device fine-tunes its personal blocks on each base it receives (FedPer-FT), else 0."""
+        return cfg.ft_epochs if cls.finetunes_personal else 0
 
     @classmethod
     def options_for(cls, cfg: FederationConfig) -> Any:
@@ -138,11 +179,14 @@ class Algorithm:
         except TypeError as e:
             raise ConfigError(f"algorithm {cls.name!r}'s options: {e}") from None
 
-    @property
-    def program_modes(self) -> tuple[str, ...]:
-        """Every training program a device of this algorithm may run, ``program_mode`` (the one the agent trains
-        with) first: what the server exports and a model card lists."""
+    def device_programs(self) -> tuple[str, ...]:
+        """Every training program a device of this algorithm may run, ``training_program()`` (the one the agent
+        trains with) first: what the server exports and a model card lists."""
         return (self.program_mode,)
+
+    def training_program(self) -> str:
+        """The program mode a device trains with (``export.TRAINING_MODES``)."""
+        return self.program_mode
 
     def __init__(self, cfg: FederationConfig, model: BlockModel, kp: int | None = None) -> None:
         self.cfg = cfg
@@ -165,6 +209,41 @@ class Algorithm:
         one at a time; None where nothing is shared through a server."""
         return None
 
+    # ------------------------------------------------------------------------------------------ server
+    # What a coordinating server does differently per algorithm, asked of the algorithm (server/ reads no trait).
+    def shared_digest(self, digest: str | None) -> str | None:
+        """The server's shared model (``digest``: a round's base, what the round announces and what its
+        updates are measured from) where the algorithm has one; None where devices average among themselves."""
+        return None if self.decentral else digest
+
+    def relays_uploads(self) -> bool:
+        """Do devices fetch each other's uploads through the server (their in-neighbours' latest models)? Then
+        the server serves them to those neighbours and keeps each device's latest (garbage collection)."""
+        return self.decentral
+
+    def upload_keys(self) -> tuple[str, ...]:
+        """The tensors a device of this algorithm (at its K_P) sends and receives; the rest never travel."""
+        return self.split.base
+
+    def describe_upload(self, kp: int, density: float) -> str:
+        """What a device sends, in words, for the server's refusals."""
+        return f"its base part only (kp={kp})" if self.split.personal else "its whole model"
+
+    def mask_ones(self, density: float) -> dict[str, int] | None:
+        """The most ones each tensor's mask may hold in an update of a device at ``density`` (None: updates carry
+        no masks)."""
+        return None
+
+    def initial_upload(self) -> bool:
+        """Does a device upload its initial model (as its update of round 0) before it takes part in a round
+        (its first neighbours average it)?"""
+        return self.sends_initial_model
+
+    def final_task(self) -> bool:
+        """Does the server end the federation with a final task on which every device evaluates (FedPer: its
+        personal blocks on the last base)? Otherwise a device's last round is its last evaluation."""
+        return self.final_evaluation
+
     # ------------------------------------------------------------------------------------------ device
     def device_init(self, dev: Clients, init: Mapping[str, Tensor], density: float) -> dict[str, Tensor]:
         """A device's state before its first round, from the federation's initial model."""
@@ -181,9 +260,6 @@ class Algorithm:
         federation's last step (evaluate, no training, nothing to send)."""
         raise ConfigError(f"algorithm {self.name!r} does not run on devices")
 
-    def deployed_key(self, key: str) -> bool:
-        """Is ``key`` of a device's state part of the model it deploys (not bookkeeping such as masks)?"""
-        return True
 
 
 class Decentralised(Algorithm):
@@ -191,7 +267,7 @@ class Decentralised(Algorithm):
     no server averages."""
 
     decentral = True
-    personal = "none"  # every tensor travels (DisPFL's personalisation is its mask, not its blocks)
+    keeps = "none"  # every tensor travels (DisPFL's personalisation is its mask, not its blocks)
 
     @classmethod
     def check_config(cls, cfg: FederationConfig) -> None:
@@ -205,6 +281,12 @@ class Decentralised(Algorithm):
 
     def neighbours(self, t: int) -> list[list[int]] | None:
         return neighbours(self.cfg.topology_spec, self.cfg.clients, t, self.cfg.seed)
+
+    def upload_keys(self) -> tuple[str, ...]:
+        return tuple(self.model.state_dict())
+
+    def describe_upload(self, kp: int, density: float) -> str:
+        return "its whole model"
 
 
 _REGISTRY: dict[str, type[Algorithm]] = {}

@@ -89,8 +89,7 @@ class Central(Algorithm):
                   updates: Iterable[tuple[Mapping[str, Tensor], float]]) -> dict[str, Tensor] | None:
         return aggregate_bases(prev, updates) if self.split.base else None
 
-    @property
-    def program_modes(self) -> tuple[str, ...]:
+    def device_programs(self) -> tuple[str, ...]:
         # -FT's fine-tuning phase has a program of its own (the personal blocks alone, the base as an input)
         return (self.program_mode, "personal") if self.finetunes_personal and self.split.personal else (
             self.program_mode,)
@@ -162,7 +161,7 @@ class Local(Central):
     """Every block personal: clients train alone (nothing is sent)."""
 
     linear_base = True
-    personal = "all"
+    keeps = "all"
 
 
 @register_algorithm("fedavg")
@@ -170,7 +169,7 @@ class FedAvg(Central):
     """One global model: nothing personal."""
 
     on_devices = True
-    personal = "none"
+    keeps = "none"
 
 
 @register_algorithm("fedavg-ft")

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from ..aggregate import neighbourhood_average
 from ..seeding import Stream, stream
-from ..sparse import erk_densities, init_masks, prune_rate, prune_regrow
+from ..sparse import erk_densities, init_masks, mask_ones, prune_rate, prune_regrow
 from ..train import Stack, TrainResult, stack_states, unstack
 from .algorithm import Decentralised, DeviceRound, register_algorithm
 from .base import Clients, Metrics, Received, Upload, one_row
@@ -112,7 +112,7 @@ def round_step(cl: Clients, state: SparseClients, mixing: Tensor, t: int,
 @register_algorithm("dispfl")
 class DisPFL(Decentralised):
     on_devices = True
-    sparse = True
+    sparse_masks = True
     clips_unmasked = True  # as the reference does: the whole gradient is clipped, then masked
     sends_initial_model = True
     program_mode = "dispfl"
@@ -127,8 +127,14 @@ class DisPFL(Decentralised):
         st = unpack(state)
         return Upload(unstack(st.weights, 0), sent_masks(unstack(st.support, 0)))
 
-    def deployed_key(self, key: str) -> bool:
-        return not key.startswith((_SUPPORT, _MASK))
+    def describe_upload(self, kp: int, density: float) -> str:
+        return f"its sparse model (density {density:g})"
+
+    def mask_ones(self, density: float) -> dict[str, int] | None:
+        """``int(density_l * numel)`` per parameter tensor, as ``init_masks`` draws them (ERK), which
+        prune-and-regrow keeps."""
+        shapes = {k: tuple(v.shape) for k, v in self.model.named_parameters()}
+        return mask_ones(shapes, erk_densities(shapes, density))
 
     def device_round(self, dev: Clients, state: Mapping[str, Tensor], received: Received, t: int, *,
                      prev: int = 0, late: bool = False, final: bool = False) -> DeviceRound:

@@ -32,6 +32,14 @@ def round_step(cl: Clients, weights: Stack, mixing: Tensor, t: int, *,
 class DPSGD(Decentralised):
     """Registered for the simulator; D-PSGD does not run on devices."""
 
+    def round(self, cl: Clients, weights: Stack, mixing: Tensor, t: int) -> tuple[Stack, TrainResult, Stack]:
+        """``round_step`` as this variant deploys (D-PSGD-FT: fine-tuned)."""
+        return round_step(cl, weights, mixing, t, finetuned=self.deploys_finetuned)
+
+    def train_epochs(self) -> int:
+        """Epochs over its data a client spends in a round (for the FLOPs count)."""
+        return self.cfg.local_epochs + (self.cfg.ft_epochs if self.deploys_finetuned else 0)
+
 
 @register_algorithm("dpsgd-ft")
 class DPSGDFT(DPSGD):

@@ -167,7 +167,7 @@ def _num(x: Any, where: str, *, optional: bool = True) -> float | None:
 def _keeps_blocks(name: Any) -> bool:
     """Does the run's algorithm keep the config's K_P blocks personal (FedPer and its -FT)? False for a name
     this version does not know (a result written by another)."""
-    return isinstance(name, str) and name in list_algorithms() and algorithm_class(name).personal == "kp"
+    return isinstance(name, str) and name in list_algorithms() and algorithm_class(name).keeps_config_kp()
 
 
 def _int(x: Any, where: str, *, optional: bool = True) -> int | None:

@@ -98,21 +98,22 @@ class DPSGDRunner(Runner):
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
+        if not isinstance(self.algo, dpsgd.DPSGD):
+            raise InternalError(f"{ctx.cfg.algorithm} is not D-PSGD")
+        self.dpsgd: dpsgd.DPSGD = self.algo
         self.weights: Stack = stack_states([ctx.init_state] * ctx.num_clients)
         self._deployed: Stack | None = None
 
     def run_round(self, t: int, participants: Tensor) -> RoundStats:
-        ctx, cfg = self.ctx, self.ctx.cfg
+        ctx = self.ctx
         cl = ctx.clients
         nbrs = graph(self.algo, t)
-        self.weights, res, deployed = dpsgd.round_step(cl, self.weights, mixing_matrix(nbrs), t,
-                                                       finetuned=self.algo.deploys_finetuned)
+        self.weights, res, deployed = self.dpsgd.round(cl, self.weights, mixing_matrix(nbrs), t)
         up, down, busiest, received = _traffic([payload_bytes(unstack(res.stack, i)) for i in range(len(cl))],
                                                nbrs)
         self._deployed = deployed
         acc, loss = ctx.trainer.evaluate(deployed, cl.slots)
-        epochs = cfg.local_epochs + (cfg.ft_epochs if self.algo.deploys_finetuned else 0)
-        flops = (3 * ctx.dense_flops * epochs * ctx.train_data.n).tolist()
+        flops = (3 * ctx.dense_flops * self.dpsgd.train_epochs() * ctx.train_data.n).tolist()
         return RoundStats(acc.tolist(), loss.tolist(), weighted_loss(res.loss, ctx.train_data.n), up, down,
                           busiest, received, cl.slots.tolist(), flops, [1.0] * len(cl))
 

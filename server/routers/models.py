@@ -62,7 +62,7 @@ def program_keys(fm: FedModel, *, kp: int, training_backend: str) -> list[Progra
     of its algorithm when it trains with ExecuTorch."""
     keys = [ProgramKey(fm.spec, "inference")]
     if training_backend == "executorch":
-        for mode in fm.algorithm(kp).program_modes:
+        for mode in fm.algorithm(kp).device_programs():
             keys.append(ProgramKey(fm.spec, "training", mode, kp if mode == "personal" else None,
                                    fm.cfg.batch_size))
     return keys

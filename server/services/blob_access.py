@@ -72,7 +72,7 @@ class BlobAccess:
             self.decoder.check(data.path if isinstance(data, Spooled) else data, expected=fm.expected(dev.kp),
                                model_id=fm.model_id, max_bytes=self.store.decode_limit(fm), allow_missing=True)
         except CodecError as e:
-            what = "its sparse model" if fm.decentral else f"its base part only (kp={dev.kp})"
+            what = fm.algorithm(dev.kp).describe_upload(dev.kp, dev.density)
             raise Unprocessable(f"payload refused: a {fm.cfg.algorithm} device sends {what}: {e}") from None
         payload = data.read() if isinstance(data, Spooled) else data
         try:

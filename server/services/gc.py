@@ -65,7 +65,7 @@ class BlobGC:
                                                        if d is not None}
         keep = set(wholes) | set(s.scalars(select(Update.digest).where(Update.federation == fed_id,
                                                                         Update.round >= lo)))
-        if fm.decentral:
+        if fm.algorithm().relays_uploads():  # each device's latest model, for its neighbours
             for t in range(lo, fed.round + 2):
                 keep |= set(Planner.latest_models(s, fed_id, t).values())
         kps = set(s.scalars(select(Device.kp).where(Device.federation == fed_id).distinct()))

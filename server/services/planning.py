@@ -30,7 +30,7 @@ class Planner:
         devs = list(s.scalars(select(Device).where(Device.federation == fed.id, Device.joined_round < t,
                                                   Device.revoked_at.is_(None))
                               .order_by(Device.slot)))
-        if fm.algorithm().sends_initial_model:
+        if fm.algorithm().initial_upload():
             have = set(s.scalars(select(Update.device).where(Update.federation == fed.id,
                                                              Update.round == ENROLMENT_ROUND)))
             devs = [d for d in devs if d.id in have]
@@ -42,7 +42,7 @@ class Planner:
         must not load every device of a large fleet."""
         q = select(func.count()).select_from(Device).where(Device.federation == fed.id, Device.joined_round < t,
                                                              Device.revoked_at.is_(None))
-        if fm.algorithm().sends_initial_model:
+        if fm.algorithm().initial_upload():
             q = q.where(exists().where(Update.federation == fed.id, Update.device == Device.id,
                                        Update.round == ENROLMENT_ROUND))
         return s.scalar(q) or 0
@@ -52,7 +52,7 @@ class Planner:
         """``active``'s rule for one device (without loading the others)."""
         if dev.federation != fed.id or dev.joined_round >= t or dev.revoked_at is not None:
             return False
-        return not fm.algorithm().sends_initial_model or s.scalar(select(Update.id).where(
+        return not fm.algorithm().initial_upload() or s.scalar(select(Update.id).where(
             Update.federation == fed.id, Update.device == dev.id, Update.round == ENROLMENT_ROUND)) is not None
 
     def current(self, dev: Device) -> Task | None:
@@ -61,7 +61,7 @@ class Planner:
         with an evaluation has finished; None otherwise (between rounds, before round 1, not in this round)."""
         with self.store.read() as s:
             fed = self.store.existing(s, dev.federation)
-            final = fed.state == RoundState.FINISHED and self.store.model(fed).algorithm().final_evaluation
+            final = fed.state == RoundState.FINISHED and self.store.model(fed).algorithm().final_task()
             if not final and (fed.state != RoundState.COLLECTING or fed.round == ENROLMENT_ROUND):
                 return None
             t = fed.round

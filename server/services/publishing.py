@@ -35,9 +35,9 @@ class Publisher:
             fed = s.get(Federation, fed_id)
             if fed is None:
                 return
-            shared = not self.store.model(fed).decentral  # only a server's average is announced as the base
+            base = self.store.model(fed).algorithm().shared_digest(fed.base_digest)  # a server's average only
             msg = RoundAnnouncement(federation=fed_id, round=fed.round, state=fed.state,  # type: ignore[arg-type]
-                                    base=fed.base_digest if shared else None, deadline=fed.round_deadline)
+                                    base=base, deadline=fed.round_deadline)
         self.publish(round_topic(fed_id), msg)
 
     def on_status(self, topic: str, payload: bytes) -> None:

@@ -41,7 +41,7 @@ class Recovery:
             self.publisher.tasks(fed_id, self.planner.tasks(fed_id, t))
         elif state is RoundState.FINISHED:
             with self.store.read() as s:
-                final = self.store.model(self.store.existing(s, fed_id)).algorithm().final_evaluation
+                final = self.store.model(self.store.existing(s, fed_id)).algorithm().final_task()
             if final and t > ENROLMENT_ROUND:
                 self.machine.publish_final(fed_id, t)
         self.publisher.announce(fed_id)

@@ -120,7 +120,7 @@ class RoundMachine:
             deadline = opened + fed.deadline_s
             if s.get(Round, (fed_id, t)) is None:
                 s.add(Round(federation=fed_id, round=t, state=RoundState.OPEN.value, opened_at=opened,
-                            deadline=deadline, active=n, start_digest=None if fm.decentral else fed.base_digest))
+                            deadline=deadline, active=n, start_digest=fm.algorithm().shared_digest(fed.base_digest)))
             fed.round_deadline = deadline
         log.info("federation %s: round %d open (%d devices)", fed_id, t, n)
 
@@ -193,7 +193,7 @@ class RoundMachine:
             fed = self._advance(s, fed_id, tr)
             if fed is None:
                 return
-            final = self.store.model(fed).algorithm().final_evaluation
+            final = self.store.model(fed).algorithm().final_task()
         log.info("federation %s: finished after round %d", fed_id, tr.round)
         if final:
             self.publish_final(fed_id, tr.round)

@@ -13,7 +13,7 @@ A DisPFL device's mask is its own, but not its density: that is the capacity the
 (``Device.density``), and ERK at that density fixes each parameter tensor's count of ones (``int(density_l *
 numel)``, pfl_edge.sparse; prune-and-regrow keeps it). An update whose mask holds more ones than that in any
 tensor (a tensor sent dense where ERK keeps it sparse counts as all ones), or none where ERK keeps some, is
-refused (``erk_ones``; docs/protocol.md, DisPFL masks)."""
+refused (``mask_bound``; docs/protocol.md, DisPFL masks)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ from sqlalchemy.orm import Session
 from pfl_edge.aggregate import AggregationRule
 from pfl_edge.errors import CodecError
 from pfl_edge.protocol import AggregationSettings, UpdateAccepted, UpdateRequest
-from pfl_edge.sparse import erk_densities, mask_ones
 
 from ..db import BlobRef, Device, Federation, Update
 from ..errors import Conflict, Unprocessable
@@ -36,11 +35,11 @@ from ..states import ENROLMENT_ROUND, RoundState
 from .blob_access import BlobAccess
 from .store import Store
 
-__all__ = ["SAMPLE_FACTOR", "Updates", "aggregation_rule", "counted_samples", "erk_ones", "sample_cap"]
+__all__ = ["SAMPLE_FACTOR", "Updates", "aggregation_rule", "counted_samples", "mask_bound", "sample_cap"]
 
 SAMPLE_FACTOR = 2
 _CACHE_LOCK = threading.Lock()
-_ERK: weakref.WeakKeyDictionary[FedModel, dict[float, dict[str, int]]] = weakref.WeakKeyDictionary()
+_ERK: weakref.WeakKeyDictionary[FedModel, dict[float, dict[str, int] | None]] = weakref.WeakKeyDictionary()
 
 
 def _settings(fed: Federation) -> AggregationSettings:
@@ -61,16 +60,14 @@ def sample_cap(fed: Federation, fm: FedModel) -> int:
     return SAMPLE_FACTOR * fm.largest_share
 
 
-def erk_ones(fm: FedModel, density: float) -> dict[str, int]:
-    """DisPFL: the ones each parameter tensor's mask holds at ``density``, as pfl_edge.sparse.init_masks draws
-    them (``int(density_l * numel)``, ERK over the model's parameters); computed once per model and density."""
+def mask_bound(fm: FedModel, density: float) -> dict[str, int] | None:
+    """The most ones each tensor's mask may hold in an update at ``density`` (``Algorithm.mask_ones``; None:
+    updates carry no masks); computed once per model and density."""
     with _CACHE_LOCK:
         per = _ERK.setdefault(fm, {})
-        hit = per.get(density)
-        if hit is None:  # densities are the server's own (config or profiles): a handful per federation
-            shapes = {k: tuple(v.shape) for k, v in fm.model.named_parameters()}
-            hit = per[density] = mask_ones(shapes, erk_densities(shapes, density))
-    return hit
+        if density not in per:  # densities are the server's own (config or profiles): a handful per federation
+            per[density] = fm.algorithm().mask_ones(density)
+        return per[density]
 
 
 def counted_samples(reported: int, declared: int | None, cap: int) -> int:
@@ -95,7 +92,8 @@ class Updates:
             if s.get(BlobRef, (req.digest, fed.id, dev.id)) is None:
                 raise Unprocessable(f"blob {req.digest} was not uploaded by this device: PUT /v1/blobs/{req.digest} "
                                     "first")
-            start = None if t == ENROLMENT_ROUND or fm.decentral else self.store.round(s, fed.id, t).start_digest
+            start = None if t == ENROLMENT_ROUND else fm.algorithm().shared_digest(
+                self.store.round(s, fed.id, t).start_digest)
         norm = self._check_payload(fm, dev, t, req.digest, start)  # decoded outside the lock
         counted = counted_samples(req.n_samples, dev.declared_samples, sample_cap(fed, fm))
         with self.store.write() as s:
@@ -118,12 +116,11 @@ class Updates:
     def _check_payload(self, fm: FedModel, dev: Device, t: int, digest: str, start: str | None) -> float | None:
         """The blob must be exactly what this device may send this round; its norm from the round's ``start``
         model (None without one), for the round's norm bound."""
-        ones = erk_ones(fm, dev.density) if fm.algorithm().sparse else None  # sparse at its capacity
+        ones = mask_bound(fm, dev.density)  # a sparse update at its capacity
         try:  # decoded and measured in the decode processes (each keeps the round's start model decoded)
             rnd, norm = self.blobs.check_update(digest, fm, fm.expected(dev.kp), start, ones)
         except CodecError as e:
-            what = (f"its sparse model (density {dev.density:g})" if ones is not None else "its whole model"
-                    if fm.decentral else f"exactly its base part (kp={dev.kp})")
+            what = fm.algorithm(dev.kp).describe_upload(dev.kp, dev.density)
             raise Unprocessable(f"update refused: a {fm.cfg.algorithm} device sends {what}: {e}") from None
         if rnd != t:
             raise Unprocessable(f"the payload's header is for round {rnd}, the update is posted for round {t}")
@@ -145,7 +142,7 @@ class Updates:
         if fed.state == RoundState.FINISHED:
             raise Conflict(f"federation {fed.id!r} has finished (round {fed.round}); no more updates")
         if t == ENROLMENT_ROUND:
-            if not algo.sends_initial_model:
+            if not algo.initial_upload():
                 raise Conflict(f"round 0 takes no updates in {fm.cfg.algorithm}; the current round is {fed.round}")
             return  # a device's initial model, accepted whenever it enrols
         if t != fed.round or fed.state != RoundState.COLLECTING:
@@ -154,7 +151,7 @@ class Updates:
         if dev.joined_round >= t:
             raise Conflict(f"device joined during round {dev.joined_round}; it takes part from round "
                            f"{dev.joined_round + 1}")
-        if algo.sends_initial_model and s.scalar(select(Update.id).where(
+        if algo.initial_upload() and s.scalar(select(Update.id).where(
                 Update.federation == fed.id, Update.device == dev.id, Update.round == ENROLMENT_ROUND)) is None:
             raise Conflict("upload the initial sparse model as the update of round 0 first")
 

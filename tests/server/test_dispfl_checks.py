@@ -22,7 +22,7 @@ from edge_runtime.data import load_local_data
 from pfl_edge.codec import encode
 from pfl_edge.federation import FederationConfig
 from server.app import create_app
-from server.services.updates import erk_ones
+from server.services.updates import mask_bound
 from server.settings import Settings
 
 ADMIN = "admin-token-for-dispfl-checks"
@@ -88,7 +88,7 @@ def test_masks_are_held_to_erk_at_the_devices_density(client: TestClient) -> Non
     fm = dev.fm
     shapes = {k: tuple(v.shape) for k, v in fm.model.named_parameters()}
     counts = _erk_counts(shapes, 0.3)
-    assert erk_ones(fm, 0.3) == counts and erk_ones(fm, 0.3) is erk_ones(fm, 0.3)  # computed once, kept
+    assert mask_bound(fm, 0.3) == counts and mask_bound(fm, 0.3) is mask_bound(fm, 0.3)  # computed once, kept
     w, masks = _honest(dev)
     assert {k: int(m.sum()) for k, m in masks.items()} == {k: counts[k] for k in _sparse_keys(counts, shapes)}
     big = max(_sparse_keys(counts, shapes), key=lambda k: counts[k])
@@ -131,7 +131,7 @@ def test_fewer_ones_than_erk_are_accepted_and_a_dense_device_sends_dense(client:
         fewer[k] = flat.view_as(m)
     r = sparse.update(0, sparse.put(encode(w, model_id=sparse.fm.model_id, round=0, masks=fewer)))
     assert r.status_code == 200 and r.json()["accepted"], r.text
-    assert erk_ones(dense.fm, 1.0) == {k: math.prod(s) for k, s in _shapes(dense).items()}
+    assert mask_bound(dense.fm, 1.0) == {k: math.prod(s) for k, s in _shapes(dense).items()}
     r = dense.update(0, dense.put(encode(dense.fm.init_state(), model_id=dense.fm.model_id, round=0)))
     assert r.status_code == 200 and r.json()["accepted"], r.text
 

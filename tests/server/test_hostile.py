@@ -25,7 +25,7 @@ from pfl_edge.protocol import MAX_CLIENTS, MAX_DEADLINE_S, MAX_ROUND
 from pfl_edge.split import take
 from server.app import create_app
 from server.limits import JSON_BODY_LIMIT, MAX_HEADERS
-from server.services.updates import erk_ones
+from server.services.updates import mask_bound
 from server.settings import Settings
 
 ADMIN = "admin-token-for-hostile-tests"
@@ -263,7 +263,7 @@ def test_a_dispfl_device_uploads_its_whole_sparse_model(client: TestClient) -> N
     create(client, ADMIN, "d", DISPFL)
     a = Dev(client, "d")
     init = a.fm.init_state()
-    ones = erk_ones(a.fm, a.e["density"])  # the server holds each mask to ERK's count at the device's density
+    ones = mask_bound(a.fm, a.e["density"])  # the server holds each mask to ERK's count at the device's density
     masks = {k: torch.randperm(v.numel(), generator=torch.Generator().manual_seed(1)).view(v.shape) < ones[k]
              for k, v in init.items() if ones[k] < v.numel()}
     digest = a.put(encode(init, model_id=a.fm.model_id, round=0, masks=masks))
