@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from .errors import ConfigError
+from .neighbourhood import neighbourhood_average
 
 __all__ = [
     "RULES",
@@ -123,28 +124,6 @@ def masked_average(weights: Sequence[Mapping[str, Tensor]],
             num += w[k].to(torch.float64) * mk
             den += mk
         out[k] = torch.where(den > 0, num / den.clamp_min(1), 0.0).to(weights[0][k].dtype)
-    return out
-
-
-def neighbourhood_average(stack: Mapping[str, Tensor], mixing: Tensor,
-                          masks: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:
-    """``masked_average`` for every client at once: client i averages the rows j with ``mixing[i, j] = 1``
-    (``mixing`` is (clients, rows): a device passes one row of ones over its neighbourhood's models).
-    Tensors are stacked ``(C, ...)``; ``masks`` stacked likewise for the masked ones (others count as dense).
-    One sparse matrix product per tensor (a client has few neighbours) instead of a loop over clients; sums
-    of at most C terms in float32."""
-    out: dict[str, Tensor] = {}
-    a = mixing.to(torch.float32).to_sparse()
-    counts = mixing.sum(1, keepdim=True).to(torch.float32)
-    for k, w in stack.items():
-        flat = w.reshape(w.shape[0], -1).to(torch.float32)
-        if masks is not None and k in masks:
-            m = masks[k].reshape(w.shape[0], -1).to(torch.float32)
-            num, den = torch.sparse.mm(a, flat * m), torch.sparse.mm(a, m)
-            avg = torch.where(den > 0, num / den.clamp_min(1), 0.0)
-        else:
-            avg = torch.sparse.mm(a, flat) / counts
-        out[k] = (avg if w.is_floating_point() else avg.round()).to(w.dtype).view(mixing.shape[0], *w.shape[1:])
     return out
 
 

@@ -10,11 +10,15 @@ from __future__ import annotations
 import hashlib
 import random
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+from numpy.typing import NDArray
 
-__all__ = ["Stream", "derive_seed", "generator", "numpy_rng", "seed_everything", "stream"]
+if TYPE_CHECKING:  # torch is imported where a torch generator is made: a device without torch draws through MT
+    import torch
+
+__all__ = ["MT", "Stream", "derive_seed", "generator", "mt_stream", "numpy_rng", "seed_everything", "stream"]
 
 
 def derive_seed(seed: int, label: str, *index: int) -> int:
@@ -26,6 +30,8 @@ def derive_seed(seed: int, label: str, *index: int) -> int:
 
 def generator(seed: int, label: str, *index: int) -> torch.Generator:
     """A CPU ``torch.Generator`` for one named stream."""
+    import torch
+
     gen = torch.Generator()
     gen.manual_seed(derive_seed(seed, label, *index))
     return gen
@@ -40,6 +46,10 @@ def seed_everything(seed: int) -> None:
     """Seed the global generators too, for library code that draws from them without a generator argument."""
     random.seed(derive_seed(seed, "python"))
     np.random.seed(derive_seed(seed, "numpy") % (1 << 32))
+    try:
+        import torch
+    except ImportError:  # a torch-free device: nothing of torch's to seed
+        return
     torch.manual_seed(derive_seed(seed, "torch"))
 
 
@@ -61,3 +71,42 @@ class Stream(StrEnum):
 
 def stream(seed: int, name: Stream, *index: int) -> torch.Generator:
     return generator(seed, name.value, *index)
+
+
+class MT:
+    """The numbers a CPU ``torch.Generator`` seeded with ``seed`` draws, drawn with numpy alone, so that a device
+    without torch takes exactly the simulator's batches and masks for its slot.
+
+    torch's CPU generator is a 32-bit Mersenne Twister seeded as ``init_genrand(seed mod 2**32)`` (numpy's
+    ``MT19937`` legacy seeding). ``torch.randperm(n)`` (n < 2**32 / 20) is a Fisher-Yates shuffle of ``arange(n)``
+    swapping ``r[i]`` with ``r[i + u_i mod (n - i)]`` for i < n - 1, one 32-bit draw each; ``torch.rand`` in
+    float32 is ``(u & (2**24 - 1)) * 2**-24`` per element. tests/pfl_edge/test_seeding.py holds every method to
+    torch's own draws, call after call on one generator."""
+
+    _MAX_PERM = (2**32 - 1) // 20  # beyond this torch draws 64 bits per swap (never reached by a client's data)
+
+    def __init__(self, seed: int) -> None:
+        self._bits = np.random.MT19937(0)
+        self._bits._legacy_seeding(int(seed) & 0xFFFFFFFF)
+
+    def randperm(self, n: int) -> NDArray[np.int64]:
+        """``torch.randperm(n, generator=g)``, as int64."""
+        if not 0 <= n < self._MAX_PERM:
+            raise ValueError(f"randperm of {n} is out of the range drawn like torch (0 <= n < {self._MAX_PERM})")
+        out = np.arange(n, dtype=np.int64)
+        if n < 2:
+            return out
+        z = self._bits.random_raw(n - 1).astype(np.int64) % np.arange(n, 1, -1, dtype=np.int64)
+        for i, j in enumerate((z + np.arange(n - 1)).tolist()):  # sequential: each swap sees the last
+            out[i], out[j] = out[j], out[i]
+        return out
+
+    def rand(self, n: int) -> NDArray[np.float32]:
+        """``torch.rand(n, generator=g)`` in float32."""
+        raw = self._bits.random_raw(n)
+        return (raw & 0xFFFFFF).astype(np.float32) * np.float32(2.0**-24)
+
+
+def mt_stream(seed: int, name: Stream, *index: int) -> MT:
+    """The stream ``stream`` gives, as numpy draws (``MT``): the same numbers without torch."""
+    return MT(derive_seed(seed, name.value, *index))

@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
-
+from .arrays import Array as Tensor
+from .arrays import copy, rand, randperm, select_largest, select_smallest, where, zeros
 from .errors import ConfigError
+from .seeding import MT
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "density_of",
@@ -62,16 +66,18 @@ def mask_ones(shapes: Mapping[str, tuple[int, ...] | torch.Size], densities: Map
 
 
 def init_masks(shapes: Mapping[str, tuple[int, ...] | torch.Size], densities: Mapping[str, float],
-               gen: torch.Generator) -> dict[str, Tensor]:
-    """Exactly ``mask_ones`` ones per tensor, at positions drawn from ``gen``."""
+               gen: torch.Generator | MT) -> dict[str, Tensor]:
+    """Exactly ``mask_ones`` ones per tensor, at positions drawn from ``gen`` (float32 masks: numpy arrays from an
+    ``MT``, tensors from a torch generator; the same masks)."""
     masks = {}
     counts = mask_ones(shapes, densities)
     for k, shape in shapes.items():
         n = math.prod(shape)
         ones = counts[k]
-        flat = torch.zeros(n)
-        flat[torch.randperm(n, generator=gen)[:ones]] = 1.0
-        masks[k] = flat.view(*shape)
+        perm = randperm(gen, n)
+        flat = zeros((n,), perm)
+        flat[perm[:ones]] = 1.0
+        masks[k] = flat.reshape(*shape)
     return masks
 
 
@@ -82,7 +88,7 @@ def prune_rate(alpha0: float, t: int, total_rounds: int) -> float:
 
 def prune_regrow(weights: Mapping[str, Tensor], masks: Mapping[str, Tensor], alpha: float, *,
                  grads: Mapping[str, Tensor] | None = None,
-                 gen: torch.Generator | None = None) -> dict[str, Tensor]:
+                 gen: torch.Generator | MT | None = None) -> dict[str, Tensor]:
     """One mask update: per tensor that is not dense, prune ``ceil(alpha * nnz)`` active weights of smallest
     magnitude, then regrow as many among the zeros of the pruned mask, by largest ``|grads|`` (the dense
     gradient; ``regrow gradient``) or uniformly at random from ``gen`` (``regrow random``). Returns the new
@@ -90,7 +96,8 @@ def prune_regrow(weights: Mapping[str, Tensor], masks: Mapping[str, Tensor], alp
 
     The weights are not touched: a client keeps its trained weights with the mask they were trained under (that
     pair is what its neighbours average), and its new mask selects the coordinates of its next start, where a
-    regrown coordinate takes its neighbours' average (docs/algorithms.md).
+    regrown coordinate takes its neighbours' average (docs/algorithms.md). Ties at either cut go to the lower
+    index (``pfl_edge.arrays.select_smallest``), so torch and numpy pick the same coordinates.
     """
     if (grads is None) == (gen is None):
         raise ConfigError("prune_regrow needs exactly one of grads (regrow by gradient) or gen (random)")
@@ -100,20 +107,21 @@ def prune_regrow(weights: Mapping[str, Tensor], masks: Mapping[str, Tensor], alp
     for k, m in masks.items():
         flat_m = m.reshape(-1)
         nnz = int(flat_m.sum())
-        n = flat_m.numel()
+        n = int(flat_m.shape[0])
         k_swap = min(math.ceil(alpha * nnz), nnz)
         if nnz == n or nnz == 0 or k_swap == 0:
-            new_m[k] = m.clone()
+            new_m[k] = copy(m)
             continue
-        mag = torch.where(flat_m > 0, weights[k].reshape(-1).abs(), torch.inf)
-        pruned = flat_m.clone()
-        pruned[torch.topk(mag, k_swap, largest=False).indices] = 0.0
+        mag = where(flat_m > 0, abs(weights[k].reshape(-1)), math.inf)
+        pruned = copy(flat_m)
+        pruned[select_smallest(mag, k_swap)] = 0.0
         if grads is not None:
-            score = torch.where(pruned > 0, -torch.inf, grads[k].reshape(-1).abs())
+            score = where(pruned > 0, -math.inf, abs(grads[k].reshape(-1)))
         else:
-            score = torch.where(pruned > 0, -torch.inf, torch.rand(n, generator=gen))
-        pruned[torch.topk(score, k_swap).indices] = 1.0
-        new_m[k] = pruned.view_as(m)
+            assert gen is not None  # checked above: exactly one of grads and gen
+            score = where(pruned > 0, -math.inf, rand(gen, n))
+        pruned[select_largest(score, k_swap)] = 1.0
+        new_m[k] = pruned.reshape(m.shape)
     return new_m
 
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from torch import Tensor
-
+from .arrays import Array as Tensor
 from .errors import ConfigError
-from .models.blocks import BlockModel
+
+if TYPE_CHECKING:
+    from .models.blocks import BlockModel
 
 __all__ = ["Split", "split_keys", "take"]
 

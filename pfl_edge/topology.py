@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import ConfigError
 from .seeding import generator
+
+if TYPE_CHECKING:  # the coordinator draws the graphs (torch); a device only reads its neighbours from its task
+    import torch
 
 __all__ = ["check_topology", "in_degree", "mixing_matrix", "neighbours"]
 
@@ -42,6 +45,8 @@ def neighbours(spec: str, num_clients: int, t: int, seed: int) -> list[list[int]
         return [[j for j in range(n) if j != i] for i in range(n)]
     if name == "ring":
         return [sorted({(i - 1) % n, (i + 1) % n} - {i}) for i in range(n)]
+    import torch
+
     k = int(arg)
     gen = generator(seed, "topology", t)
     out = []
@@ -53,6 +58,8 @@ def neighbours(spec: str, num_clients: int, t: int, seed: int) -> list[list[int]
 
 def mixing_matrix(nbrs: list[list[int]], *, include_self: bool = True) -> torch.Tensor:
     """0/1 matrix A with A[i, j] = 1 when i receives from j (and A[i, i] = 1 with ``include_self``)."""
+    import torch
+
     n = len(nbrs)
     a = torch.zeros(n, n)
     for i, js in enumerate(nbrs):

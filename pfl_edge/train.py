@@ -14,7 +14,6 @@ The tests check that both give the same weights.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -24,7 +23,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value, vmap
 
+from .arrays import Stack, stack_states, unstack
 from .errors import ConfigError
+from .sgd import TrainConfig, TrainResult, epoch_batches
 
 __all__ = [
     "ClientTensors",
@@ -41,43 +42,7 @@ __all__ = [
     "unstack",
 ]
 
-Stack = dict[str, Tensor]
 Engine = Literal["auto", "vmap", "loop"]
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Local SGD. ``momentum`` and ``weight_decay`` as in ``torch.optim.SGD``; ``clip_norm`` as
-    ``clip_grad_norm_`` (per client, over its trainable tensors). The optimizer starts afresh each call, as
-    on a device that trains once per round."""
-
-    epochs: int = 1
-    batch_size: int = 32
-    lr: float = 0.01
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    clip_norm: float | None = None
-    clip_unmasked: bool = False  # clip the whole gradient before masking it (the DisPFL reference's order)
-    # a proximal term (lambda/2) ||w - anchor||^2 in the objective: lambda (w - anchor) is added to the loss's
-    # gradient of every trained tensor that has an anchor (``train(..., anchor=)``), before masks and clipping
-    # (Ditto's personal model, regularised towards the global one); 0: none
-    prox: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.epochs < 0:
-            raise ConfigError(f"epochs must be >= 0, got {self.epochs}")
-        if self.batch_size < 1:
-            raise ConfigError(f"batch_size must be >= 1, got {self.batch_size}")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ConfigError(f"lr must be finite and > 0, got {self.lr}")
-        if not 0 <= self.momentum < 1:
-            raise ConfigError(f"momentum must be in [0, 1), got {self.momentum}")
-        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
-            raise ConfigError(f"weight_decay must be >= 0, got {self.weight_decay}")
-        if self.clip_norm is not None and not self.clip_norm > 0:
-            raise ConfigError(f"clip_norm must be > 0, got {self.clip_norm}")
-        if not (math.isfinite(self.prox) and self.prox >= 0):
-            raise ConfigError(f"prox must be finite and >= 0, got {self.prox}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -100,22 +65,6 @@ class ClientTensors:
         return ClientTensors(x, y, n)
 
 
-@dataclass(frozen=True, eq=False)
-class TrainResult:
-    stack: Stack
-    loss: Tensor  # (C,) mean training loss over all steps
-    steps: Tensor  # (C,) optimizer steps taken
-    samples: Tensor  # (C,) samples processed (epochs x n)
-
-
-def stack_states(states: Sequence[Mapping[str, Tensor]]) -> Stack:
-    return {k: torch.stack([s[k] for s in states]) for k in states[0]}
-
-
-def unstack(stack: Mapping[str, Tensor], i: int) -> dict[str, Tensor]:
-    return {k: v[i] for k, v in stack.items()}
-
-
 def index_stack(stack: Mapping[str, Tensor], rows: Tensor) -> Stack:
     return {k: v[rows] for k, v in stack.items()}
 
@@ -125,14 +74,7 @@ def batch_schedule(n: Tensor, epochs: int, batch_size: int,
     """Sample indices ``(S, C, B)`` and validity weights ``(S, C, B)`` for every client's steps: each epoch a
     fresh permutation from the client's own generator, the last batch of an epoch partial. Clients with fewer
     steps than the longest get all-zero weights at the end (they sit out)."""
-    per_client = []
-    for c, gen in enumerate(gens):
-        nc = int(n[c])
-        steps: list[torch.Tensor] = []
-        for _ in range(epochs):
-            perm = torch.randperm(nc, generator=gen)
-            steps.extend(perm[s: s + batch_size] for s in range(0, nc, batch_size))
-        per_client.append(steps)
+    per_client = [epoch_batches(int(n[c]), epochs, batch_size, gen) for c, gen in enumerate(gens)]
     s_max = max((len(s) for s in per_client), default=0)
     idx = torch.zeros((s_max, len(gens), batch_size), dtype=torch.int64)
     w = torch.zeros((s_max, len(gens), batch_size), dtype=torch.float32)

@@ -16,11 +16,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
-import torch
-from torch import Tensor
-
+from ..arrays import Array as Tensor
 from ..errors import ConfigError, UnknownNameError
-from ..models import BlockModel
 from ..protocol import MAX_NEIGHBOURS
 from ..seeding import Stream, stream
 from ..split import Split, split_keys
@@ -29,6 +26,7 @@ from .base import Clients, Metrics, Received, Upload
 
 if TYPE_CHECKING:  # the config asks its algorithm's class; the algorithms only read its fields
     from ..federation import FederationConfig
+    from ..models import BlockModel
 
 __all__ = [
     "Algorithm",
@@ -62,6 +60,8 @@ class DeviceRound:
 def sample_participants(seed: int, t: int, num_clients: int, fraction: float) -> Tensor:
     """The clients (slots) of round ``t``: ``max(1, floor(fraction * N))`` drawn from the round's own stream;
     everyone when the fraction is 1."""
+    import torch  # the coordinator's side: a server or the simulator
+
     m = max(1, min(num_clients, int(fraction * num_clients + 1e-9)))
     if m == num_clients:
         return torch.arange(num_clients)

@@ -11,17 +11,18 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
-from torch import Tensor
-
-from ..models import BlockModel
-from ..seeding import Stream, stream
-from ..train import Stack, TrainConfig, TrainResult
+from ..arrays import Array as Tensor
+from ..arrays import Stack, is_numpy
+from ..seeding import MT, Stream, mt_stream, stream
+from ..sgd import TrainConfig, TrainResult
 
 if TYPE_CHECKING:
+    import torch
+
     from ..federation import FederationConfig
+    from ..models import BlockModel
 
 __all__ = ["Clients", "Metrics", "Neighbour", "Received", "Trainer", "Upload", "one_row"]
 
@@ -31,14 +32,14 @@ class Trainer(Protocol):
     ``pfl_edge.parallel.Trainer`` is one (every client of a simulation); a device's training backend another
     (its one slot)."""
 
-    def train(self, stack: Mapping[str, Tensor], rows: Tensor, cfg: TrainConfig, gens: Sequence[torch.Generator],
+    def train(self, stack: Mapping[str, Tensor], rows: Tensor, cfg: TrainConfig, gens: Sequence[Any],
               *, trainable: Collection[str] | None = None, masks: Mapping[str, Tensor] | None = None,
               anchor: Mapping[str, Tensor] | None = None) -> TrainResult: ...
 
     def evaluate(self, stack: Mapping[str, Tensor], rows: Tensor) -> tuple[Tensor, Tensor]: ...
 
     def dense_gradients(self, stack: Mapping[str, Tensor], rows: Tensor, batch_size: int,
-                        gens: Sequence[torch.Generator]) -> Stack: ...
+                        gens: Sequence[Any]) -> Stack: ...
 
 
 @dataclass(frozen=True, eq=False)
@@ -55,8 +56,13 @@ class Clients:
     def __len__(self) -> int:
         return len(self.slots)
 
-    def gens(self, name: Stream, t: int) -> list[torch.Generator]:
-        return [stream(self.cfg.seed, name, t, int(i)) for i in self.slots]
+    def gens(self, name: Stream, t: int) -> list[torch.Generator | MT]:
+        return [self.stream(name, t, int(i)) for i in self.slots]
+
+    def stream(self, name: Stream, *index: int) -> torch.Generator | MT:
+        """A named random stream: a torch generator, or its numpy twin (the same numbers) for clients whose
+        ``slots`` are a numpy array (a device without torch)."""
+        return (mt_stream if is_numpy(self.slots) else stream)(self.cfg.seed, name, *index)
 
     def subset(self, pos: Tensor) -> Clients:
         """The clients at positions ``pos`` of this set."""
@@ -73,7 +79,7 @@ class Clients:
 
 def one_row(state: Mapping[str, Tensor]) -> Stack:
     """A single client's state as a stack of one row."""
-    return {k: v.unsqueeze(0) for k, v in state.items()}
+    return {k: v[None] for k, v in state.items()}
 
 
 @dataclass(frozen=True, eq=False)

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from torch import Tensor
-
-from ..aggregate import PartialAverage
+from ..arrays import Array as Tensor
+from ..arrays import Stack, copy, expand_rows, stack_states, unstack
 from ..seeding import Stream
+from ..sgd import TrainResult
 from ..split import Split, take
-from ..train import Stack, TrainResult, stack_states, unstack
 from .algorithm import Algorithm, DeviceRound, register_algorithm
 from .base import Clients, Metrics, Received, Upload, one_row
 
@@ -27,12 +26,12 @@ __all__ = ["Central", "FedAvg", "FedAvgFT", "FedPer", "FedPerFT", "Local", "aggr
 def with_base(state: Mapping[str, Tensor], base: Mapping[str, Tensor] | None, split: Split) -> Stack:
     """A new stack: the clients' own tensors (copied) under ``base`` (one model, broadcast to every row) for the
     keys of ``split.base``; without a base, the clients' own."""
-    out = {k: v.clone() for k, v in state.items()}
+    out = {k: copy(v) for k, v in state.items()}
     if base is None:
         return out
     rows = len(next(iter(state.values())))
     for k in split.base:
-        out[k] = base[k].unsqueeze(0).expand(rows, *base[k].shape).clone()
+        out[k] = expand_rows(base[k], rows)
     return out
 
 
@@ -68,6 +67,8 @@ def aggregate_bases(prev: Mapping[str, Tensor],
                     updates: Iterable[tuple[Mapping[str, Tensor], float]]) -> dict[str, Tensor]:
     """Per tensor, sum_j n_j x_j / sum_j n_j in float64 over the updates that hold it (in the order given: callers
     pass slot order, so the result never depends on who finished first); a tensor nobody sent keeps its value."""
+    from ..aggregate import PartialAverage  # the coordinator's side (torch); a device never aggregates
+
     avg = PartialAverage()
     for tensors, n in updates:
         avg.add(tensors, n)

@@ -18,13 +18,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-import torch
-from torch import Tensor
-
-from ..aggregate import neighbourhood_average
-from ..seeding import Stream, stream
+from ..arrays import Array as Tensor
+from ..arrays import Stack, as_bool, as_float, copy, ones, ones_like, stack_states, unstack
+from ..neighbourhood import neighbourhood_average
+from ..seeding import Stream
+from ..sgd import TrainResult
 from ..sparse import erk_densities, init_masks, mask_ones, prune_rate, prune_regrow
-from ..train import Stack, TrainResult, stack_states, unstack
 from .algorithm import Decentralised, DeviceRound, register_algorithm
 from .base import Clients, Metrics, Received, Upload, one_row
 
@@ -54,10 +53,10 @@ def init_clients(cl: Clients, init: Mapping[str, Tensor], densities: Sequence[fl
     masks = []
     for slot, d in zip(cl.slots.tolist(), densities, strict=True):
         dens = by_density.setdefault(d, erk_densities(shapes, d))
-        masks.append(init_masks(shapes, dens, stream(cl.cfg.seed, Stream.MASK, slot)))
+        masks.append(init_masks(shapes, dens, cl.stream(Stream.MASK, slot)))
     m = stack_states(masks)
     w = {k: v * m[k] if k in m else v for k, v in stack_states([dict(init)] * len(cl)).items()}
-    return SparseClients(w, m, {k: v.clone() for k, v in m.items()})
+    return SparseClients(w, m, {k: copy(v) for k, v in m.items()})
 
 
 def start_models(weights: Stack, support: Stack, mixing: Tensor, masks: Stack) -> Stack:
@@ -80,12 +79,12 @@ def update_masks(cl: Clients, trained: Stack, masks: Stack, t: int) -> Stack:
     alpha = prune_rate(cfg.alpha0, t - 1, cfg.rounds)
     grads = (cl.trainer.dense_gradients(trained, cl.slots, cfg.batch_size, cl.gens(Stream.REGROW, t))
              if cfg.regrow == "gradient" else None)
-    out = {k: m.clone() for k, m in masks.items()}
+    out = {k: copy(m) for k, m in masks.items()}
     for i, slot in enumerate(cl.slots.tolist()):
         mine = {k: m[i] for k, m in masks.items() if not bool(m[i].all())}
         new = prune_regrow({k: trained[k][i] for k in mine}, mine, alpha,
                            grads=None if grads is None else {k: grads[k][i] for k in mine},
-                           gen=stream(cfg.seed, Stream.REGROW_RANDOM, t, slot) if grads is None else None)
+                           gen=cl.stream(Stream.REGROW_RANDOM, t, slot) if grads is None else None)
         for k, m in new.items():
             out[k][i] = m
     return out
@@ -94,7 +93,7 @@ def update_masks(cl: Clients, trained: Stack, masks: Stack, t: int) -> Stack:
 def sent_masks(support: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """The masks that travel with a client's weights: its support, for the tensors it holds sparse (a tensor its
     density leaves dense goes without one)."""
-    return {k: m.bool() for k, m in support.items() if not bool(m.all())}
+    return {k: as_bool(m) for k, m in support.items() if not bool(m.all())}
 
 
 def round_step(cl: Clients, state: SparseClients, mixing: Tensor, t: int,
@@ -147,7 +146,8 @@ class DisPFL(Decentralised):
                       + [(n.slot, dict(n.tensors), _support(n.tensors, n.masks, own.support))
                          for n in received.neighbours if n.slot != me], key=lambda r: r[0])
         pool = SparseClients(stack_states([r[1] for r in rows]), stack_states([r[2] for r in rows]), {})
-        new, res, trained = round_step(dev, own, torch.ones(1, len(rows)), t, received=pool)
+        like = next(iter(pool.weights.values()))
+        new, res, trained = round_step(dev, own, ones((1, len(rows)), like), t, received=pool)
         acc, loss = dev.trainer.evaluate(trained, dev.slots)
         state_out = pack(new)
         return DeviceRound(state_out, self.device_upload(state_out),
@@ -158,7 +158,7 @@ class DisPFL(Decentralised):
 def _support(tensors: Mapping[str, Tensor], masks: Mapping[str, Tensor],
              keys: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """A received model's support for each masked tensor (``keys``): its mask, or all ones for one sent dense."""
-    return {k: masks[k].to(tensors[k].dtype) if k in masks else torch.ones_like(tensors[k]) for k in keys}
+    return {k: as_float(masks[k], tensors[k]) if k in masks else ones_like(tensors[k]) for k in keys}
 
 
 def pack(st: SparseClients) -> dict[str, Tensor]:

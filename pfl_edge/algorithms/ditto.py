@@ -21,11 +21,11 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from torch import Tensor
-
+from ..arrays import Array as Tensor
+from ..arrays import Stack, copy
 from ..errors import ConfigError
 from ..seeding import Stream
-from ..train import Stack, TrainResult
+from ..sgd import TrainResult
 from .algorithm import register_algorithm
 from .base import Clients
 from .central import FedAvg, train_round
@@ -68,7 +68,7 @@ class Ditto(FedAvg):
 
     def init_clients(self, cl: Clients, init: Mapping[str, Tensor]) -> Stack:
         out = super().init_clients(cl, init)
-        return {**out, **{_PERSONAL + k: v.clone() for k, v in out.items()}}  # v starts as the initial model
+        return {**out, **{_PERSONAL + k: copy(v) for k, v in out.items()}}  # v starts as the initial model
 
     def local_round(self, cl: Clients, state: Stack, t: int) -> TrainResult:
         received = global_part(state)

@@ -4,11 +4,11 @@ its consensus model; ``dpsgd-ft`` first fine-tunes it on its own data for ``ft_e
 
 from __future__ import annotations
 
-from torch import Tensor
-
-from ..aggregate import neighbourhood_average
+from ..arrays import Array as Tensor
+from ..arrays import Stack
+from ..neighbourhood import neighbourhood_average
 from ..seeding import Stream
-from ..train import Stack, TrainResult
+from ..sgd import TrainResult
 from .algorithm import Decentralised, register_algorithm
 from .base import Clients
 
