@@ -1,12 +1,15 @@
-"""Decoding a payload, trusting nothing (see :mod:`pfl_edge.codec` for the layout)."""
+"""Decoding a payload, trusting nothing (see :mod:`pfl_edge.codec` for the layout).
+
+Everything is numpy until the end, where the arrays become torch tensors (zero-copy) unless numpy arrays were
+asked for; only then is torch imported, so a process without torch decodes with ``arrays="numpy"``."""
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping, Sequence
+from typing import Literal
 
 import numpy as np
-import torch
 
 from pfl_edge.errors import CodecError
 
@@ -22,10 +25,15 @@ def decode(
     model_id: str | None = None,
     max_bytes: int = DEFAULT_MAX_BYTES,
     allow_missing: bool = False,
+    arrays: Literal["torch", "numpy"] = "torch",
 ) -> Decoded:
     """The tensors in ``payload``, after checking it whole. ``expected`` (name -> shape) is what may arrive: any
     other name or shape is refused, and so is a missing one unless ``allow_missing``; ``model_id`` must match when
-    given. ``max_bytes`` bounds the payload and the dense float32 size of what it decodes to."""
+    given. ``max_bytes`` bounds the payload and the dense float32 size of what it decodes to. ``arrays`` says what
+    the tensors and masks are: torch tensors (the default), or numpy arrays (float32 and bool, the same values and
+    shapes; torch is then not imported)."""
+    if arrays not in ("torch", "numpy"):
+        raise CodecError(f"arrays must be 'torch' or 'numpy', got {arrays!r}")
     buf = _bytes(payload)
     size = buf.nbytes
     if size > max_bytes:
@@ -56,12 +64,12 @@ def decode(
         raise CodecError(f"payload is for model {header.model!r}, expected {model_id!r}")
     _check_expected(header.entries, expected, allow_missing)
 
-    tensors: dict[str, torch.Tensor] = {}
-    masks: dict[str, torch.Tensor] = {}
+    tensors: dict[str, NDArray] = {}
+    masks: dict[str, NDArray] = {}
     for e in header.entries:
         values = _read_values(e, data)
         if e.coding is None:
-            tensors[e.name] = torch.from_numpy(values).reshape(e.shape)
+            tensors[e.name] = values.reshape(e.shape)
             continue
         bits, ones_at = _read_mask(e, data[e.offset + e.nbytes : e.end])
         if e.ones == e.numel:
@@ -69,9 +77,14 @@ def decode(
         else:
             dense = np.zeros(e.numel, dtype=np.float32)
             dense[ones_at] = values  # positions, not the bool mask: several times faster
-        tensors[e.name] = torch.from_numpy(dense).reshape(e.shape)
-        masks[e.name] = torch.from_numpy(bits).reshape(e.shape)
-    return Decoded(tensors=tensors, masks=masks, model_id=header.model, round=header.round)
+        tensors[e.name] = dense.reshape(e.shape)
+        masks[e.name] = bits.reshape(e.shape)
+    if arrays == "numpy":
+        return Decoded(tensors=tensors, masks=masks, model_id=header.model, round=header.round)
+    import torch  # only here: a device without torch asks for numpy arrays
+
+    return Decoded(tensors={k: torch.from_numpy(v) for k, v in tensors.items()},
+                   masks={k: torch.from_numpy(v) for k, v in masks.items()}, model_id=header.model, round=header.round)
 
 
 def _bytes(payload: object) -> memoryview:

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
-import torch
 
 FORMAT_VERSION = 1
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
@@ -28,14 +27,18 @@ _ENTRY_BYTES = 256  # an entry's fields but name and shape: brackets, dtype, cod
 _DIM_BYTES = 21  # a dimension: up to 20 digits and a comma
 
 NDArray = np.ndarray[Any, Any]
+#: a torch.Tensor or a numpy.ndarray: what :func:`~pfl_edge.codec.encode` takes, and what
+#: :func:`~pfl_edge.codec.decode` returns (torch tensors unless asked for ``arrays="numpy"``)
+Array: TypeAlias = Any
 
 
 @dataclass(frozen=True, eq=False)
 class Decoded:
     """What a payload carried. ``tensors`` are dense float32 (zeros outside the mask for sparse ones); ``masks``
-    has a torch.bool mask for every tensor that was sent sparse."""
+    has a bool mask for every tensor that was sent sparse. They are torch tensors (torch.float32, torch.bool), or
+    numpy arrays (float32, bool) when decoded with ``arrays="numpy"``; of the shapes in the payload either way."""
 
-    tensors: dict[str, torch.Tensor]
-    masks: dict[str, torch.Tensor]
+    tensors: dict[str, Array]
+    masks: dict[str, Array]
     model_id: str
     round: int

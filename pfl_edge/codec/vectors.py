@@ -2,7 +2,8 @@
 payload (``NAME.bin``) and its decoded content (``NAME.json``); each negative vector a payload with one fault and
 the refusal it must get (``index.json``). Everything is derived from fixed seeds with a self-contained generator
 (splitmix64), so the files are the same on every machine and every torch/numpy version, and a codec change that
-alters any byte shows up as a diff. ``python -m pfl_edge.codec.vectors --out docs/vectors`` rewrites them."""
+alters any byte shows up as a diff. ``python -m pfl_edge.codec.vectors --out docs/vectors`` rewrites them; numpy
+only, so it runs where torch is not installed too."""
 
 from __future__ import annotations
 
@@ -15,12 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from pfl_edge.errors import CodecError, InternalError
 
 from .decoding import decode
 from .encoding import encode
+from .layout import NDArray
 from .vector_faults import Negative, faults, split_payload
 
 __all__ = ["Negative", "Positive", "generate", "main", "negatives", "positives", "render"]
@@ -35,8 +36,8 @@ class Positive:
 
     name: str
     about: str
-    tensors: dict[str, torch.Tensor]
-    masks: dict[str, torch.Tensor] = field(default_factory=dict)
+    tensors: dict[str, NDArray]
+    masks: dict[str, NDArray] = field(default_factory=dict)
     round: int = 1
     value_dtype: str = "float32"
     model: str = MID
@@ -59,31 +60,35 @@ class _Rng:
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
         return z ^ (z >> 31)
 
-    def values(self, shape: tuple[int, ...], bound: float) -> torch.Tensor:
+    def values(self, shape: tuple[int, ...], bound: float) -> NDArray:
         """Uniform in [-bound, bound), each a float32 (24 random bits scaled, then rounded once)."""
         flat = [((self.next() >> 40) / float(1 << 23) - 1.0) * bound for _ in range(math.prod(shape))]
-        return torch.tensor(np.array(flat, dtype=np.float32)).reshape(shape)
+        return np.array(flat, dtype=np.float32).reshape(shape)
 
-    def mask(self, shape: tuple[int, ...], ones: int) -> torch.Tensor:
+    def mask(self, shape: tuple[int, ...], ones: int) -> NDArray:
         """Exactly ``ones`` ones at positions from a partial Fisher-Yates shuffle."""
         n = math.prod(shape)
         order = list(range(n))
         for i in range(ones):
             j = i + self.next() % (n - i)
             order[i], order[j] = order[j], order[i]
-        flat = torch.zeros(n, dtype=torch.bool)
+        flat = np.zeros(n, dtype=np.bool_)
         flat[order[:ones]] = True
         return flat.reshape(shape)
 
 
-def _at(n: int, ones: list[int]) -> torch.Tensor:
-    m = torch.zeros(n, dtype=torch.bool)
+def _at(n: int, ones: list[int]) -> NDArray:
+    m = np.zeros(n, dtype=np.bool_)
     m[ones] = True
     return m
 
 
-def _f32(bits: list[int]) -> torch.Tensor:
-    return torch.tensor(np.array(bits, dtype="<u4").view("<f4"))
+def _f32(bits: list[int]) -> NDArray:
+    return np.array(bits, dtype="<u4").view("<f4")
+
+
+def _t(x: Any) -> NDArray:
+    return np.array(x, dtype=np.float32)
 
 
 def _examples() -> list[Positive]:
@@ -92,15 +97,15 @@ def _examples() -> list[Positive]:
     d = ~_at(24, [5, 6, 20])
     return [
         Positive("example_a", "docs/codec.md 8(a): two dense f32 tensors",
-                 {"w": torch.tensor([[1.0], [-2.5]]), "b": torch.tensor([0.5])}, round=3),
+                 {"w": _t([[1.0], [-2.5]]), "b": _t([0.5])}, round=3),
         Positive("example_b", "docs/codec.md 8(b): a bitmap mask (bitmap ties rice1 at 2 bytes and wins)",
-                 {"s": torch.arange(1, 11, dtype=torch.float32) * b}, {"s": b}),
+                 {"s": np.arange(1, 11, dtype=np.float32) * b}, {"s": b}),
         Positive("example_c", "docs/codec.md 8(c): a rice1 mask, k=2",
-                 {"r": torch.arange(1, 41, dtype=torch.float32) * c}, {"r": c}),
+                 {"r": np.arange(1, 41, dtype=np.float32) * c}, {"r": c}),
         Positive("example_d", "docs/codec.md 8(d): a rice0 mask, k=2 (k=2 and k=3 tie on 13 bits)",
-                 {"z": torch.full((24,), 0.25) * d}, {"z": d}),
+                 {"z": np.full(24, 0.25, dtype=np.float32) * d}, {"z": d}),
         Positive("example_e", "docs/codec.md 8(e): an f16 tensor (0.1 rounded to binary16, 65504 the largest)",
-                 {"h": torch.tensor([[1.0, -2.0], [0.1, 65504.0]])}, round=2, value_dtype="float16"),
+                 {"h": _t([[1.0, -2.0], [0.1, 65504.0]])}, round=2, value_dtype="float16"),
     ]
 
 
@@ -109,25 +114,25 @@ def _edges() -> list[Positive]:
     special = _f32([0x80000000, 0x00000001, 0x007FFFFF, 0x00800000, 0x7F7FFFFF, 0xFF7FFFFF, 0x3EAAAAAB, 0x3F800001])
     f16 = _f32([0x33800000, 0x387FC000, 0x38800000, 0x477FE000, 0x80000000, 0x3EAAAAAB, 0x3F801000, 0x3F803000,
                 0xC77FE000, 0x33000001, 0x33000000])
-    n0 = torch.zeros(0, dtype=torch.bool)
+    n0 = np.zeros(0, dtype=np.bool_)
     return [
         Positive("dense_f32_shapes", "dense f32: a scalar (shape []), an empty [0, 3] tensor, a 3-D [2, 3, 4] "
                  "tensor (row-major), and -0.0, the smallest subnormal, the largest finite values",
-                 {"scalar": torch.tensor(-7.5), "empty": torch.zeros(0, 3), "cube": rng.values((2, 3, 4), 2.0),
+                 {"scalar": _t(-7.5), "empty": np.zeros((0, 3), dtype=np.float32), "cube": rng.values((2, 3, 4), 2.0),
                   "special": special}, round=0),
         Positive("dense_f16", "dense f16: subnormals, the smallest normal, 65504 and -65504, -0.0, and values "
                  "rounded to nearest-even (1/3; the ties 1+2^-11 -> 1 and 1+3*2^-11 -> 1+2^-9; "
                  "just above 2^-25 -> 2^-24; 2^-25 exactly, a tie, -> +0.0)",
                  {"f16": f16, "w": rng.values((3, 5), 1.0)}, round=4, value_dtype="float16"),
         Positive("empty_mask", "sparse with no ones: rice1, k=0, no values and an empty mask stream",
-                 {"none": rng.values((20,), 1.0)}, {"none": torch.zeros(20, dtype=torch.bool)}),
+                 {"none": rng.values((20,), 1.0)}, {"none": np.zeros(20, dtype=np.bool_)}),
         Positive("full_mask", "sparse with every bit 1: rice0, k=0, all values and an empty mask stream",
-                 {"all": rng.values((2, 10), 1.0)}, {"all": torch.ones(2, 10, dtype=torch.bool)}),
+                 {"all": rng.values((2, 10), 1.0)}, {"all": np.ones((2, 10), dtype=np.bool_)}),
         Positive("zero_size_sparse", "a sparse tensor of 0 elements: bitmap of 0 bytes; and a 1-element all-ones "
-                 "mask (rice0, empty stream)", {"nothing": torch.zeros(0), "one": torch.tensor([2.0])},
-                 {"nothing": n0, "one": torch.ones(1, dtype=torch.bool)}),
+                 "mask (rice0, empty stream)", {"nothing": np.zeros(0, dtype=np.float32), "one": _t([2.0])},
+                 {"nothing": n0, "one": np.ones(1, dtype=np.bool_)}),
         Positive("tie_rice1_over_rice0", "rice1 and rice0 both take 1 byte (8 bits): rice1 wins; within rice1, "
-                 "k=1 and k=2 tie on 8 bits: k=1 wins", {"t": torch.tensor([0.0] * 8 + [1.0, 2.0])},
+                 "k=1 and k=2 tie on 8 bits: k=1 wins", {"t": _t([0.0] * 8 + [1.0, 2.0])},
                  {"t": _at(10, [8, 9])}),
         Positive("rice1_k0_prefix", "rice1 with 2c >= n (k=0, the 'last one + 1' cost): 40 ones then 24 zeros",
                  {"p": rng.values((64,), 1.0)}, {"p": _at(64, list(range(40)))}),
@@ -163,7 +168,7 @@ def _realistic() -> list[Positive]:
     rng = _Rng(37)
     state = {k: rng.values(s, 1.0 / math.sqrt(math.prod(s[1:]) if len(s) > 1 else 8)) for k, s in _CNN.items()}
     base = {k: v for k, v in state.items() if not k.startswith(("fc2.", "head."))}  # FedPer base with K_P = 2
-    masks = {k: rng.mask(s, round(_DENSITY[k] * math.prod(s))) if k in _DENSITY else torch.ones(s, dtype=torch.bool)
+    masks = {k: rng.mask(s, round(_DENSITY[k] * math.prod(s))) if k in _DENSITY else np.ones(s, dtype=np.bool_)
              for k, s in _CNN.items()}
     sparse = {k: v * masks[k] for k, v in state.items()}
     return [
@@ -188,14 +193,14 @@ def negatives() -> list[Negative]:
 def content(p: Positive, payload: bytes) -> dict[str, Any]:
     """What ``payload`` decodes to, written so that every float round-trips: its bits in hex and its decimal."""
     header, _ = split_payload(payload)
-    d = decode(payload)
+    d = decode(payload, arrays="numpy")
     tensors = []
     for entry in header["tensors"]:
         name = entry[0]
-        flat = d.tensors[name].reshape(-1).numpy()
+        flat = d.tensors[name].reshape(-1)
         item: dict[str, Any] = {"name": name, "shape": entry[1], "dtype": entry[2], "coding": None}
         if name in d.masks:
-            ones_at = np.flatnonzero(d.masks[name].reshape(-1).numpy())
+            ones_at = np.flatnonzero(d.masks[name].reshape(-1))
             flat = flat[ones_at]  # only the values sent, in flat index order
             item.update(coding=entry[5], k=entry[6], ones=entry[7], mask_nbytes=entry[8],
                         mask_ones=[int(i) for i in ones_at])

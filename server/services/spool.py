@@ -173,7 +173,8 @@ class DecodePool:
             if self.processes <= 0 or self._pool is not None or self._closed:
                 return
             ctx = multiprocessing.get_context("forkserver")
-            ctx.set_forkserver_preload(["pfl_edge.codec", "server.services.spool"])
+            # torch too: decode builds tensors (the codec itself no longer imports it)
+            ctx.set_forkserver_preload(["torch", "pfl_edge.codec", "server.services.spool"])
             pool = concurrent.futures.ProcessPoolExecutor(self.processes, mp_context=ctx, initializer=_worker_init,
                                                           initargs=(os.getpid(),))
             for f in [pool.submit(os.getpid) for _ in range(self.processes)]:

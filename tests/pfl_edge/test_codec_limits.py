@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from codec_testkit import SAMPLE, sample
@@ -80,5 +79,7 @@ def test_encoding_refuses_what_it_cannot_send() -> None:
         encode({"x": x}, model_id="m", round=0, value_dtype="int8")  # type: ignore[arg-type]
     with pytest.raises(CodecError, match="layout"):
         encode({"x": x.to_sparse()}, model_id="m", round=0)
-    with pytest.raises(CodecError, match=r"not a torch\.Tensor"):
-        encode({"x": np.ones(3)}, model_id="m", round=0)  # type: ignore[dict-item]
+    with pytest.raises(CodecError, match=r"'x' is a list, not a torch\.Tensor or a numpy\.ndarray"):
+        encode({"x": [1.0, 2.0]}, model_id="m", round=0)
+    with pytest.raises(CodecError, match=r"mask of 'x' is a list, not a torch\.Tensor or a numpy\.ndarray"):
+        encode({"x": x}, model_id="m", round=0, masks={"x": [[True] * 3] * 2})
