@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from torch import Tensor
 
 from ..errors import DataError
+
+if TYPE_CHECKING:  # torch is imported where a tensor is made: pfl_edge.data imports without it
+    from torch import Tensor
 
 __all__ = ["read_image_folder"]
 
@@ -19,6 +21,7 @@ def read_image_folder(root: str | Path, channels: int, size: int, num_classes: i
     """Images as float32 ``(N, channels, size, size)``, standardised over the folder (zero mean, unit variance
     per channel), and int64 labels. Class folders named ``0``..``C-1`` are those classes; otherwise the sorted
     folder names are classes 0, 1, ... Unreadable files are an error naming the file."""
+    import torch
     from PIL import Image, UnidentifiedImageError
 
     base = Path(root)

@@ -7,6 +7,9 @@ Specs are ``name`` or ``name:ARG``: ``iid``, ``pathological:K``, ``dirichlet:ALP
 
 Every client's test set follows the label distribution of its training set, is drawn from the test split, and
 no sample (train or test) goes to two clients.
+
+The deal is numpy's (``partition_arrays``, no torch needed); ``partition`` is the same deal with the indices and
+labels as tensors sharing its arrays' memory.
 """
 
 from __future__ import annotations
@@ -14,23 +17,53 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from torch import Tensor
+from numpy.typing import NDArray
 
 from ..errors import ConfigError, DataError, UnknownNameError
 
+if TYPE_CHECKING:  # torch is imported where a tensor is made: pfl_edge.data imports without it
+    from torch import Tensor
+
 __all__ = [
     "ClientData",
+    "ClientIndices",
     "Partition",
+    "PartitionArrays",
     "PartitionerFn",
     "list_partitioners",
     "partition",
+    "partition_arrays",
     "register_partitioner",
 ]
 
 NUM_RATINGS = 5  # the preference task's ratings
+
+
+@dataclass(frozen=True, eq=False)
+class ClientIndices:
+    """Indices (int64, ascending) into the data set's train / test split and the labels (int64) this client sees
+    for them, as numpy arrays."""
+
+    train_idx: NDArray[np.int64]
+    train_y: NDArray[np.int64]
+    test_idx: NDArray[np.int64]
+    test_y: NDArray[np.int64]
+
+    @property
+    def n_train(self) -> int:
+        return len(self.train_idx)
+
+
+@dataclass(frozen=True, eq=False)
+class PartitionArrays:
+    """The deal as numpy arrays (``partition_arrays``)."""
+
+    clients: tuple[ClientIndices, ...]
+    num_classes: int  # what the model predicts (5 for the preference task)
+    label_maps: tuple[tuple[int, ...], ...] | None = None  # preference: class -> rating, per client
 
 
 @dataclass(frozen=True, eq=False)
@@ -42,6 +75,14 @@ class ClientData:
     test_idx: Tensor
     test_y: Tensor
 
+    @staticmethod
+    def of(c: ClientIndices) -> ClientData:
+        """The arrays as tensors, sharing their memory."""
+        import torch
+
+        return ClientData(torch.from_numpy(c.train_idx), torch.from_numpy(c.train_y), torch.from_numpy(c.test_idx),
+                          torch.from_numpy(c.test_y))
+
     @property
     def n_train(self) -> int:
         return int(self.train_idx.numel())
@@ -52,6 +93,11 @@ class Partition:
     clients: tuple[ClientData, ...]
     num_classes: int  # what the model predicts (5 for the preference task)
     label_maps: tuple[tuple[int, ...], ...] | None = None  # preference: class -> rating, per client
+
+    @staticmethod
+    def of(p: PartitionArrays) -> Partition:
+        """The numpy deal as tensors, sharing its arrays' memory."""
+        return Partition(tuple(ClientData.of(c) for c in p.clients), p.num_classes, p.label_maps)
 
 
 # (train labels, num clients, arg or None, num classes, rng) -> (train index arrays, label maps or None)
@@ -87,13 +133,31 @@ def partition(
     samples_per_client: int | None = None,
     test_per_client: int | None = None,
 ) -> Partition:
-    """Deal the data out. ``test_per_client`` defaults to ceil(len(test) / num_clients), as in DisPFL."""
+    """Deal the data out (``partition_arrays``'s deal, as tensors). ``test_per_client`` defaults to
+    ceil(len(test) / num_clients), as in DisPFL."""
+    return Partition.of(partition_arrays(spec, train_y.numpy(), test_y.numpy(), num_clients, num_classes, rng,
+                                         samples_per_client=samples_per_client, test_per_client=test_per_client))
+
+
+def partition_arrays(
+    spec: str,
+    train_y: NDArray[np.int64],
+    test_y: NDArray[np.int64],
+    num_clients: int,
+    num_classes: int,
+    rng: np.random.Generator,
+    *,
+    samples_per_client: int | None = None,
+    test_per_client: int | None = None,
+) -> PartitionArrays:
+    """Deal the data out, in numpy: the train and test labels (int64) in, each client's indices and labels out.
+    ``test_per_client`` defaults to ceil(len(test) / num_clients), as in DisPFL."""
     name, _, arg = spec.partition(":")
     if name not in _PARTITIONERS:
         raise UnknownNameError("partitioner", name, list_partitioners())
     if num_clients < 1:
         raise ConfigError(f"num_clients must be >= 1, got {num_clients}")
-    ytr = train_y.numpy()
+    ytr, yte = np.asarray(train_y), np.asarray(test_y)
     parts, maps = _PARTITIONERS[name](ytr, num_clients, arg or None, num_classes, rng)
     if samples_per_client is not None:
         if samples_per_client < 1:
@@ -106,20 +170,18 @@ def partition(
             raise DataError(f"partition {spec!r} left client {i} without training data; use fewer clients")
     per = test_per_client if test_per_client is not None else math.ceil(len(test_y) / num_clients)
     counts = np.stack([np.bincount(ytr[p], minlength=num_classes) for p in parts])
-    test_parts = _draw_test(test_y.numpy(), counts, per, rng)
+    test_parts = _draw_test(yte, counts, per, rng)
     for i, q in enumerate(test_parts):
         if len(q) == 0:
             raise DataError(f"client {i} got no test samples (its classes are exhausted in the test split); "
                             "use fewer clients or a larger --test-per-client")
-    yte = test_y.numpy()
     clients = []
     for i, (p, q) in enumerate(zip(parts, test_parts, strict=True)):
         a, b = ytr[p], yte[q]
         if maps is not None:
             a, b = maps[i][a], maps[i][b]
-        clients.append(ClientData(torch.from_numpy(p.astype(np.int64)), torch.from_numpy(a.astype(np.int64)),
-                                  torch.from_numpy(q.astype(np.int64)), torch.from_numpy(b.astype(np.int64))))
-    return Partition(
+        clients.append(ClientIndices(p.astype(np.int64), a.astype(np.int64), q.astype(np.int64), b.astype(np.int64)))
+    return PartitionArrays(
         tuple(clients),
         NUM_RATINGS if maps is not None else num_classes,
         None if maps is None else tuple(tuple(int(v) for v in m) for m in maps),

@@ -1,5 +1,10 @@
-"""Data set registry: ``list_datasets()``, ``get_dataset(name, data_dir=...)``, ``get_labels(name, ...)``,
-``@register_dataset``.
+"""Data set registry: ``list_datasets()``, ``get_dataset(name, data_dir=...)``, ``get_arrays(name, ...)``,
+``get_labels(name, ...)``, ``@register_dataset``.
+
+A data set exists in two forms sharing one memory: ``DatasetArrays`` (numpy, what a device without PyTorch
+trains on) and ``Dataset`` (torch tensors made from those arrays by ``torch.from_numpy``, no copy). A loader
+returns either; the built-in ones that need no torch (Fashion-MNIST, CIFAR-10) return arrays, so both forms
+hold the very same bits. ``get_arrays`` works without torch installed for those.
 
 ``get_labels`` is what a coordinator needs to deal a federation's data without holding it: the labels of both
 splits and the images' shape. A data set registers a loader of its own for them where its files allow reading
@@ -11,14 +16,57 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import Tensor
+import numpy as np
+from numpy.typing import NDArray
 
 from ..errors import ConfigError, DataError, UnknownNameError
 
-__all__ = ["Dataset", "DatasetLoader", "Labels", "LabelsLoader", "get_dataset", "get_labels", "list_datasets",
-           "register_dataset"]
+if TYPE_CHECKING:  # torch is imported where a tensor is made: pfl_edge.data imports without it
+    from torch import Tensor
+
+__all__ = ["Dataset", "DatasetArrays", "DatasetLoader", "Labels", "LabelsLoader", "get_arrays", "get_dataset",
+           "get_labels", "list_datasets", "register_dataset"]
+
+
+def _check(name: str, d: Dataset | DatasetArrays, float32: Any, int64: Any) -> None:
+    """One set of checks for both forms (numpy arrays and torch tensors answer the same questions)."""
+    for split, x, y in (("train", d.train_x, d.train_y), ("test", d.test_x, d.test_y)):
+        if x.ndim != 4 or x.dtype != float32:
+            raise DataError(f"{name}: {split} images must be float32 (N, C, H, W), got {x.dtype} {tuple(x.shape)}")
+        if tuple(y.shape) != (x.shape[0],) or y.dtype != int64:
+            raise DataError(f"{name}: {split} labels must be int64 of length {x.shape[0]}")
+        if len(y) and (int(y.min()) < 0 or int(y.max()) >= d.num_classes):
+            raise DataError(f"{name}: {split} labels outside [0, {d.num_classes})")
+    if tuple(d.train_x.shape[1:]) != tuple(d.test_x.shape[1:]):
+        raise DataError(f"{name}: train and test images differ in shape")
+    if d.train_x.shape[2] != d.train_x.shape[3]:
+        raise DataError(f"{name}: images must be square, got {tuple(d.train_x.shape[2:])}")
+
+
+@dataclass(frozen=True, eq=False)
+class DatasetArrays:
+    """A data set as numpy arrays: images normalised float32 ``(N, C, H, W)``, labels int64 ``(N,)``, a train and
+    a test split. What ``Dataset``'s tensors are made from where the loader needs no torch."""
+
+    name: str
+    train_x: NDArray[np.float32]
+    train_y: NDArray[np.int64]
+    test_x: NDArray[np.float32]
+    test_y: NDArray[np.int64]
+    num_classes: int
+
+    def __post_init__(self) -> None:
+        _check(self.name, self, np.float32, np.int64)
+
+    @property
+    def in_channels(self) -> int:
+        return int(self.train_x.shape[1])
+
+    @property
+    def image_size(self) -> int:
+        return int(self.train_x.shape[2])
 
 
 @dataclass(frozen=True, eq=False)
@@ -33,18 +81,22 @@ class Dataset:
     num_classes: int
 
     def __post_init__(self) -> None:
-        for split, x, y in (("train", self.train_x, self.train_y), ("test", self.test_x, self.test_y)):
-            if x.dim() != 4 or x.dtype != torch.float32:
-                raise DataError(f"{self.name}: {split} images must be float32 (N, C, H, W), got "
-                                f"{x.dtype} {tuple(x.shape)}")
-            if y.shape != (x.shape[0],) or y.dtype != torch.int64:
-                raise DataError(f"{self.name}: {split} labels must be int64 of length {x.shape[0]}")
-            if y.numel() and (int(y.min()) < 0 or int(y.max()) >= self.num_classes):
-                raise DataError(f"{self.name}: {split} labels outside [0, {self.num_classes})")
-        if self.train_x.shape[1:] != self.test_x.shape[1:]:
-            raise DataError(f"{self.name}: train and test images differ in shape")
-        if self.train_x.shape[2] != self.train_x.shape[3]:
-            raise DataError(f"{self.name}: images must be square, got {tuple(self.train_x.shape[2:])}")
+        import torch
+
+        _check(self.name, self, torch.float32, torch.int64)
+
+    @staticmethod
+    def of(a: DatasetArrays) -> Dataset:
+        """The arrays as tensors, sharing their memory (``torch.from_numpy``: not a copy, the same bits)."""
+        import torch
+
+        return Dataset(a.name, torch.from_numpy(a.train_x), torch.from_numpy(a.train_y), torch.from_numpy(a.test_x),
+                       torch.from_numpy(a.test_y), a.num_classes)
+
+    def arrays(self) -> DatasetArrays:
+        """The tensors as numpy arrays, sharing their memory."""
+        return DatasetArrays(self.name, self.train_x.numpy(), self.train_y.numpy(), self.test_x.numpy(),
+                             self.test_y.numpy(), self.num_classes)
 
     @property
     def in_channels(self) -> int:
@@ -71,16 +123,17 @@ class Labels:
         return Labels(ds.name, ds.train_y, ds.test_y, ds.num_classes, ds.in_channels, ds.image_size)
 
 
-DatasetLoader = Callable[[Path | None], Dataset]
+DatasetLoader = Callable[[Path | None], Dataset | DatasetArrays]
 LabelsLoader = Callable[[Path | None], Labels]
 _DATASETS: dict[str, DatasetLoader] = {}
 _LABELS: dict[str, LabelsLoader] = {}
 
 
 def register_dataset(name: str, *, labels: LabelsLoader | None = None) -> Callable[[DatasetLoader], DatasetLoader]:
-    """Register ``loader(data_dir: Path | None) -> Dataset`` (raise ``DataError`` when files are missing) and,
-    where its files allow, ``labels(data_dir) -> Labels`` reading no image; it must give what the full load
-    gives (tests/pfl_edge/test_data.py holds every data set to it)."""
+    """Register ``loader(data_dir: Path | None) -> Dataset | DatasetArrays`` (raise ``DataError`` when files are
+    missing; return ``DatasetArrays`` where the data set needs no torch, so that a device without it can load
+    it) and, where its files allow, ``labels(data_dir) -> Labels`` reading no image; it must give what the full
+    load gives (tests/pfl_edge/test_data.py holds every data set to it)."""
 
     def deco(loader: DatasetLoader) -> DatasetLoader:
         if name in _DATASETS:
@@ -97,26 +150,50 @@ def list_datasets() -> list[str]:
     return sorted(_DATASETS)
 
 
-def get_dataset(name: str, *, data_dir: str | Path | None = None) -> Dataset:
-    """Load (once per process; later calls share the tensors, which nobody may modify)."""
+def _key(name: str, data_dir: str | Path | None) -> tuple[str, Path | None]:
     if name not in _DATASETS:
         raise UnknownNameError("data set", name, list_datasets())
-    return _load(name, None if data_dir is None else Path(data_dir).expanduser().resolve())
+    return name, None if data_dir is None else Path(data_dir).expanduser().resolve()
+
+
+def get_dataset(name: str, *, data_dir: str | Path | None = None) -> Dataset:
+    """Load (once per process; later calls share the tensors, which nobody may modify)."""
+    return _load_tensors(*_key(name, data_dir))
+
+
+def get_arrays(name: str, *, data_dir: str | Path | None = None) -> DatasetArrays:
+    """The data set as numpy arrays: the memory ``get_dataset``'s tensors share, so the same bits. Needs no
+    torch for a data set whose loader returns arrays (Fashion-MNIST, CIFAR-10); one generated with torch
+    (``synthetic``) is a ``DataError`` where torch is not installed. Loaded once per process, like
+    ``get_dataset``; nobody may modify the arrays."""
+    key = _key(name, data_dir)
+    try:
+        got = _load(*key)
+    except ModuleNotFoundError as e:
+        if e.name != "torch":
+            raise
+        raise DataError(f"data set {name!r} is made with PyTorch, which is not installed here; a device without "
+                        "it can load only the data sets read from files (e.g. fashion-mnist, cifar10)") from e
+    return got if isinstance(got, DatasetArrays) else got.arrays()
 
 
 def get_labels(name: str, *, data_dir: str | Path | None = None) -> Labels:
     """The data set's labels and shape, without its images where it registered a labels loader."""
-    if name not in _DATASETS:
-        raise UnknownNameError("data set", name, list_datasets())
-    return _load_labels(name, None if data_dir is None else Path(data_dir).expanduser().resolve())
+    return _load_labels(*_key(name, data_dir))
 
 
 @functools.lru_cache(maxsize=4)
-def _load(name: str, data_dir: Path | None) -> Dataset:
+def _load(name: str, data_dir: Path | None) -> Dataset | DatasetArrays:
     return _DATASETS[name](data_dir)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_tensors(name: str, data_dir: Path | None) -> Dataset:
+    got = _load(name, data_dir)
+    return got if isinstance(got, Dataset) else Dataset.of(got)
 
 
 @functools.lru_cache(maxsize=16)
 def _load_labels(name: str, data_dir: Path | None) -> Labels:
     own = _LABELS.get(name)
-    return own(data_dir) if own is not None else Labels.of(_load(name, data_dir))
+    return own(data_dir) if own is not None else Labels.of(_load_tensors(name, data_dir))

@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
-import torch
+from numpy.typing import NDArray
 
 from ..errors import DataError
-from .registry import Dataset, Labels, register_dataset
+from .registry import Dataset, DatasetArrays, Labels, register_dataset
 
-__all__ = ["FASHION_MNIST_DIRS", "load_idx"]
+__all__ = ["FASHION_MNIST_DIRS", "load_idx", "normalise"]
 
 FASHION_MNIST_DIRS = (Path("/usr/share/datasets/fashion-mnist"),)
 FASHION_MNIST_HINT = (
@@ -44,11 +44,16 @@ def load_idx(path: Path) -> np.ndarray:
     return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(dims)
 
 
-def _normalise(images: np.ndarray, mean: list[float], std: list[float]) -> torch.Tensor:
-    x = torch.from_numpy(np.array(images, copy=True)).to(torch.float32).div_(255.0)
-    m = torch.tensor(mean).view(1, -1, 1, 1)
-    s = torch.tensor(std).view(1, -1, 1, 1)
-    return (x - m) / s
+def normalise(images: np.ndarray, mean: list[float], std: list[float]) -> NDArray[np.float32]:
+    """8-bit pixels ``(N, C, H, W)`` as model inputs: ``(x / 255 - mean) / std`` per channel, every step in float32
+    (mean and std rounded to float32 first), the one definition both the numpy and the torch forms of a data set
+    hold. Bit for bit what torch gives for ``x.float().div_(255.0)``, then ``(x - mean) / std`` with float32
+    tensors (true division, not a multiplication by the reciprocal): tests/pfl_edge/test_data_numpy.py."""
+    x = images.astype(np.float32, order="C")  # a C-contiguous copy; the steps below work in place on it
+    x /= np.float32(255.0)
+    x -= np.asarray(mean, dtype=np.float32).reshape(1, -1, 1, 1)
+    x /= np.asarray(std, dtype=np.float32).reshape(1, -1, 1, 1)
+    return x
 
 
 def _fashion_mnist_dir(data_dir: Path | None) -> Path:
@@ -74,6 +79,8 @@ def _idx_shape(path: Path) -> list[int]:
 
 def fashion_mnist_labels(data_dir: Path | None) -> Labels:
     """Both label files and the images' shape from the train images' header: ~70 KB read, not 30 MB."""
+    import torch
+
     d = _fashion_mnist_dir(data_dir)
     ys = [torch.from_numpy(load_idx(d / f"{p}-labels-idx1-ubyte.gz").astype(np.int64)) for p in ("train", "t10k")]
     dims = _idx_shape(d / "train-images-idx3-ubyte.gz")
@@ -85,20 +92,19 @@ def fashion_mnist_labels(data_dir: Path | None) -> Labels:
 
 
 @register_dataset("fashion-mnist", labels=fashion_mnist_labels)
-def fashion_mnist(data_dir: Path | None) -> Dataset:
+def fashion_mnist(data_dir: Path | None) -> DatasetArrays:
     d = _fashion_mnist_dir(data_dir)
 
-    def part(prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def part(prefix: str) -> tuple[NDArray[np.float32], NDArray[np.int64]]:
         imgs = load_idx(d / f"{prefix}-images-idx3-ubyte.gz")
         labels = load_idx(d / f"{prefix}-labels-idx1-ubyte.gz")
         if imgs.ndim != 3 or labels.shape != (imgs.shape[0],):
             raise DataError(f"{d}: {prefix} images {imgs.shape} and labels {labels.shape} do not match")
-        x = _normalise(imgs[:, None], [0.2860], [0.3530])
-        return x, torch.from_numpy(labels.astype(np.int64))
+        return normalise(imgs[:, None], [0.2860], [0.3530]), labels.astype(np.int64)
 
     train_x, train_y = part("train")
     test_x, test_y = part("t10k")
-    return Dataset("fashion-mnist", train_x, train_y, test_x, test_y, num_classes=10)
+    return DatasetArrays("fashion-mnist", train_x, train_y, test_x, test_y, num_classes=10)
 
 
 class _ArraysOnly(pickle.Unpickler):
@@ -137,7 +143,7 @@ def _cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 @register_dataset("cifar10")
-def cifar10(data_dir: Path | None) -> Dataset:
+def cifar10(data_dir: Path | None) -> DatasetArrays:
     if data_dir is None:
         raise DataError("cifar10 needs --data-dir: the folder with data_batch_1..5 and test_batch "
                         "(cifar-10-batches-py from https://www.cs.toronto.edu/~kriz/cifar.html)")
@@ -148,12 +154,12 @@ def cifar10(data_dir: Path | None) -> Dataset:
     parts = [_cifar_batch(p) for p in train]
     te_x, te_y = _cifar_batch(d / "test_batch")
     mean, std = [0.4914, 0.4822, 0.4465], [0.2470, 0.2435, 0.2616]
-    return Dataset(
+    return DatasetArrays(
         "cifar10",
-        _normalise(np.concatenate([p[0] for p in parts]), mean, std),
-        torch.from_numpy(np.concatenate([p[1] for p in parts])),
-        _normalise(te_x, mean, std),
-        torch.from_numpy(te_y),
+        normalise(np.concatenate([p[0] for p in parts]), mean, std),
+        np.concatenate([p[1] for p in parts]),
+        normalise(te_x, mean, std),
+        te_y,
         num_classes=10,
     )
 
@@ -161,7 +167,10 @@ def cifar10(data_dir: Path | None) -> Dataset:
 @register_dataset("synthetic")
 def synthetic(data_dir: Path | None) -> Dataset:
     """10 classes of 1x28x28 images: a fixed random smooth prototype per class plus noise. Learnable in a few
-    hundred steps; for tests and quick runs. Always the same data (its own fixed seed)."""
+    hundred steps; for tests and quick runs. Always the same data (its own fixed seed). Drawn with torch's
+    generator and interpolation: it needs torch (``get_arrays`` gives it as numpy where torch is installed)."""
+    import torch
+
     gen = torch.Generator().manual_seed(20261129)
     coarse = torch.randn(10, 1, 7, 7, generator=gen)
     protos = torch.nn.functional.interpolate(coarse, size=(28, 28), mode="bilinear", align_corners=False)
