@@ -22,13 +22,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
 from device_profiles import Profile
+from pfl_edge.arrays import is_numpy, randperm, to_numpy
 from pfl_edge.checkpoint import ModelSpec
 from pfl_edge.errors import ConfigError
-from pfl_edge.train import ClientTensors, TrainConfig, batch_schedule, dense_gradients, stack_states, train, unstack
+from pfl_edge.sgd import SGD, epoch_batches
+from pfl_edge.train import ClientTensors, TrainConfig, dense_gradients, stack_states, train, unstack
 
 __all__ = [
     "TRAINING_BACKENDS",
@@ -133,54 +136,69 @@ class TorchBackend:
         return unstack(grads, 0)
 
 
-class ProgramSGD:
-    """``torch.optim.SGD`` (dampening 0, no Nesterov; its momentum and weight decay) over the weights a gradient
-    program is fed: mask and clip the gradients first, in the simulator's order, then the optimiser's step; then
-    the mask re-applied to the weights (``pfl_edge.train``'s step, one step at a time)."""
+class ProgramSGD(SGD):
+    """``pfl_edge.sgd.SGD`` over the weights a gradient program is fed (numpy arrays), stepped with the gradients
+    of either kind (the program's own, or torch tensors from a caller comparing with eager PyTorch)."""
 
-    def __init__(self, params: dict[str, Tensor], cfg: TrainConfig, masks: Mapping[str, Tensor],
-                 anchor: Mapping[str, Tensor] | None = None) -> None:
-        self.params, self.cfg = params, cfg
-        self.masks = {k: m for k, m in masks.items() if k in params}
-        # the proximal term's anchors (TrainConfig.prox), as pfl_edge.train adds them: to the loss's gradient
-        self.anchor = {k: a for k, a in (anchor or {}).items() if k in params} if cfg.prox else {}
-        self._opt = torch.optim.SGD(list(params.values()), lr=cfg.lr, momentum=cfg.momentum,
-                                    weight_decay=cfg.weight_decay)
+    def step(self, grads: Mapping[str, Any]) -> None:
+        super().step({k: to_numpy(v) for k, v in grads.items()})
 
-    def step(self, grads: Mapping[str, Tensor]) -> None:
-        g = {k: grads[k] for k in self.params}  # fresh tensors from the runtime: safe to change in place
-        for k, a in self.anchor.items():
-            g[k].add_(self.params[k] - a, alpha=self.cfg.prox)
-        if self.cfg.clip_unmasked:  # the DisPFL reference's order: clip the whole gradient, then mask it
-            self._clip(g)
-        for k, m in self.masks.items():
-            g[k].mul_(m)
-        if not self.cfg.clip_unmasked:
-            self._clip(g)
-        for k, p in self.params.items():
-            p.grad = g[k]
-        self._opt.step()
-        with torch.no_grad():
-            for k, m in self.masks.items():
-                self.params[k].mul_(m)
 
-    def _clip(self, g: dict[str, Tensor]) -> None:
-        """clip_grad_norm_: the norm of the per-tensor norms, coefficient max/(norm + 1e-6) capped at 1."""
-        if self.cfg.clip_norm is not None:
-            tensors = list(g.values())
-            total = torch.nn.utils.get_total_norm(tensors)
-            torch._foreach_mul_(tensors, torch.clamp(self.cfg.clip_norm / (total + 1e-6), max=1.0))
+def load_program(program: bytes, runtime: str = "auto") -> Callable[[list[np.ndarray]], list[np.ndarray]]:
+    """The program's ``forward`` as a function of numpy arrays, on the pip ``executorch`` runtime (which links
+    libtorch; ``runtime="pip"``) or on ``executorch-numpy-runtime`` (no torch: ``runtime="numpy"``); ``auto``:
+    the pip runtime where torch is installed, else the numpy one. Both run the same program bytes."""
+    if runtime not in ("auto", "pip", "numpy"):
+        raise ConfigError(f"unknown ExecuTorch runtime {runtime!r}; valid: auto, pip, numpy")
+    if runtime in ("auto", "pip"):
+        try:
+            import torch
+            from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
+        except ImportError:
+            if runtime == "pip":
+                raise ConfigError("the pip executorch runtime is not installed (pip install executorch)") from None
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                module = _load_for_executorch_from_buffer(program)
+
+            def run_pip(args: list[np.ndarray]) -> list[np.ndarray]:
+                out = module.forward(tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in args))
+                return [o.numpy() for o in out]
+
+            run_pip.keep = program  # type: ignore[attr-defined]  # the runtime reads the buffer without owning it
+            return run_pip
+    try:
+        import executorch_numpy_runtime as en
+    except ImportError:
+        raise ConfigError("no ExecuTorch runtime: install executorch (with torch) or executorch-numpy-runtime "
+                          "(numpy only, Python >= 3.12)") from None
+    method = en.Runtime.get().load_program(program).load_method("forward")
+
+    def run_numpy(args: list[np.ndarray]) -> list[np.ndarray]:
+        return list(method([np.ascontiguousarray(a) for a in args]))
+
+    return run_numpy
+
+
+def _like(x: Any, a: np.ndarray) -> Any:
+    """``a`` as the kind of ``x``: a torch tensor (sharing memory) for a torch ``x``, else ``a``."""
+    if is_numpy(x):
+        return a
+    import torch
+
+    return torch.from_numpy(a)
 
 
 class ExecuTorchBackend:
     """An ExecuTorch training program (a gradient program: weights in, loss and gradients out), loaded once; the
-    device holds the weights and steps them (``ProgramSGD``)."""
+    device holds the weights as numpy arrays and steps them (``ProgramSGD``). It runs on the pip runtime or, on
+    a device without torch, on ``executorch-numpy-runtime`` (``load_program``); states, batches and gradients
+    come and go as torch tensors or numpy arrays, whichever the caller gives."""
 
     name = "executorch"
 
-    def __init__(self, program: bytes, details: Mapping[str, Any]) -> None:
-        from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
-
+    def __init__(self, program: bytes, details: Mapping[str, Any], *, runtime: str = "auto") -> None:
         if details.get("kind") != "training":
             raise ConfigError("ExecuTorchBackend needs a training program (export.lower_executorch_training); "
                               f"this one is kind {details.get('kind')!r}")
@@ -194,16 +212,13 @@ class ExecuTorchBackend:
         self.frozen: list[str] = list(details["frozen"])
         self.input_shape = tuple(int(s) for s in details["input_shape"])
         shapes = {k: tuple(v) for k, v in details["shapes"].items()}
-        # the runtime reads the program from this buffer without owning it: keep it for our lifetime
-        self._data = program
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            self._module: Any = _load_for_executorch_from_buffer(self._data)
-        self._w = {k: torch.zeros(shapes[k]) for k in self.keys}
+        self._forward = load_program(program, runtime)
+        self._w = {k: np.zeros(shapes[k], np.float32) for k in self.keys}
+        self._torch_state = False  # was the last state loaded a torch one (then state() gives torch back)
         self._loaded = False
         # one call at load: a program this runtime cannot run (an operator it lacks) fails here, not mid-round
-        _, grads = self._run(torch.zeros(self.batch_size, *self.input_shape),
-                             torch.zeros(self.batch_size, dtype=torch.int64), torch.ones(self.batch_size))
+        _, grads = self._run(np.zeros((self.batch_size, *self.input_shape), np.float32),
+                             np.zeros(self.batch_size, np.int64), np.ones(self.batch_size, np.float32))
         if list(grads) != self.trainable:
             raise ConfigError(f"program's gradients {list(grads)} are not its manifest's trainable {self.trainable}")
 
@@ -241,46 +256,58 @@ class ExecuTorchBackend:
             raise ConfigError(f"{p.parent / 'manifest.json'} has no entry for {p.name}")
         return ExecuTorchBackend(p.read_bytes(), entry)
 
-    def _run(self, x: Tensor, y: Tensor, w: Tensor) -> tuple[float, dict[str, Tensor]]:
-        out = self._module.forward((x, y, w, *(self._w[k] for k in self.keys)))
+    def _run(self, x: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
+        out = self._forward([x, y, w, *(self._w[k] for k in self.keys)])
         return float(out[0]), dict(zip(self.trainable, out[1:], strict=True))
 
-    def load(self, state: Mapping[str, Tensor]) -> None:
+    def load(self, state: Mapping[str, Any]) -> None:
         missing = set(self.keys) - set(state)
         if missing:
             raise ConfigError(f"state lacks {sorted(missing)}")
-        self._w = {k: state[k].detach().to(torch.float32).contiguous().clone() for k in self.keys}
+        self._w = {k: np.array(to_numpy(state[k]), dtype=np.float32, order="C", copy=True) for k in self.keys}
+        self._torch_state = not is_numpy(next(iter(state.values())))
         self._loaded = True
 
-    def state(self) -> dict[str, Tensor]:
+    def state(self) -> dict[str, Any]:
         self._require_loaded()
-        return {k: self._w[k].detach().clone() for k in self.keys}
+        out = {k: self._w[k].copy() for k in self.keys}
+        if self._torch_state:
+            import torch
+
+            return {k: torch.from_numpy(v) for k, v in out.items()}
+        return out
 
     def _require_loaded(self) -> None:
         if not self._loaded:
             raise ConfigError("load a state into the ExecuTorch backend first (its weights have no values)")
 
-    def gradients(self, x: Tensor, y: Tensor) -> tuple[float, dict[str, Tensor]]:
-        """Loss and gradients (of the trainable parameters) on one batch of at most ``batch_size`` samples."""
+    def gradients(self, x: Any, y: Any) -> tuple[float, dict[str, Any]]:
+        """Loss and gradients (of the trainable parameters) on one batch of at most ``batch_size`` samples, as
+        the kind of ``x`` (torch tensors or numpy arrays)."""
+        loss, grads = self._gradients(to_numpy(x), to_numpy(y))
+        return loss, {k: _like(x, g) for k, g in grads.items()}
+
+    def _gradients(self, x: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
         self._require_loaded()
         n = len(x)
         if not 1 <= n <= self.batch_size:
             raise ConfigError(f"a batch of {n} samples; this program takes 1 to {self.batch_size}")
-        w = torch.ones(self.batch_size)
+        w = np.ones(self.batch_size, np.float32)
         if n < self.batch_size:
             # pad with copies of a real sample at weight 0: finite activations (0 * inf would be NaN), zero effect
             pad = self.batch_size - n
-            x = torch.cat([x, x[:1].expand(pad, *x.shape[1:])])
-            y = torch.cat([y, y[:1].expand(pad)])
+            x = np.concatenate([x, np.broadcast_to(x[:1], (pad, *x.shape[1:]))])
+            y = np.concatenate([y, np.broadcast_to(y[:1], (pad,))])
             w[n:] = 0.0
-        return self._run(x.to(torch.float32).contiguous(), y.to(torch.int64).contiguous(), w)
+        return self._run(x.astype(np.float32), y.astype(np.int64), w)
 
     def sgd(self, cfg: TrainConfig, *, trainable: Collection[str] | None = None,
-            mask: Mapping[str, Tensor] | None = None, anchor: Mapping[str, Tensor] | None = None) -> ProgramSGD:
+            mask: Mapping[str, Any] | None = None, anchor: Mapping[str, Any] | None = None) -> ProgramSGD:
         """A fresh optimizer over ``trainable`` (default: every trainable parameter of the program)."""
         names = self._names(trainable)
         self._require_loaded()
-        return ProgramSGD({k: self._w[k] for k in names}, cfg, mask or {}, anchor)
+        return ProgramSGD({k: self._w[k] for k in names}, cfg, {k: to_numpy(m) for k, m in (mask or {}).items()},
+                          {k: to_numpy(a) for k, a in (anchor or {}).items()})
 
     def _names(self, trainable: Collection[str] | None) -> list[str]:
         if trainable is None:
@@ -291,48 +318,45 @@ class ExecuTorchBackend:
                               "they are frozen inputs or not parameters; export a program that trains them")
         return [k for k in self.trainable if k in set(trainable)]
 
-    def train(self, x: Tensor, y: Tensor, cfg: TrainConfig, gen: torch.Generator, *,
-              trainable: Collection[str] | None = None, mask: Mapping[str, Tensor] | None = None,
-              anchor: Mapping[str, Tensor] | None = None) -> TrainStats:
+    def train(self, x: Any, y: Any, cfg: TrainConfig, gen: Any, *,
+              trainable: Collection[str] | None = None, mask: Mapping[str, Any] | None = None,
+              anchor: Mapping[str, Any] | None = None) -> TrainStats:
         self._require_loaded()
         if cfg.batch_size > self.batch_size:
             raise ConfigError(f"batch size {cfg.batch_size} > the program's {self.batch_size}; export for it")
-        masks = dict(mask or {})
+        masks = {k: to_numpy(m) for k, m in (mask or {}).items()}
         unknown = set(masks) - set(self.keys)
         if unknown:
             raise ConfigError(f"masks for {sorted(unknown)}, which the model does not have")
-        with torch.no_grad():  # training starts from w * m, as pfl_edge.train's does
-            for k, m in masks.items():
-                self._w[k].mul_(m)
+        for k, m in masks.items():  # training starts from w * m, as pfl_edge.train's does
+            self._w[k] *= m
         opt = self.sgd(cfg, trainable=trainable, mask=masks, anchor=anchor)
-        n = len(x)
-        idx, w = batch_schedule(torch.tensor([n]), cfg.epochs, cfg.batch_size, [gen])
+        xs, ys = to_numpy(x), to_numpy(y)
+        n = len(xs)
         loss_sum, steps = 0.0, 0
-        for s in range(idx.shape[0]):
-            valid = w[s, 0] > 0
-            if not valid.any():
-                break
-            b = idx[s, 0][valid]
-            loss, grads = self.gradients(x[b], y[b])
+        for b in epoch_batches(n, cfg.epochs, cfg.batch_size, gen):  # pfl_edge.train's schedule, one client
+            idx = to_numpy(b)
+            loss, grads = self._gradients(xs[idx], ys[idx])
             opt.step(grads)
             loss_sum += loss
             steps += 1
         return TrainStats(loss_sum / max(steps, 1), steps, n * cfg.epochs)
 
-    def dense_gradients(self, x: Tensor, y: Tensor, batch_size: int, gen: torch.Generator) -> dict[str, Tensor]:
+    def dense_gradients(self, x: Any, y: Any, batch_size: int, gen: Any) -> dict[str, Any]:
         if self.frozen:
             raise ConfigError(f"dense gradients need every parameter trainable (mode fedper or dispfl); this "
                               f"program (mode {self.details.get('mode')!r}) freezes {len(self.frozen)} tensors")
+        xs, ys = to_numpy(x), to_numpy(y)
         # the same draw as pfl_edge.train.dense_gradients: one permutation, its first batch_size samples
-        b = torch.randperm(len(x), generator=gen)[:batch_size]
-        out = {k: torch.zeros_like(self._w[k]) for k in self.trainable}
+        b = to_numpy(randperm(gen, len(xs)))[:batch_size]
+        out = {k: np.zeros_like(self._w[k]) for k in self.trainable}
         for s in range(0, len(b), self.batch_size):  # a batch larger than the program's: a weighted sum of chunks
             chunk = b[s: s + self.batch_size]
-            _, grads = self.gradients(x[chunk], y[chunk])
+            _, grads = self._gradients(xs[chunk], ys[chunk])
             share = len(chunk) / len(b)
             for k, g in grads.items():
-                out[k] += g if share == 1.0 else g * share
-        return {k: out[k] for k in self.trainable}
+                out[k] += g if share == 1.0 else g * np.float32(share)
+        return {k: _like(x, out[k]) for k in self.trainable}
 
 
 TRAINING_BACKENDS: dict[str, type[TorchBackend] | type[ExecuTorchBackend]] = {
