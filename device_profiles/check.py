@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from torch import nn
-
-from pfl_edge.flops import module_outputs
 from pfl_edge.sparse import erk_densities
 
 from .registry import Profile
+
+if TYPE_CHECKING:  # torch is imported where a model is measured: the profiles import without it
+    from torch import nn
 
 __all__ = ["Fit", "check"]
 
@@ -47,6 +48,8 @@ class Fit:
 
 def _activation_elements(model: nn.Module, input_shape: tuple[int, ...]) -> int:
     """Elements of every leaf module's output for one sample (what autograd keeps for the backward pass)."""
+    from pfl_edge.flops import module_outputs
+
     outs = module_outputs(model, input_shape, lambda _n, m: not list(m.children()))
     return sum(int(o[0].numel()) for _m, calls in outs.values() for o in calls)
 

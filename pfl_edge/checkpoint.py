@@ -6,13 +6,15 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-
-from safetensors import SafetensorError
-from safetensors.torch import load_file, safe_open, save_file
-from torch import Tensor
+from typing import TYPE_CHECKING
 
 from .errors import ConfigError
-from .models import BlockModel, get_model, linear_base_model
+
+if TYPE_CHECKING:  # torch, safetensors.torch and the models are imported where a model or a file is made:
+    # ModelSpec imports without torch
+    from torch import Tensor
+
+    from .models import BlockModel
 
 __all__ = ["FORMAT", "ModelSpec", "build_model", "load_checkpoint", "save_checkpoint"]
 
@@ -44,6 +46,8 @@ class ModelSpec:
 
 
 def build_model(spec: ModelSpec) -> BlockModel:
+    from .models import get_model, linear_base_model
+
     model = get_model(spec.model, num_classes=spec.num_classes, in_channels=spec.in_channels,
                       image_size=spec.image_size)
     if spec.base == "linear":
@@ -54,6 +58,8 @@ def build_model(spec: ModelSpec) -> BlockModel:
 def save_checkpoint(path: str | Path, state: Mapping[str, Tensor], spec: ModelSpec,
                     extra: Mapping[str, object] | None = None) -> Path:
     """Write ``state`` (a full model's or a part's tensors) with the spec and ``extra`` (JSON) as metadata."""
+    from safetensors.torch import save_file
+
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     meta = {"format": FORMAT, **spec.to_metadata(), "extra": json.dumps(dict(extra or {}), sort_keys=True)}
@@ -65,6 +71,9 @@ def save_checkpoint(path: str | Path, state: Mapping[str, Tensor], spec: ModelSp
 
 def load_checkpoint(path: str | Path) -> tuple[dict[str, Tensor], ModelSpec, dict[str, object]]:
     """The tensors, the model spec and the extra metadata of a checkpoint written by ``save_checkpoint``."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file, safe_open
+
     p = Path(path)
     try:
         with safe_open(str(p), framework="pt") as f:

@@ -12,18 +12,21 @@ import types
 import typing
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
-from torch import Tensor
+import numpy as np
 
 from .algorithms.algorithm import algorithm_class, device_algorithms, list_algorithms
 from .checkpoint import ModelSpec, build_model
-from .data import Dataset, Labels, Partition, get_dataset, get_labels, partition
+from .data import ClientArrays, Dataset, Labels, Partition, client_arrays, get_dataset, get_labels, partition
 from .errors import ConfigError
 from .protocol import MAX_CLIENTS, MAX_ROUND
 from .seeding import Stream, derive_seed, numpy_rng, stream
-from .train import TrainConfig
+from .sgd import TrainConfig
+
+if TYPE_CHECKING:  # torch is imported where a model is built (init_state): the config, the deal as numpy
+    # (deal_arrays), the model spec and id import without it
+    from torch import Tensor
 
 __all__ = [
     "ALGORITHMS",
@@ -34,6 +37,7 @@ __all__ = [
     "check_device_algorithm",
     "check_device_config",
     "deal",
+    "deal_arrays",
     "deal_labels",
     "device_capacity",
     "init_state",
@@ -184,10 +188,23 @@ def deal_labels(cfg: FederationConfig, *, data_dir: str | None = None) -> tuple[
     return _deal(cfg, get_labels(cfg.dataset, data_dir=data_dir or cfg.data_dir))
 
 
+def deal_arrays(cfg: FederationConfig, index: int, *, data_dir: str | None = None) -> ClientArrays:
+    """Client ``index``'s share of ``deal`` as numpy arrays (``pfl_edge.data.client_arrays``: the same samples,
+    order and float32 bits), without torch; its model spec is ``model_spec(cfg, a.num_classes, a.in_channels,
+    a.image_size)``."""
+    return client_arrays(cfg.dataset, cfg.partition, cfg.clients, index, _partition_rng(cfg),
+                         data_dir=data_dir or cfg.data_dir, samples_per_client=cfg.samples_per_client,
+                         test_per_client=cfg.test_per_client)
+
+
+def _partition_rng(cfg: FederationConfig) -> np.random.Generator:
+    """The deal's draws, fresh at every deal: ``deal``, ``deal_labels`` and ``deal_arrays`` deal alike."""
+    return numpy_rng(cfg.seed, Stream.PARTITION.value)
+
+
 def _deal(cfg: FederationConfig, lab: Labels) -> tuple[Partition, ModelSpec]:
-    part = partition(cfg.partition, lab.train_y, lab.test_y, cfg.clients, lab.num_classes,
-                     numpy_rng(cfg.seed, Stream.PARTITION.value), samples_per_client=cfg.samples_per_client,
-                     test_per_client=cfg.test_per_client)
+    part = partition(cfg.partition, lab.train_y, lab.test_y, cfg.clients, lab.num_classes, _partition_rng(cfg),
+                     samples_per_client=cfg.samples_per_client, test_per_client=cfg.test_per_client)
     return part, model_spec(cfg, part.num_classes, lab.in_channels, lab.image_size)
 
 
@@ -203,6 +220,8 @@ def model_id(spec: ModelSpec) -> str:
 
 def init_state(cfg: FederationConfig, spec: ModelSpec) -> dict[str, Tensor]:
     """The model every client starts from (the simulator's and every device's)."""
+    import torch
+
     torch.manual_seed(derive_seed(cfg.seed, Stream.INIT.value))
     return {k: v.detach().clone() for k, v in build_model(spec).state_dict().items()}
 

@@ -12,7 +12,7 @@ assembles a card.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -21,7 +21,9 @@ from .checkpoint import ModelSpec
 from .errors import ConfigError
 from .federation import FederationConfig, model_id
 from .modelgraph import Layer, describe_layers
-from .models import BlockModel
+
+if TYPE_CHECKING:  # the card's classes import without torch; a card is built from a model made elsewhere
+    from .models import BlockModel
 
 __all__ = [
     "CARD_FORMAT",

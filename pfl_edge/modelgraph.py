@@ -4,16 +4,18 @@ tracing the real ``nn.Module`` with torch.fx and running it on one zero sample t
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field
-from torch import fx, nn
 
 from .errors import ConfigError
-from .models import Flatten, LinearBase, SpatialMean
+
+if TYPE_CHECKING:  # torch and the models are imported where a model is traced: Layer imports without torch
+    import torch
+    from torch import fx, nn
 
 __all__ = ["Layer", "LayerType", "describe_layers"]
 
@@ -72,14 +74,26 @@ class Layer(BaseModel):
 # ------------------------------------------------------------------------------------------- tracing
 
 
-class _Tracer(fx.Tracer):
-    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return isinstance(m, Flatten | SpatialMean | LinearBase) or super().is_leaf_module(m, qualname)
+@functools.cache
+def _tracer() -> type[fx.Tracer]:
+    """torch.fx's tracer, keeping the models' own flatten, mean and linear base whole (made on first use)."""
+    from torch import fx
+
+    from .models import Flatten, LinearBase, SpatialMean
+
+    class _Tracer(fx.Tracer):
+        def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+            return isinstance(m, Flatten | SpatialMean | LinearBase) or super().is_leaf_module(m, qualname)
+
+    return _Tracer
 
 
 def describe_layers(model: nn.Module, input_shape: Sequence[int]) -> list[Layer]:
     """The forward pass of ``model`` as data, traced (torch.fx) and shape-propagated on one sample."""
-    graph = _Tracer().trace(model)
+    import torch
+    from torch import fx
+
+    graph = _tracer()().trace(model)
     gm = fx.GraphModule(model, graph)
     env: dict[str, torch.Tensor] = {}
     names: dict[str, str] = {}  # fx node -> the layer name its output is known by
@@ -115,6 +129,10 @@ def _run(gm: fx.GraphModule, node: fx.Node, args: list[Any]) -> torch.Tensor:
 
 def _layers(gm: fx.GraphModule, node: fx.Node, inputs: list[str], out: list[int],
             in_shapes: list[list[int]]) -> list[Layer]:
+    import torch
+
+    from .models import LinearBase
+
     if node.op == "call_function":
         if node.target in (operator.add, torch.add):
             return [Layer(name=node.name, type="add", inputs=inputs, output_shape=out)]
@@ -139,27 +157,36 @@ def _pair(v: Any) -> list[int]:
     return [int(v), int(v)] if isinstance(v, int) else [int(a) for a in v]
 
 
-_SIMPLE: dict[type[nn.Module], Callable[[nn.Module], dict[str, Any]]] = {
-    nn.ReLU: lambda m: {"type": "relu"},
-    nn.Identity: lambda m: {"type": "identity"},
-    Flatten: lambda m: {"type": "flatten", "order": "NCHW"},
-    SpatialMean: lambda m: {"type": "mean", "dims": [2, 3]},
-    nn.Linear: lambda m: {"type": "linear", "in_features": m.in_features, "out_features": m.out_features},
-    nn.GroupNorm: lambda m: {"type": "groupnorm", "num_groups": m.num_groups, "num_channels": m.num_channels,
-                             "eps": m.eps},
-    nn.BatchNorm2d: lambda m: {"type": "batchnorm", "num_channels": m.num_features, "eps": m.eps},
-    nn.MaxPool2d: lambda m: {"type": "maxpool", "kernel": _pair(m.kernel_size), "stride": _pair(m.stride),
-                             "padding": _pair(m.padding), "dilation": _pair(m.dilation)},
-    nn.AvgPool2d: lambda m: {"type": "avgpool", "kernel": _pair(m.kernel_size), "stride": _pair(m.stride),
-                             "padding": _pair(m.padding)},
-    nn.Conv2d: lambda m: {"type": "conv2d", "in_channels": m.in_channels, "out_channels": m.out_channels,
-                          "kernel": _pair(m.kernel_size), "stride": _pair(m.stride), "padding": _pair(m.padding),
-                          "dilation": _pair(m.dilation), "groups": m.groups},
-}
+@functools.cache
+def _simple() -> dict[type[nn.Module], Callable[[nn.Module], dict[str, Any]]]:
+    """Each plain module type's layer fields (made on first use)."""
+    from torch import nn
+
+    from .models import Flatten, SpatialMean
+
+    return {
+        nn.ReLU: lambda m: {"type": "relu"},
+        nn.Identity: lambda m: {"type": "identity"},
+        Flatten: lambda m: {"type": "flatten", "order": "NCHW"},
+        SpatialMean: lambda m: {"type": "mean", "dims": [2, 3]},
+        nn.Linear: lambda m: {"type": "linear", "in_features": m.in_features, "out_features": m.out_features},
+        nn.GroupNorm: lambda m: {"type": "groupnorm", "num_groups": m.num_groups, "num_channels": m.num_channels,
+                                 "eps": m.eps},
+        nn.BatchNorm2d: lambda m: {"type": "batchnorm", "num_channels": m.num_features, "eps": m.eps},
+        nn.MaxPool2d: lambda m: {"type": "maxpool", "kernel": _pair(m.kernel_size), "stride": _pair(m.stride),
+                                 "padding": _pair(m.padding), "dilation": _pair(m.dilation)},
+        nn.AvgPool2d: lambda m: {"type": "avgpool", "kernel": _pair(m.kernel_size), "stride": _pair(m.stride),
+                                 "padding": _pair(m.padding)},
+        nn.Conv2d: lambda m: {"type": "conv2d", "in_channels": m.in_channels, "out_channels": m.out_channels,
+                              "kernel": _pair(m.kernel_size), "stride": _pair(m.stride), "padding": _pair(m.padding),
+                              "dilation": _pair(m.dilation), "groups": m.groups},
+    }
 
 
 def _module_layer(name: str, path: str, m: nn.Module, inputs: list[str], out: list[int]) -> Layer:
-    describe = _SIMPLE.get(type(m))
+    from torch import nn
+
+    describe = _simple().get(type(m))
     if describe is None:
         raise ConfigError(f"cannot describe module {path} ({type(m).__name__}) of the model")
     if isinstance(m, nn.Conv2d) and (m.padding_mode != "zeros" or isinstance(m.padding, str)):

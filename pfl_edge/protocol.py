@@ -263,6 +263,10 @@ class Enrolment(_Msg):
         "the federation's round now; a device enrolling in round r > 0 takes part from round r + 1"))
     init_digest: Digest = Field(description=(
         "sha256 of the initial model (FedPer: the base for its kp; DisPFL: the dense init)"))
+    init_model: Digest | None = Field(default=None, description=(
+        "sha256 of the federation's whole initial model: every tensor, its personal blocks' seeded initial values "
+        "included (the same for every device, not personal yet); a device that cannot build the model itself "
+        "takes its personal blocks from here"))
 
     _config = field_validator("config")(_bounded_config)
 

@@ -136,7 +136,8 @@ class EnrolmentService:
         return Enrolment(device_id=got.device_id, token=token, index=got.slot, federation=req.federation,
                          config=got.config, density=got.density, kp=got.kp, broker_url=self.device_broker_url,
                          mqtt_username=mqtt_user, mqtt_password=mqtt_password, round=got.round,
-                         init_digest=self.blobs.base_for(req.federation, fm, got.init_digest, got.kp))
+                         init_digest=self.blobs.base_for(req.federation, fm, got.init_digest, got.kp),
+                         init_model=got.init_digest)
 
     def _admit(self, req: EnrolRequest, address: str) -> Profile:
         """The device's profile, once its federation exists and its secret is right (an unknown federation is

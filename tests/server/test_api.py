@@ -111,6 +111,21 @@ def test_enrolment(client: TestClient) -> None:
     assert {d["profile"] for d in devs} == {"phone-mid"}
 
 
+def test_enrolment_names_the_whole_initial_model(client: TestClient) -> None:
+    """``init_model``: the federation's whole initial model, personal blocks included, which a device that cannot
+    build the model (no torch) reads with its own token to initialise its personal blocks."""
+    create(client, ADMIN, "f", FEDPER)
+    a, b = Dev(client, "f"), Dev(client, "f")
+    assert a.e["kp"] >= 1 and a.e["init_model"] != a.e["init_digest"]
+    whole, base = a.get(a.e["init_model"]), a.get(a.e["init_digest"])
+    assert set(whole.tensors) == set(a.fm.shapes) and set(base.tensors) < set(whole.tensors)
+    assert whole.model_id == a.fm.model_id and whole.round == 0
+    init = a.fm.init_state()
+    assert all(torch.equal(v, init[k]) for k, v in whole.tensors.items())  # the seeded values, not personal yet
+    assert b.e["init_model"] == a.e["init_model"]  # one blob for every device of the federation
+    assert b.get(a.e["init_model"]).tensors.keys() == whole.tensors.keys()
+
+
 def test_profile_capacity(client: TestClient) -> None:
     create(client, ADMIN, "p", {**FEDPER, "algorithm": "dispfl", "topology": "ring"}, profile_capacity=True)
     a = Dev(client, "p", profile="jetson-nano")
