@@ -18,17 +18,14 @@ import secrets
 import signal
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
-
-import torch
-from torch import Tensor
 
 from device_profiles import get_profile
 from pfl_edge.algorithms import Algorithm, Metrics, Upload, get_algorithm
+from pfl_edge.arrays import Array as Tensor
 from pfl_edge.codec import encode
 from pfl_edge.errors import CodecError, ConfigError
-from pfl_edge.federation import FederationConfig, check_device_config, init_state, model_id
+from pfl_edge.federation import FederationConfig, check_device_config, model_id
 from pfl_edge.protocol import (
     API_PREFIX,
     Enrolment,
@@ -40,8 +37,10 @@ from pfl_edge.protocol import (
     task_topic,
 )
 
+from .arrays_kind import array_kind, initial_model, open_model
+from .config import AgentConfig
 from .control import Control
-from .data import LocalData, load_image_folder, load_local_data
+from .data import ArrayData, LocalData, load_image_folder, load_local_arrays, load_local_data
 from .http import Http, ServerError, ServerUnavailable
 from .programs import ProgramSource
 from .state import Progress, RoundStats, StateDir
@@ -54,43 +53,20 @@ __all__ = ["Agent", "AgentConfig", "ServerError", "ServerUnavailable", "install_
 log = logging.getLogger("pfl_edge.client")
 
 
-@dataclass(frozen=True)
-class AgentConfig:
-    server: str
-    federation: str
-    enrol_secret: str
-    profile: str
-    state_dir: str
-    name: str = ""
-    partition_id: int | None = None  # the slot (data partition) it asks for; None: whatever is free
-    threads: int | None = None  # None: the profile's thread count
-    data_dir: str | None = None  # where the registered data set's files are, if not the default
-    image_dir: str | None = None  # the user's own labelled images, one folder per class
-    patience_s: float = 300.0  # how long to keep retrying an unreachable server or broker
-    ca_file: str | None = None  # the CA that signed the server's certificate (https://; MQTT over TLS too)
-    max_blob_bytes: int = 256 * 1024 * 1024
-    exit_when_done: bool = True
-    training_backend: str | None = None  # torch | executorch; None: the profile's
-    training_program: str | None = None  # an exported ExecuTorch training program (else the server's)
-    # how its registered data set is dealt (dataset, partition, clients, seed), where it differs from the config
-    data_overrides: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not self.server.startswith(("http://", "https://")):
-            raise ConfigError(f"--server must be an http(s) URL, got {self.server!r}")
-        if self.threads is not None and self.threads < 1:
-            raise ConfigError(f"threads must be >= 1, got {self.threads}")
-        if self.patience_s <= 0:
-            raise ConfigError("patience must be > 0 seconds")
-
-
 class Agent:
     """One device. ``run()`` returns when the federation has finished (or ``stop()`` is called)."""
 
     def __init__(self, cfg: AgentConfig, *, on_event: Callable[[str, dict[str, Any]], None] | None = None) -> None:
         self.cfg = cfg
         self.profile = get_profile(cfg.profile)
-        self.store = StateDir(cfg.state_dir)
+        self.arrays = array_kind(cfg.arrays)
+        if self.arrays == "numpy" and cfg.training_backend not in (None, "executorch"):
+            raise ConfigError(f"a device without torch trains with the ExecuTorch program, not "
+                              f"{cfg.training_backend!r}")
+        if self.arrays == "numpy" and cfg.image_dir is not None:
+            raise ConfigError("--image-dir needs torch on the device (its images are standardised in torch); "
+                              "install the torch bundle, or deal a registered data set")
+        self.store = StateDir(cfg.state_dir, arrays=self.arrays)
         self.http = Http(cfg.server, cfg.patience_s, ca_file=cfg.ca_file)
         self.inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
         self.on_event = on_event or (lambda kind, data: None)
@@ -135,13 +111,25 @@ class Agent:
             raise ConfigError(f"the federation's config does not fit this client: {e}") from e
         check_device_config(self.fed)
         self.tasks = TaskSource(self.http, enr.federation)
-        torch.set_num_threads(self.cfg.threads or self.profile.threads)
+        threads = self.cfg.threads or self.profile.threads
+        if self.arrays == "torch":
+            import torch
+
+            torch.set_num_threads(threads)
         self.data = self._load_data(data_cfg, enr)
-        self.downloads = Downloads(self.http, enr.device_id, self.data.model, model_id(self.data.spec),
-                                   self.cfg.max_blob_bytes)
-        self.algo: Algorithm = get_algorithm(self.fed, self.data.model, enr.kp)
-        self.trainer = DeviceTrainer(self.data, self._training_backend())
-        self.dev = device_clients(self.fed, self.trainer, enr.index)
+        # ExecuTorch programs, and the card a device without torch takes its model's skeleton from, come from the
+        # server's model card, downloaded and checked (docs/model.md)
+        backend = "executorch" if self.arrays == "numpy" else self.cfg.training_backend
+        self.programs = ProgramSource(self.http, self.enr.federation, self.store.root / "programs",
+                                      model_id=model_id(self.data.spec), max_bytes=self.cfg.max_blob_bytes,
+                                      training_backend=backend)
+        self.model, evaluate = open_model(self.data, self.programs, threads)
+        shapes = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
+        self.downloads = Downloads(self.http, enr.device_id, shapes, model_id(self.data.spec),
+                                   self.cfg.max_blob_bytes, arrays=self.arrays)
+        self.algo: Algorithm = get_algorithm(self.fed, self.model, enr.kp)
+        self.trainer = DeviceTrainer(self.data, self._training_backend(), evaluate)
+        self.dev = device_clients(self.fed, self.trainer, enr.index, self.model)
         if self.store.load_tensors("model.safetensors") is None:
             self._init_model(enr)
         prog = self.store.progress
@@ -157,30 +145,27 @@ class Agent:
         else:
             self._flush_upload()  # a trained round whose upload a restart interrupted
 
-    def _load_data(self, data_cfg: FederationConfig, enr: Enrolment) -> LocalData:
+    def _load_data(self, data_cfg: FederationConfig, enr: Enrolment) -> LocalData | ArrayData:
         if self.cfg.image_dir is not None:
             return load_image_folder(self.cfg.image_dir, self.fed, seed=self.fed.seed + enr.index)
         if self.cfg.partition_id is not None and self.cfg.partition_id != enr.index:
             raise ConfigError(f"asked for partition {self.cfg.partition_id} but the server gave slot {enr.index} "
                               f"(that partition's slot is taken); pick a free --partition-id or leave it out")
+        if self.arrays == "numpy":
+            return load_local_arrays(data_cfg, enr.index, data_dir=self.cfg.data_dir)
         return load_local_data(data_cfg, enr.index, data_dir=self.cfg.data_dir)
 
     def _training_backend(self) -> TrainingBackend:
         """The profile's training backend (or the one asked for), from the one registry of backends."""
-        name = self.cfg.training_backend or self.profile.training_backend
-        # ExecuTorch programs come from the server's model card, downloaded and checked (docs/model.md)
-        source = ProgramSource(self.http, self.enr.federation, self.store.root / "programs",
-                               model_id=model_id(self.data.spec), max_bytes=self.cfg.max_blob_bytes,
-                               training_backend=self.cfg.training_backend)
+        name = "executorch" if self.arrays == "numpy" else (self.cfg.training_backend
+                                                             or self.profile.training_backend)
         return get_training_backend(name).for_device(BackendRequest(
-            self.data.model, self.data.spec, self.profile, self.algo.training_program(), self.fed.batch_size,
-            self.cfg.training_program, source.training))
+            self.model, self.data.spec, self.profile, self.algo.training_program(), self.fed.batch_size,
+            self.cfg.training_program, self.programs.training))
 
     def _init_model(self, enr: Enrolment) -> None:
-        # the server sends the initial model (FedPer: its base; the personal blocks start from the federation's
-        # seeded initial model, built here: they never travel)
-        init = {**init_state(self.fed, self.data.spec), **self.downloads.model(enr.init_digest)}
-        if set(init) != set(self.data.model.state_dict()):
+        init = initial_model(self.arrays, self.fed, self.data, self.downloads, enr)
+        if set(init) != set(self.model.state_dict()):
             raise ConfigError("the federation's initial model does not match this device's model")
         prog = self.store.progress
         prog.late = enr.round > 0

@@ -4,18 +4,21 @@ user's own labelled images; and the model it trains."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
+import numpy as np
 
-from pfl_edge.checkpoint import ModelSpec, build_model
-from pfl_edge.data import get_dataset
+from pfl_edge.checkpoint import ModelSpec
 from pfl_edge.errors import ConfigError
-from pfl_edge.federation import FederationConfig, deal, model_spec
-from pfl_edge.models import BlockModel
-from pfl_edge.train import ClientTensors
+from pfl_edge.federation import FederationConfig, deal_arrays, model_spec
 
-__all__ = ["LocalData", "load_image_folder", "load_local_data"]
+if TYPE_CHECKING:  # the torch device's data; a device without torch holds ArrayData
+    from torch import Tensor
+
+    from pfl_edge.models import BlockModel
+    from pfl_edge.train import ClientTensors
+
+__all__ = ["ArrayData", "LocalData", "load_image_folder", "load_local_arrays", "load_local_data"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -42,10 +45,51 @@ class LocalData:
         return self.train.x[0, :n], self.train.y[0, :n]
 
 
-def load_local_data(cfg: FederationConfig, index: int, *, data_dir: str | None = None) -> LocalData:
-    """Partition ``index`` of ``cfg``'s data set, dealt exactly as the simulator deals it."""
+@dataclass(frozen=True, eq=False)
+class ArrayData:
+    """A device's training and test data as numpy arrays (a device without torch) and its model's spec; the
+    model itself is the server's card (``pfl_edge.skeleton``) and programs."""
+
+    train_x: np.ndarray
+    train_y: np.ndarray
+    test_x: np.ndarray
+    test_y: np.ndarray
+    spec: ModelSpec
+
+    @property
+    def n_train(self) -> int:
+        return len(self.train_y)
+
+    @property
+    def n_test(self) -> int:
+        return len(self.test_y)
+
+    @property
+    def xy(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.train_x, self.train_y
+
+
+def _check_index(cfg: FederationConfig, index: int) -> None:
     if not 0 <= index < cfg.clients:
         raise ConfigError(f"partition index {index} out of range for {cfg.clients} partitions")
+
+
+def load_local_arrays(cfg: FederationConfig, index: int, *, data_dir: str | None = None) -> ArrayData:
+    """Partition ``index`` of ``cfg``'s data set as numpy arrays: the very samples, in the same order and with the
+    same values, as ``load_local_data`` (``pfl_edge.data.client_arrays``)."""
+    _check_index(cfg, index)
+    c = deal_arrays(cfg, index, data_dir=data_dir)
+    spec = model_spec(cfg, c.num_classes, c.in_channels, c.image_size)
+    return ArrayData(c.train_x, c.train_y, c.test_x, c.test_y, spec)
+
+
+def load_local_data(cfg: FederationConfig, index: int, *, data_dir: str | None = None) -> LocalData:
+    """Partition ``index`` of ``cfg``'s data set, dealt exactly as the simulator deals it."""
+    from pfl_edge.checkpoint import build_model
+    from pfl_edge.federation import deal
+    from pfl_edge.train import ClientTensors
+
+    _check_index(cfg, index)
     ds, part, spec = deal(cfg, data_dir=data_dir)
     c = part.clients[index]
     return LocalData(ClientTensors.build(ds.train_x, [c.train_idx], [c.train_y]),
@@ -56,7 +100,12 @@ def load_image_folder(root: str, cfg: FederationConfig, *, seed: int, test_fract
     """The user's own labelled images: one sub-folder per class, named by the class index (``0``, ``1``, ...)
     or by the class's position in the sorted folder names. Images are converted to the federation's model
     input (channels, size) and standardised over the folder; ``test_fraction`` of each class is held out."""
+    import torch
+
+    from pfl_edge.checkpoint import build_model
+    from pfl_edge.data import get_dataset
     from pfl_edge.data.folder import read_image_folder
+    from pfl_edge.train import ClientTensors
 
     ds = get_dataset(cfg.dataset, data_dir=cfg.data_dir)  # the federation's model shape and classes
     x, y = read_image_folder(root, ds.in_channels, ds.image_size, ds.num_classes)

@@ -70,6 +70,13 @@ class ProgramSource:
                               "device's?")
         return self.fetch(info), dict(info.details)
 
+    def inference(self) -> tuple[bytes, dict[str, Any]]:
+        """The ONNX inference program (weights as inputs) and its details: how a device without torch evaluates."""
+        info = next((p for p in self.card.programs if p.kind == "inference" and p.runtime == "onnxruntime"), None)
+        if info is None:
+            raise ConfigError("the server's model card lists no ONNX inference program")
+        return self.fetch(info), dict(info.details)
+
     def fetch(self, info: ProgramInfo) -> bytes:
         """The program's bytes: the copy in ``folder`` if it matches the card, else downloaded, checked, kept."""
         if not _FILE.match(info.file) or not _SHA.match(info.sha256) or not 0 < info.bytes <= self.max_bytes:

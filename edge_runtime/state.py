@@ -13,9 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import load_file, save_file
-from torch import Tensor
-
+from pfl_edge.arrays import Array as Tensor
+from pfl_edge.arrays import is_numpy
 from pfl_edge.errors import ConfigError
 
 __all__ = ["Progress", "RoundStats", "StateDir", "atomic_write"]
@@ -91,7 +90,8 @@ class StateDir:
     """``enrolment.json`` (mode 0600: it holds the token), ``model.safetensors``, ``masks.safetensors``,
     ``progress.json`` and ``upload.bin`` (the payload of the last round, kept until the server accepted it)."""
 
-    def __init__(self, root: str | Path) -> None:
+    def __init__(self, root: str | Path, *, arrays: str = "torch") -> None:
+        self.arrays = arrays  # the kind of the tensors it loads: torch tensors, or numpy arrays (no torch)
         self.root = Path(root)
         try:
             self.root.mkdir(parents=True, exist_ok=True, mode=0o700)  # its token and enrolment are secrets
@@ -140,6 +140,12 @@ class StateDir:
         if not p.exists():
             return None
         try:
+            if self.arrays == "numpy":
+                from safetensors.numpy import load_file as load_numpy
+
+                return dict(load_numpy(str(p)))
+            from safetensors.torch import load_file
+
             return dict(load_file(str(p)))
         except Exception as e:  # safetensors raises its own error types for a damaged file
             raise ConfigError(f"{p} is damaged ({e}); remove the state dir to enrol afresh") from e
@@ -151,14 +157,22 @@ class StateDir:
         tensors = self.load_tensors(name)
         if tensors is None:
             return None
-        with safe_open(str(self.root / name), framework="pt") as f:
+        with safe_open(str(self.root / name), framework="np" if self.arrays == "numpy" else "pt") as f:
             meta = f.metadata() or {}
         return tensors, dict(meta)
 
     def save_tensors(self, name: str, tensors: dict[str, Tensor], meta: dict[str, str] | None = None) -> None:
         p = self.root / name
         tmp = p.with_name(f".{p.name}.tmp")
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
+        if all(is_numpy(v) for v in tensors.values()):
+            import numpy as np
+            from safetensors.numpy import save_file as save_numpy
+
+            save_numpy({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp), metadata=meta)
+        else:
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, p)

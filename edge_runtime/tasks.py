@@ -13,12 +13,13 @@ import hashlib
 import logging
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
-import torch
-from torch import Tensor, nn
+import numpy as np
 
 from pfl_edge.algorithms import Neighbour, Received
+from pfl_edge.arrays import Array as Tensor
+from pfl_edge.arrays import is_numpy
 from pfl_edge.codec import Decoded, decode
 from pfl_edge.errors import CodecError
 from pfl_edge.protocol import API_PREFIX, Task
@@ -35,8 +36,10 @@ class UnusableModel(CodecError):
 
 
 def all_finite(tensors: Mapping[str, Tensor]) -> bool:
-    """No NaN or Inf in any floating tensor."""
-    return all(bool(torch.isfinite(v).all()) for v in tensors.values() if v.is_floating_point())
+    """No NaN or Inf in any floating tensor (torch or numpy)."""
+    return all(bool(np.isfinite(v).all()) if is_numpy(v) else bool(v.isfinite().all())
+               for v in tensors.values() if (np.issubdtype(v.dtype, np.floating) if is_numpy(v)
+                                             else v.is_floating_point()))
 
 
 def finite_metric(m: Mapping[str, Any]) -> bool:
@@ -87,10 +90,12 @@ class Downloads:
     """The models a task names, fetched over HTTP and checked before use: sha256, names, shapes and model id
     against this device's model, and every value finite (else ``UnusableModel``)."""
 
-    def __init__(self, http: Http, device_id: str, model: nn.Module, model_id: str, max_bytes: int) -> None:
+    def __init__(self, http: Http, device_id: str, shapes: Mapping[str, tuple[int, ...]], model_id: str,
+                 max_bytes: int, *, arrays: Literal["torch", "numpy"] = "torch") -> None:
         self.http = http
         self.device_id = device_id
-        self.expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        self.expected = dict(shapes)  # the device's model: every tensor's shape
+        self.arrays: Literal["torch", "numpy"] = arrays  # what the models it fetched are decoded to
         self.model_id = model_id
         self.max_bytes = max_bytes
         self.down = 0  # bytes fetched by the last ``received`` or ``model``
@@ -106,7 +111,7 @@ class Downloads:
         """A model (or a part) checked against this device's model: names, shapes, model id, finite values."""
         try:
             d = decode(payload, expected=self.expected, model_id=self.model_id, max_bytes=self.max_bytes,
-                       allow_missing=True)
+                       allow_missing=True, arrays=self.arrays)
         except CodecError as e:
             raise UnusableModel(f"a model it received is unusable: {e}") from e
         if not all_finite(d.tensors):  # decode refuses NaN/Inf too; checked here where it is used

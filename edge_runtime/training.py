@@ -20,18 +20,22 @@ import warnings
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
-import torch
-from torch import Tensor, nn
 
 from device_profiles import Profile
-from pfl_edge.arrays import is_numpy, randperm, to_numpy
+from pfl_edge.arrays import Array as Tensor
+from pfl_edge.arrays import is_numpy, randperm, stack_states, to_numpy, unstack
 from pfl_edge.checkpoint import ModelSpec
 from pfl_edge.errors import ConfigError
-from pfl_edge.sgd import SGD, epoch_batches
-from pfl_edge.train import ClientTensors, TrainConfig, dense_gradients, stack_states, train, unstack
+from pfl_edge.sgd import SGD, TrainConfig, epoch_batches
+
+if TYPE_CHECKING:  # the torch backend's; the ExecuTorch backend runs without torch (executorch-numpy-runtime)
+    import torch
+    from torch import nn
+
+    from pfl_edge.train import ClientTensors
 
 __all__ = [
     "TRAINING_BACKENDS",
@@ -117,11 +121,19 @@ class TorchBackend:
         return {k: v.clone() for k, v in self._state.items()}
 
     def _one(self, x: Tensor, y: Tensor) -> ClientTensors:
+        import torch
+
+        from pfl_edge.train import ClientTensors
+
         return ClientTensors(x[None], y[None], torch.tensor([len(x)], dtype=torch.int64))
 
     def train(self, x: Tensor, y: Tensor, cfg: TrainConfig, gen: torch.Generator, *,
               trainable: Collection[str] | None = None, mask: Mapping[str, Tensor] | None = None,
               anchor: Mapping[str, Tensor] | None = None) -> TrainStats:
+        import torch
+
+        from pfl_edge.train import train
+
         masks = None if mask is None else {k: m[None] for k, m in mask.items()}
         # engine "loop": what the simulator's Trainer runs ("auto" there means the loop), so results are identical
         res = train(self.model, stack_states([self._state]), self._one(x, y), torch.tensor([0]), cfg, [gen],
@@ -131,6 +143,10 @@ class TorchBackend:
         return TrainStats(float(res.loss[0]), int(res.steps[0]), int(res.samples[0]))
 
     def dense_gradients(self, x: Tensor, y: Tensor, batch_size: int, gen: torch.Generator) -> dict[str, Tensor]:
+        import torch
+
+        from pfl_edge.train import dense_gradients
+
         grads = dense_gradients(self.model, stack_states([self._state]), self._one(x, y), torch.tensor([0]),
                                 batch_size, [gen])
         return unstack(grads, 0)

@@ -117,8 +117,7 @@ def prune_regrow(weights: Mapping[str, Tensor], masks: Mapping[str, Tensor], alp
         pruned[select_smallest(mag, k_swap)] = 0.0
         if grads is not None:
             score = where(pruned > 0, -math.inf, abs(grads[k].reshape(-1)))
-        else:
-            assert gen is not None  # checked above: exactly one of grads and gen
+        elif gen is not None:  # checked above: exactly one of grads and gen
             score = where(pruned > 0, -math.inf, rand(gen, n))
         pruned[select_largest(score, k_swap)] = 1.0
         new_m[k] = pruned.reshape(m.shape)

@@ -20,7 +20,7 @@ def _cmd_client(args: argparse.Namespace) -> int:
                       partition_id=args.partition_id, threads=args.threads, data_dir=args.dataset_dir,
                       image_dir=args.data_dir, patience_s=args.patience, data_overrides=overrides,
                       training_backend=args.training_backend, training_program=args.training_program,
-                      ca_file=args.ca_file)
+                      ca_file=args.ca_file, arrays=args.arrays)
     agent = Agent(cfg)
     install_signal_handlers(agent)
     return agent.run()
@@ -63,6 +63,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="default: the profile's (an executorch program is downloaded from the server's model "
                         "card into the state dir, its sha256 checked)")
     p.add_argument("--training-program", help="an exported ExecuTorch training program (.pte beside its manifest)")
+    p.add_argument("--arrays", choices=["auto", "torch", "numpy"], default="auto",
+                   help="hold models as torch tensors or numpy arrays (no torch: the ExecuTorch program trains, the "
+                        "server's ONNX program evaluates); default auto: torch where it is installed")
     p.add_argument("--patience", type=float, default=300.0, help="seconds to keep retrying a missing server")
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=_cmd_client)

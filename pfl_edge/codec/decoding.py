@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -64,9 +64,20 @@ def decode(
         raise CodecError(f"payload is for model {header.model!r}, expected {model_id!r}")
     _check_expected(header.entries, expected, allow_missing)
 
+    tensors, masks = _read_entries(header.entries, data)
+    if arrays == "numpy":
+        return Decoded(tensors=tensors, masks=masks, model_id=header.model, round=header.round)
+    import torch  # only here: a device without torch asks for numpy arrays
+
+    return Decoded(tensors={k: torch.from_numpy(v) for k, v in tensors.items()},
+                   masks={k: torch.from_numpy(v) for k, v in masks.items()}, model_id=header.model, round=header.round)
+
+
+def _read_entries(entries: Sequence[Any], data: memoryview) -> tuple[dict[str, NDArray], dict[str, NDArray]]:
+    """Every entry's dense float32 values (zeros off its mask) and, for the sparse ones, its bool mask."""
     tensors: dict[str, NDArray] = {}
     masks: dict[str, NDArray] = {}
-    for e in header.entries:
+    for e in entries:
         values = _read_values(e, data)
         if e.coding is None:
             tensors[e.name] = values.reshape(e.shape)
@@ -79,12 +90,7 @@ def decode(
             dense[ones_at] = values  # positions, not the bool mask: several times faster
         tensors[e.name] = dense.reshape(e.shape)
         masks[e.name] = bits.reshape(e.shape)
-    if arrays == "numpy":
-        return Decoded(tensors=tensors, masks=masks, model_id=header.model, round=header.round)
-    import torch  # only here: a device without torch asks for numpy arrays
-
-    return Decoded(tensors={k: torch.from_numpy(v) for k, v in tensors.items()},
-                   masks={k: torch.from_numpy(v) for k, v in masks.items()}, model_id=header.model, round=header.round)
+    return tensors, masks
 
 
 def _bytes(payload: object) -> memoryview:

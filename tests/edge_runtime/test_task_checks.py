@@ -166,7 +166,8 @@ def test_downloads_refuse_nan_and_mismatch_logs_only_forgeries() -> None:
     spec = ModelSpec("cnn", 10, 1, 28)
     model = build_model(spec)
     good = {k: v.clone() for k, v in model.state_dict().items()}
-    dl = Downloads(Http("http://127.0.0.1:9", 1.0), "dev-x", model, model_id(spec), 1 << 26)
+    dl = Downloads(Http("http://127.0.0.1:9", 1.0), "dev-x", {k: tuple(v.shape) for k, v in model.state_dict().items()},
+                   model_id(spec), 1 << 26)
     payload = encode(good, model_id=model_id(spec), round=1)
     assert set(dl.decode(payload).tensors) == set(good)
     with pytest.raises(UnusableModel, match="NaN"):

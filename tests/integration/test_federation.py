@@ -287,6 +287,22 @@ def test_a_device_training_with_executorch_ends_where_the_simulator_does(tmp_pat
     _assert_simulator_models(cfg, tmp_path)
 
 
+@pytest.mark.parametrize("algorithm", ["fedper", "dispfl"])
+def test_a_device_holding_numpy_arrays_ends_where_the_simulator_does(tmp_path: Path, algorithm: str) -> None:
+    """Device 0 runs as a device without torch does (``--arrays numpy``): numpy arrays throughout, the server's
+    ExecuTorch program trains, its ONNX program evaluates, the whole initial model comes from the server, the
+    batches and masks are drawn by numpy (seeding.MT). Every device ends with the simulator's models, and device
+    0's state dir holds what the numpy path wrote (its programs, both kinds)."""
+    extra = {"densities": (0.5, 1.0, 0.3), "topology": "random:2"} if algorithm == "dispfl" else {"kp": 2}
+    cfg = SimConfig(algorithm=algorithm, clients=3, **extra, **BASE)
+    fed = _run(tmp_path / "run", cfg.to_dict(), ["phone-mid"] * 3, broker="embedded",
+               extra={0: ["--arrays", "numpy"]})
+    fed.close()
+    programs = tmp_path / "run" / "devices" / "device-00" / "programs"
+    assert list(programs.glob("*.pte")) and list(programs.glob("*.onnx"))
+    _assert_simulator_models(cfg, tmp_path)
+
+
 def test_ditto_devices_end_with_the_simulators_models_and_keep_their_personal_model(tmp_path: Path) -> None:
     """Ditto on three device processes, device 0 training through the ExecuTorch program (the proximal pull
     added by ProgramSGD), the others in eager PyTorch: every device deploys the simulator's personal model, and
