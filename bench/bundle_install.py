@@ -25,6 +25,7 @@ from edge_runtime import bundle_files  # noqa: E402
 SETS = {
     "lean, torch training (raspberry-pi-4)": ("onnxruntime", "torch"),
     "lean, ExecuTorch training (phone-mid)": ("executorch", "executorch"),
+    "no torch (--torch-free, Python >= 3.12)": ("torch-free", "executorch"),
 }
 
 
@@ -34,7 +35,7 @@ def _pins(roots: list[str], *, declared: bool) -> list[str]:
             pins = bundle_files.pinned(roots)
     else:
         pins = bundle_files.pinned(roots)
-    return [f"{n}=={v}" for n, v in pins if v is not None and n != "pfl-edge"]
+    return [f"{n}=={v}" for n, v in pins if v is not None and n != "pfl-edge"]  # PINNED_ELSEWHERE's included
 
 
 def _quiet(cmd: list[str]) -> None:
@@ -44,7 +45,21 @@ def _quiet(cmd: list[str]) -> None:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
 
 
-def _install(work: Path, pins: list[str], wheel: Path, *, no_deps: bool) -> dict[str, Any]:
+def _python312() -> str:
+    """A CPython >= 3.12 for the torch-free set (executorch-numpy-runtime: cp312-abi3 wheels only)."""
+    import glob
+    import shutil
+
+    for cand in [shutil.which("python3.12"), shutil.which("python3.13"),
+                 *sorted(glob.glob("/root/.pyenv/versions/3.1[2-9]*/bin/python3"))]:
+        if cand and subprocess.run([cand, "-c", "import sys; assert sys.version_info >= (3, 12)"],
+                                   capture_output=True).returncode == 0:
+            return cand
+    raise SystemExit("no Python >= 3.12 for the torch-free set")
+
+
+def _install(work: Path, pins: list[str], wheel: Path, *, no_deps: bool, python: str = sys.executable
+             ) -> dict[str, Any]:
     venv = work / "venv"
     req = work / "requirements.txt"
     torch = [p for p in pins if p.startswith("torch==")]
@@ -52,7 +67,7 @@ def _install(work: Path, pins: list[str], wheel: Path, *, no_deps: bool) -> dict
     py = venv / "bin" / "python"
     flags = ["--no-deps"] if no_deps else []
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([python, "-m", "venv", str(venv)], check=True)
     pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
     _quiet([*pip, "--no-deps", *torch])
     t1 = time.perf_counter()
@@ -62,8 +77,12 @@ def _install(work: Path, pins: list[str], wheel: Path, *, no_deps: bool) -> dict
     listed = subprocess.run([str(py), "-m", "pip", "list", "--format=json"], check=True, capture_output=True,
                             text=True).stdout
     size = sum(f.stat().st_size for f in venv.rglob("*") if f.is_file())
+    site = next(venv.glob("lib/python3*/site-packages"))
+    per = {d.name: sum(f.stat().st_size for f in d.rglob("*") if f.is_file()) / 2**20
+           for d in site.iterdir() if d.is_dir() and not d.name.endswith((".dist-info", "__pycache__"))}
     return {"pins": len(pins), "installed": len(json.loads(listed)), "torch_s": t1 - t0, "rest_s": t2 - t1,
-            "total_s": t2 - t0, "venv_mb": size / 2**20}
+            "total_s": t2 - t0, "venv_mb": size / 2**20,
+            "largest_mb": dict(sorted(per.items(), key=lambda kv: -kv[1])[:8])}
 
 
 def main() -> int:
@@ -78,7 +97,9 @@ def main() -> int:
         wheel = next(wheels.glob("pfl_edge-*.whl"))
         cases = {"declared tree (before)": (_pins(["pfl-edge"], declared=True), False)}
         for name, (inference, training) in SETS.items():
-            cases[name] = (_pins(bundle_files.device_packages(inference, training), declared=False), True)
+            free = inference == "torch-free"
+            cases[name] = (_pins(bundle_files.device_packages(inference, training, torch_free=free),
+                                 declared=False), True)
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in cases}
         for rep in range(args.repeats):
             order = list(cases) if rep % 2 == 0 else list(reversed(cases))
@@ -86,7 +107,8 @@ def main() -> int:
                 pins, no_deps = cases[name]
                 work = Path(tmp) / f"{rep}-{len(runs[name])}-{abs(hash(name)) % 1000}"
                 work.mkdir()
-                r = _install(work, pins, wheel, no_deps=no_deps)
+                python = _python312() if "no torch" in name else sys.executable
+                r = _install(work, pins, wheel, no_deps=no_deps, python=python)
                 runs[name].append(r)
                 print(f"{name}: {r['total_s']:.0f} s ({r['installed']} packages, {r['venv_mb']:.0f} MB)", flush=True)
                 subprocess.run(["rm", "-rf", str(work)], check=True)

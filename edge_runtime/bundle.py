@@ -12,6 +12,7 @@ The files a bundle holds and what each is for: :func:`write_bundle`, and README.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -60,6 +61,7 @@ class BundleOptions:
     client_args: tuple[str, ...] = ()  # more `pfl-edge client` arguments for start.sh (e.g. --data-dir=...)
     wheel: Path | None = None  # a pfl-edge wheel to ship; default: built from this checkout
     training_backend: str | None = None  # torch | executorch; None: the profile's
+    torch_free: bool = False  # a device without torch (numpy arrays, the ExecuTorch program; Python >= 3.12)
     wait_s: float = 900.0  # how long to wait for the server (its exports, its restarts)
 
 
@@ -204,6 +206,10 @@ def write_bundle(opts: BundleOptions) -> Path:
     """Build the bundle in ``opts.out`` (a new or empty folder, made 0700: it holds the enrolment secret). It is
     built in a hidden folder beside it and moved into place whole: a failed build leaves nothing behind."""
     # an unknown profile fails here, before any download
+    if opts.torch_free and opts.training_backend == "torch":
+        raise ConfigError("a device without torch trains with the ExecuTorch program, not --training-backend torch")
+    if opts.torch_free:
+        opts = dataclasses.replace(opts, training_backend="executorch")
     executorch = (opts.training_backend or _profile_runtimes(opts.profile)[1]) == "executorch"
     out = opts.out
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -250,12 +256,13 @@ def _fill(opts: BundleOptions, out: Path, executorch: bool) -> None:
                       has_ca=opts.ca_file is not None, training_program=train.file if train else None,
                       programs=[p.file for p in card.programs], wheel=wheel.name, install_dir=opts.install_dir,
                       user=opts.user, client_args=opts.client_args, model_id=card.model_id,
-                      training_backend=opts.training_backend)
+                      training_backend=opts.training_backend, torch_free=opts.torch_free)
     for rel, (text, mode) in render_files(spec).items():
         (out / rel).write_text(text)
         os.chmod(out / rel, mode)
     # only what this device imports (its profile's runtimes), installed without declared dependencies
-    roots = device_packages(_profile_runtimes(opts.profile)[0], "executorch" if executorch else "torch")
+    roots = device_packages(_profile_runtimes(opts.profile)[0], "executorch" if executorch else "torch",
+                            torch_free=opts.torch_free)
     (out / "requirements.txt").write_text(requirements_text(roots, None))
     (out / "requirements-aarch64.txt").write_text(requirements_text(roots, "aarch64"))
 

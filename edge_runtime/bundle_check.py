@@ -1,7 +1,8 @@
 """The check a device bundle's install.sh runs once its packages are in place: ``python -m edge_runtime.bundle_check
 BUNDLE``. The bundle's requirements are installed without their declared dependencies (only what a device imports:
 edge_runtime.bundle_files), so a package missing from them would otherwise show at the first round. This imports
-what ``pfl-edge client`` imports, trains one torch step on the card's model, and loads and runs every bundled
+what ``pfl-edge client`` imports, trains one step on the card's model (torch, or the program on numpy arrays
+for a device without torch), and loads and runs every bundled
 program whose runtime the device has: the inference program once, the ExecuTorch training program (its first
 run). It prints one line per check; exit status 0 when all pass, 1 with the missing module or the
 failure said otherwise."""
@@ -17,17 +18,45 @@ from typing import Any
 __all__ = ["check_bundle", "main"]
 
 
-def _imports() -> str:
+def _imports(torch_free: bool) -> str:
     """What a device process imports, beyond the agent's module-level chain: HTTP's transport (httpcore, h11,
-    certifi, anyio: imported when a client is made), MQTT control, a user's own images."""
+    certifi, anyio: imported when a client is made), MQTT control, a user's own images (not without torch)."""
     import httpx
     import paho.mqtt.client  # noqa: F401
-    import PIL.Image
 
-    from . import agent  # noqa: F401  (its whole module-level chain: torch, numpy, safetensors, pydantic, ...)
+    from . import agent  # noqa: F401  (its whole module-level chain: numpy, safetensors, pydantic, ...)
 
     httpx.Client().close()
+    if torch_free:
+        from .arrays_kind import array_kind
+
+        if array_kind() != "numpy":
+            raise RuntimeError("this bundle is for a device without torch, but torch is importable here")
+        return f"imports (agent, httpx {httpx.__version__}, paho-mqtt; no torch)"
+    import PIL.Image
+
     return f"imports (agent, httpx {httpx.__version__}, paho-mqtt, pillow {PIL.__version__})"
+
+
+def _program_step(path: Path, card: Any) -> str:
+    """Two SGD steps of the bundled training program on numpy arrays (the executorch-numpy-runtime), as a device
+    without torch trains: the program's gradients, then pfl_edge.sgd's step."""
+    import numpy as np
+
+    from pfl_edge.seeding import MT
+    from pfl_edge.sgd import TrainConfig
+
+    from .training import ExecuTorchBackend
+
+    backend = ExecuTorchBackend.from_file(path)
+    rng = np.random.default_rng(0)
+    backend.load({k: (0.05 * rng.standard_normal(s)).astype(np.float32) for k, s in backend.details["shapes"].items()})
+    x = rng.standard_normal((4, *card.input.shape)).astype(np.float32)
+    y = rng.integers(0, card.num_classes, 4)
+    stats = backend.train(x, y, TrainConfig(batch_size=2, lr=0.01, clip_norm=1.0, weight_decay=1e-4), MT(0))
+    if stats.steps != 2 or not math.isfinite(stats.loss):
+        raise RuntimeError(f"program step: {stats}")
+    return f"program training step ({card.model}, numpy: loss {stats.loss:.3f})"
 
 
 def _torch_step(card: Any) -> str:
@@ -77,13 +106,18 @@ def check_bundle(bundle: Path) -> list[str]:
     from device_profiles import get_profile
     from pfl_edge.modelcard import ModelCard
 
-    done = [_imports()]
     device = json.loads((bundle / "device.json").read_text())
+    torch_free = device.get("arrays") == "numpy"
+    done = [_imports(torch_free)]
     card = ModelCard.model_validate_json((bundle / device["model_card"]).read_bytes())
     profile = get_profile(device["profile"])
-    done.append(_torch_step(card))
-    for p in card.programs:  # the requirements hold onnxruntime when the profile infers with it
-        if p.kind == "inference" and p.runtime == "onnxruntime" == profile.inference_runtime:
+    if torch_free:
+        done.append(_program_step(bundle / device["training_program"], card))
+    else:
+        done.append(_torch_step(card))
+    for p in card.programs:  # the requirements hold onnxruntime when the profile infers with it (or has no torch)
+        if p.kind == "inference" and p.runtime == "onnxruntime" and (torch_free or profile.inference_runtime
+                                                                     == "onnxruntime"):
             done.append(_inference(bundle / "model" / "programs" / p.file, card))
     if device.get("training_program"):
         done.append(_training(bundle / device["training_program"]))

@@ -14,7 +14,8 @@ from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-__all__ = ["BundleSpec", "device_packages", "pinned", "render_files", "requirements_text"]
+__all__ = ["PINNED_ELSEWHERE", "TORCH_FREE_PACKAGES", "BundleSpec", "device_packages", "pinned", "render_files",
+           "requirements_text"]
 
 # pinned for aarch64 too, but whose aarch64 Linux wheels (or their build on the board) need checking there
 CHECK_ON_AARCH64 = ("torch", "executorch", "onnxruntime")
@@ -36,6 +37,7 @@ class BundleSpec:
     client_args: tuple[str, ...]
     model_id: str
     training_backend: str | None = None  # passed to `pfl-edge client` when set (else the profile's)
+    torch_free: bool = False  # no torch on the device: numpy arrays, the ExecuTorch program, Python >= 3.12
 
 
 def render_files(spec: BundleSpec) -> dict[str, tuple[str, int]]:
@@ -45,7 +47,8 @@ def render_files(spec: BundleSpec) -> dict[str, tuple[str, int]]:
               "model_card": "model/card.json", "programs": [f"model/programs/{p}" for p in spec.programs],
               "training_program": f"model/programs/{spec.training_program}" if spec.training_program else None,
               "enrol_secret_file": "enrol-secret" if spec.has_secret else None,
-              "ca_file": "ca.pem" if spec.has_ca else None, "state_dir": "state"}
+              "ca_file": "ca.pem" if spec.has_ca else None, "state_dir": "state",
+              "arrays": "numpy" if spec.torch_free else "torch"}
     return {"device.json": (json.dumps(device, indent=1) + "\n", 0o644), "start.sh": (_start(spec), 0o755),
             "install.sh": (_install(spec), 0o755), "pfl-edge-device.service": (_unit(spec), 0o644),
             "README.txt": (_readme(spec), 0o644)}
@@ -61,6 +64,8 @@ def _start(spec: BundleSpec) -> str:
         args.append('--ca-file "$here/ca.pem"')
     if spec.training_backend:
         args.append(f"--training-backend {q(spec.training_backend)}")
+    if spec.torch_free:
+        args.append("--arrays numpy")
     if spec.training_program:
         args.append(f'--training-program "$here/model/programs/{spec.training_program}"')
     args += [q(a) for a in spec.client_args]
@@ -79,11 +84,14 @@ exec "$here/venv/bin/pfl-edge" client \\
 
 
 def _install(spec: BundleSpec) -> str:
+    major, minor = (3, 12) if spec.torch_free else (3, 11)  # executorch-numpy-runtime: cp312-abi3 wheels only
+    # the console script; with torch, the registries too (the simulator's: tqdm), which need torch's models
+    script = "client --help" if spec.torch_free else "list"
     return f"""#!/bin/sh
-# Creates ./venv (Python 3.11 or newer) and installs the pinned requirements (requirements.txt; on aarch64,
+# Creates ./venv (Python {major}.{minor} or newer) and installs the pinned requirements (requirements.txt; on aarch64,
 # requirements-aarch64.txt) and the bundled pfl-edge wheel, each without its declared dependencies: the requirements
 # list only what this device imports (not the build and export tools some of them declare). Then it checks the
-# installation: the device's imports, one torch training step, each bundled program it can run loaded and run once
+# installation: the device's imports, one training step, each bundled program it can run loaded and run once
 # (python -m edge_runtime.bundle_check), so that a missing package shows here, not at the first round.
 # Run it where the bundle will stay (a virtual environment cannot be moved), as the user that runs the device.
 #   PYTHON           the interpreter to build the environment from (default python3)
@@ -92,8 +100,8 @@ def _install(spec: BundleSpec) -> str:
 set -eu
 here="$(cd "$(dirname "$0")" && pwd)"
 python="${{PYTHON:-python3}}"
-"$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || {{
-    echo "install.sh: pfl-edge needs Python 3.11 or newer; set PYTHON to one" >&2; exit 1; }}
+"$python" -c 'import sys; sys.exit(sys.version_info < ({major}, {minor}))' || {{
+    echo "install.sh: this bundle needs Python {major}.{minor} or newer; set PYTHON to one" >&2; exit 1; }}
 req="$here/requirements.txt"
 case "$(uname -m)" in aarch64|arm64) req="$here/requirements-aarch64.txt" ;; esac
 "$python" -m venv "$here/venv"
@@ -107,7 +115,7 @@ $pip install --no-deps -r "$req"
 $pip install --no-deps "$here/wheels/{spec.wheel}"
 "$here/venv/bin/python" -m edge_runtime.bundle_check "$here" || {{
     echo "install.sh: the installed environment fails its check (above); venv/ is left for a look" >&2; exit 1; }}
-"$here/venv/bin/pfl-edge" list >/dev/null  # the console script, and the registries (the simulator's: tqdm)
+"$here/venv/bin/pfl-edge" {script} >/dev/null
 echo "installed; run $here/start.sh (or the systemd unit pfl-edge-device.service)"
 """
 
@@ -188,6 +196,13 @@ Android phone
 # What a device process imports (pfl-edge client and its import chain: the agent, its HTTP client and MQTT control,
 # its own images, torch training); the runtimes come by profile (device_packages).
 AGENT_PACKAGES = ("numpy", "torch", "safetensors", "pydantic", "httpx", "paho-mqtt", "pillow", "tqdm")
+# A device without torch (pfl-edge client --arrays numpy): the agent's own imports, ONNX Runtime (evaluation) and
+# ExecuTorch's numpy-only runtime (training through the program)
+TORCH_FREE_PACKAGES = ("numpy", "safetensors", "pydantic", "httpx", "paho-mqtt", "onnxruntime",
+                       "executorch-numpy-runtime")
+# pinned here where it cannot be installed (it has wheels for Python >= 3.12 only): the runtime the programs were
+# checked on (bench/train_step_torchfree.py, tests/integration/test_bundle.py)
+PINNED_ELSEWHERE = {"executorch-numpy-runtime": "1.4.0"}
 # Packages whose declared dependencies are mostly for building or exporting: the ones their runtime imports instead,
 # measured in a fresh virtual environment (pip install --no-deps, then import, load and run: torch trains eagerly;
 # onnxruntime runs an InferenceSession; executorch loads and runs a training program, forward_backward and an SGD
@@ -196,14 +211,17 @@ AGENT_PACKAGES = ("numpy", "torch", "safetensors", "pydantic", "httpx", "paho-mq
 RUNTIME_DEPS: dict[str, tuple[str, ...]] = {
     "torch": ("typing-extensions", "sympy"),
     "onnxruntime": ("numpy",),
+    "executorch-numpy-runtime": ("numpy",),
     "executorch": ("torch", "numpy", "typing-extensions", "sympy", "ruamel.yaml", "flatbuffers", "tabulate",
                    "filelock", "networkx"),
 }
 
 
-def device_packages(inference_runtime: str, training_backend: str) -> list[str]:
+def device_packages(inference_runtime: str, training_backend: str, *, torch_free: bool = False) -> list[str]:
     """The packages a device of this profile imports: the agent's, onnxruntime when the profile's inference runtime
-    is ONNX Runtime, executorch when it infers or trains with ExecuTorch."""
+    is ONNX Runtime, executorch when it infers or trains with ExecuTorch; without torch, TORCH_FREE_PACKAGES."""
+    if torch_free:
+        return list(TORCH_FREE_PACKAGES)
     roots = list(AGENT_PACKAGES)
     if inference_runtime == "onnxruntime":
         roots.append("onnxruntime")
@@ -245,7 +263,10 @@ def pinned(roots: list[str], machine: str | None = None) -> list[tuple[str, str 
             try:
                 dist = metadata.distribution(req.name)
             except metadata.PackageNotFoundError:
-                versions[key] = None
+                versions[key] = PINNED_ELSEWHERE.get(key)
+                if key in PINNED_ELSEWHERE:
+                    todo += [(r, want) for r in _requires(req.name)]
+                    continue
                 break
             versions[key] = dist.version.split("+", 1)[0]  # 2.13.0+cpu: the local label is the index's business
             todo += [(r, want) for r in _requires(req.name)]
@@ -257,7 +278,7 @@ def left_out(names: list[str]) -> list[str]:
     out: set[str] = set()
     for name in names:
         key = canonicalize_name(name)
-        if key not in RUNTIME_DEPS:
+        if key not in RUNTIME_DEPS or key in PINNED_ELSEWHERE:  # not installed here: nothing declared to leave out
             continue
         for r in metadata.distribution(name).requires or []:
             req = Requirement(r)

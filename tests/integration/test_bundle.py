@@ -17,6 +17,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from edge_runtime.bundle_files import device_packages, pinned
@@ -336,3 +337,109 @@ def test_a_failed_bundle_leaves_nothing(tmp_path: Path) -> None:
     with pytest.raises(ServerUnavailable):
         write_bundle(opts)
     assert list(tmp_path.iterdir()) == []  # neither the bundle nor its half-built folder (with the secret)
+
+
+# ------------------------------------------------------------------------------- a device without torch
+def _python312() -> str | None:
+    """A CPython >= 3.12 (executorch-numpy-runtime has cp312-abi3 wheels only), or None."""
+    import glob
+
+    for cand in [shutil.which("python3.12"), shutil.which("python3.13"),
+                 *sorted(glob.glob("/root/.pyenv/versions/3.1[2-9]*/bin/python3"))]:
+        if cand and subprocess.run([cand, "-c", "import sys; assert sys.version_info >= (3, 12)"],
+                                   capture_output=True).returncode == 0:
+            return cand
+    return None
+
+
+TORCH_FREE: dict[str, dict[str, Any]] = {
+    "fedper": dict(algorithm="fedper", kp=1),
+    "dispfl": dict(algorithm="dispfl", densities=(0.5, 0.7), topology="full"),
+}
+
+
+@pytest.mark.slow  # installs numpy, onnxruntime and executorch-numpy-runtime into a fresh venv: 1-2 minutes
+@pytest.mark.needs_fmnist
+def test_a_torch_free_bundle_takes_part_in_fedper_and_dispfl(tmp_path: Path) -> None:
+    """pfl-edge bundle --torch-free, installed by its install.sh on Python >= 3.12 into a fresh virtual environment
+    where ``import torch`` fails; its check (imports, a program step on numpy arrays, the ONNX program), then its
+    start.sh as a device beside a torch device, to the end of a FedPer and of a DisPFL federation (one venv, two
+    bundles). Each time it deploys the simulator's model for its slot; its environment's size is printed."""
+    from safetensors.numpy import load_file
+
+    from pfl_edge.checkpoint import load_checkpoint
+    from pfl_edge.federation import FederationConfig
+    from pfl_edge.sim import simulate
+
+    py = _python312()
+    if py is None:
+        pytest.skip("no Python >= 3.12 here (the torch-free runtime's wheels are cp312+)")
+    venv: Path | None = None
+    for algorithm, extra in TORCH_FREE.items():
+        config = {**CONFIG, "dataset": "fashion-mnist", **extra}
+        run = tmp_path / algorithm
+        fed = start_server(run / "run")
+        try:
+            fed.create(f"f{int(time.time() * 1000) % 10**9}", config, deadline_s=600.0)
+            token, secret = run / "admin-token", run / "enrol-secret"
+            token.write_text(fed.admin_token + "\n")
+            secret.write_text(fed.secret + "\n")
+            out = run / "device-bundle"
+            proc = subprocess.run([sys.executable, "-m", "pfl_edge", "bundle", "--profile", "phone-mid", "--server",
+                                   fed.url, "--federation", fed.fed, "--out", str(out), "--name", "bundled",
+                                   "--admin-token-file", str(token), "--enrol-secret-file", str(secret),
+                                   "--client-arg=--partition-id=1", "--wait", "400", "--torch-free"],
+                                  capture_output=True, text=True, timeout=500, check=False)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            assert "--arrays numpy" in (out / "start.sh").read_text()
+            pins = (out / "requirements.txt").read_text()
+            assert "executorch-numpy-runtime==" in pins and "\ntorch==" not in pins and "\nexecutorch==" not in pins
+            home = run / "elsewhere"
+            home.mkdir()
+            if venv is None:  # install once, from PyPI, with the bundle's own install.sh
+                env = {**_clean_env(home), "PYTHON": py}
+                t0 = time.monotonic()
+                inst = subprocess.run(["sh", str(out / "install.sh")], cwd=home, env=env, capture_output=True,
+                                      text=True, timeout=900, check=False)
+                assert inst.returncode == 0, (inst.stdout[-2000:], inst.stderr[-3000:])
+                said = [" ".join(ln.split()[:2]) for ln in inst.stdout.splitlines() if ln.startswith("ok: ")]
+                assert said == ["ok: imports", "ok: program", "ok: inference", "ok: training"], inst.stdout
+                venv = out / "venv"
+                probe = subprocess.run([str(venv / "bin" / "python"), "-c", "import torch"], capture_output=True,
+                                       env=_clean_env(home), cwd=home)
+                assert probe.returncode != 0 and b"No module named 'torch'" in probe.stderr
+                size = sum(f.stat().st_size for f in venv.rglob("*") if f.is_file() and not f.is_symlink())
+                print(f"torch-free venv: {size / 2**20:.0f} MiB, installed in {time.monotonic() - t0:.0f} s")
+            else:
+                (out / "venv").symlink_to(venv)
+            _run_torch_free(fed, out, home, run / "bundle-device.log", config)
+        finally:
+            fed.close()
+        cfg = FederationConfig.from_dict(config)
+        simulate(cfg, save_dir=run / "sim", progress=False)
+        mine = load_file(str(out / "state" / "final.safetensors"))
+        want = load_checkpoint(run / "sim" / "client_001.safetensors")[0]
+        assert mine.keys() == want.keys()
+        for k in mine:
+            np.testing.assert_allclose(mine[k], want[k].numpy(), atol=5e-5, rtol=1e-4, err_msg=f"{algorithm} {k}")
+
+
+def _run_torch_free(fed: Federation, out: Path, home: Path, log: Path, config: dict[str, Any]) -> None:
+    with log.open("wb") as f:
+        device = subprocess.Popen(["sh", str(out / "start.sh"), "-v"], cwd=home, env=_clean_env(home), stdout=f,
+                                  stderr=subprocess.STDOUT)
+    try:
+        fed.start_device(0, "phone-mid", extra=["--training-backend", "torch"])
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline:
+            if fed.info()["state"] == "finished" and device.poll() is not None and fed.devices[0].poll() is not None:
+                break
+            assert device.poll() in (None, 0), log.read_text()[-3000:]
+            time.sleep(1.0)
+        assert fed.info()["state"] == "finished" and device.returncode == 0, log.read_text()[-3000:]
+    finally:
+        if device.poll() is None:
+            device.terminate()
+            device.wait(15)
+    bundled = next(d for d in fed.get(f"{API_PREFIX}/federations/{fed.fed}/devices") if d["name"] == "bundled")
+    assert bundled["index"] == 1 and bundled["last_round"] == config["rounds"]

@@ -273,33 +273,24 @@ def test_a_late_device_joins_from_the_next_round(tmp_path: Path, algorithm: str)
 
 
 @pytest.mark.parametrize("algorithm", ["fedper", "dispfl"])
-def test_a_device_training_with_executorch_ends_where_the_simulator_does(tmp_path: Path, algorithm: str) -> None:
+def test_devices_on_the_program_and_without_torch_end_where_the_simulator_does(tmp_path: Path,
+                                                                               algorithm: str) -> None:
     """Device 0 trains with an ExecuTorch training program (the server's, downloaded through its model card and
-    checked; weights swapped in every round); the others in eager PyTorch. All end with the simulator's models,
-    within float tolerance."""
+    checked; weights swapped in every round) on torch tensors; device 1 runs as a device without torch does
+    (``--arrays numpy``: numpy arrays throughout, the same program trains, the server's ONNX program evaluates, the
+    whole initial model comes from the server, batches and masks drawn by numpy's seeding.MT); device 2 trains in
+    eager PyTorch. All end with the simulator's models, within float tolerance."""
     extra = {"densities": (0.5, 1.0, 0.3), "topology": "random:2"} if algorithm == "dispfl" else {"kp": 2}
     cfg = SimConfig(algorithm=algorithm, clients=3, **extra, **BASE)
     fed = _run(tmp_path / "run", cfg.to_dict(), ["phone-mid"] * 3, broker="embedded",
-               extra={0: ["--training-backend", "executorch"]})
+               extra={0: ["--training-backend", "executorch"], 1: ["--arrays", "numpy"],
+                      2: ["--training-backend", "torch"]})
     fed.close()
-    programs = tmp_path / "run" / "devices" / "device-00" / "programs"
+    devices = tmp_path / "run" / "devices"
+    programs = devices / "device-00" / "programs"
     assert list(programs.glob("*.pte")) and not (programs / "manifest.json").exists()  # downloaded, not exported
-    _assert_simulator_models(cfg, tmp_path)
-
-
-@pytest.mark.parametrize("algorithm", ["fedper", "dispfl"])
-def test_a_device_holding_numpy_arrays_ends_where_the_simulator_does(tmp_path: Path, algorithm: str) -> None:
-    """Device 0 runs as a device without torch does (``--arrays numpy``): numpy arrays throughout, the server's
-    ExecuTorch program trains, its ONNX program evaluates, the whole initial model comes from the server, the
-    batches and masks are drawn by numpy (seeding.MT). Every device ends with the simulator's models, and device
-    0's state dir holds what the numpy path wrote (its programs, both kinds)."""
-    extra = {"densities": (0.5, 1.0, 0.3), "topology": "random:2"} if algorithm == "dispfl" else {"kp": 2}
-    cfg = SimConfig(algorithm=algorithm, clients=3, **extra, **BASE)
-    fed = _run(tmp_path / "run", cfg.to_dict(), ["phone-mid"] * 3, broker="embedded",
-               extra={0: ["--arrays", "numpy"]})
-    fed.close()
-    programs = tmp_path / "run" / "devices" / "device-00" / "programs"
-    assert list(programs.glob("*.pte")) and list(programs.glob("*.onnx"))
+    assert not list(programs.glob("*.onnx"))  # it evaluates in eager PyTorch
+    assert list((devices / "device-01" / "programs").glob("*.onnx"))  # the numpy device evaluates with ONNX
     _assert_simulator_models(cfg, tmp_path)
 
 
