@@ -6,8 +6,8 @@ thread. A step is what a device runs per batch:
 
 - eager: ``zero_grad``, forward, cross-entropy, backward, ``torch.optim.SGD.step`` (momentum 0.9);
 - executorch: ``ExecuTorchBackend.gradients`` (the gradient program: weights and batch in, loss and gradients
-  out, XNNPACK running what it supports) plus its SGD step (``ProgramSGD``, torch.optim.SGD on the device's
-  weights). The two parts are timed separately too. ``--baseline`` also times, in the same loop, the program as
+  out, XNNPACK running what it supports) plus its SGD step (``ProgramSGD``: pfl_edge.sgd.SGD on the device's
+  numpy weights). The two parts are timed separately too. ``--baseline`` also times, in the same loop, the program as
   it was before issue 16: ``aten.convolution`` on the runtime's portable kernels, no delegate.
 
 Interleaved (one eager step, one ExecuTorch step, repeat) so that load on a shared machine hits both alike;

@@ -64,7 +64,7 @@ class Agent:
             raise ConfigError(f"a device without torch trains with the ExecuTorch program, not "
                               f"{cfg.training_backend!r}")
         if self.arrays == "numpy" and cfg.image_dir is not None:
-            raise ConfigError("--image-dir needs torch on the device (its images are standardised in torch); "
+            raise ConfigError("--data-dir (own images) needs torch on the device (they are standardised in torch); "
                               "install the torch bundle, or deal a registered data set")
         self.store = StateDir(cfg.state_dir, arrays=self.arrays)
         self.http = Http(cfg.server, cfg.patience_s, ca_file=cfg.ca_file)
@@ -123,7 +123,7 @@ class Agent:
         self.programs = ProgramSource(self.http, self.enr.federation, self.store.root / "programs",
                                       model_id=model_id(self.data.spec), max_bytes=self.cfg.max_blob_bytes,
                                       training_backend=backend)
-        self.model, evaluate = open_model(self.data, self.programs, threads)
+        self.model, evaluate = open_model(self.data, self.programs, threads, self.cfg.max_blob_bytes)
         shapes = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
         self.downloads = Downloads(self.http, enr.device_id, shapes, model_id(self.data.spec),
                                    self.cfg.max_blob_bytes, arrays=self.arrays)

@@ -34,17 +34,20 @@ def array_kind(asked: str = "auto") -> Kind:
     return "torch"
 
 
-def open_model(data: LocalData | ArrayData, programs: ProgramSource,
-               threads: int) -> tuple[Any, Callable[..., tuple[float, float]] | None]:
-    """The device's model (the ``nn.Module``, or without torch the card's skeleton) and how it evaluates (None:
-    eager PyTorch; without torch the server's ONNX program)."""
+def open_model(data: LocalData | ArrayData, programs: ProgramSource, threads: int,
+               max_bytes: int) -> tuple[Any, Callable[..., tuple[float, float]] | None]:
+    """The device's model (the ``nn.Module``, or without torch the card's skeleton, checked: within ``max_bytes``,
+    the ONNX program's weights its tensors) and how it evaluates (None: eager PyTorch; without torch the server's
+    ONNX program)."""
     if isinstance(data, LocalData):
         return data.model, None
     from pfl_edge.skeleton import ModelSkeleton
 
+    skeleton = ModelSkeleton.from_card(programs.card, max_bytes=max_bytes)
     program, details = programs.inference()
-    return (ModelSkeleton.from_card(programs.card),
-            OnnxEvaluator(program, details, data.test_x, data.test_y, threads=threads))
+    if list(details.get("weights", [])) != list(skeleton.state_dict()):
+        raise ConfigError("the server's ONNX program does not take its model card's tensors as weights")
+    return skeleton, OnnxEvaluator(program, details, data.test_x, data.test_y, threads=threads)
 
 
 def initial_model(kind: Kind, fed: FederationConfig, data: LocalData | ArrayData, downloads: Downloads,

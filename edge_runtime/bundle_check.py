@@ -106,9 +106,10 @@ def check_bundle(bundle: Path) -> list[str]:
     from device_profiles import get_profile
     from pfl_edge.modelcard import ModelCard
 
-    device = json.loads((bundle / "device.json").read_text())
-    torch_free = device.get("arrays") == "numpy"
+    where = bundle / "device.json"  # read after the imports' check (its folder may not hold one yet)
+    torch_free = where.exists() and json.loads(where.read_text()).get("arrays") == "numpy"
     done = [_imports(torch_free)]
+    device = json.loads(where.read_text())
     card = ModelCard.model_validate_json((bundle / device["model_card"]).read_bytes())
     profile = get_profile(device["profile"])
     if torch_free:

@@ -8,9 +8,10 @@ both backends see the same batches for the same generator.
 - ``TorchBackend``: ``pfl_edge.train.train`` on a one-client stack (the loop engine, as the simulator uses), so
   a device's round is exactly the simulator's.
 - ``ExecuTorchBackend``: an ExecuTorch training program (``export.lower_executorch_training``), a pure function
-  from the weights and a batch to the loss and the gradients; the device holds the weights and steps them with
-  ``ProgramSGD``: masking and clipping on the gradients, then ``torch.optim.SGD`` (momentum, weight decay), then
-  the mask re-applied, in ``pfl_edge.train``'s order.
+  from the weights and a batch to the loss and the gradients, on the pip runtime or on executorch-numpy-runtime
+  (a device without torch); the device holds the weights as numpy arrays and steps them with ``ProgramSGD``
+  (``pfl_edge.sgd.SGD``: masking and clipping on the gradients, then torch.optim.SGD's update with momentum and
+  weight decay, then the mask re-applied, in ``pfl_edge.train``'s order), over ``pfl_edge.sgd.epoch_batches``.
 """
 
 from __future__ import annotations
@@ -166,13 +167,15 @@ def load_program(program: bytes, runtime: str = "auto") -> Callable[[list[np.nda
     the pip runtime where torch is installed, else the numpy one. Both run the same program bytes."""
     if runtime not in ("auto", "pip", "numpy"):
         raise ConfigError(f"unknown ExecuTorch runtime {runtime!r}; valid: auto, pip, numpy")
+    pip_error: Exception | None = None
     if runtime in ("auto", "pip"):
         try:
             import torch
             from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
-        except ImportError:
+        except (ImportError, OSError) as e:  # not installed, or a broken build: say which, fall back in auto
             if runtime == "pip":
-                raise ConfigError("the pip executorch runtime is not installed (pip install executorch)") from None
+                raise ConfigError(f"the pip executorch runtime cannot be loaded ({e})") from e
+            pip_error = e
         else:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -186,9 +189,10 @@ def load_program(program: bytes, runtime: str = "auto") -> Callable[[list[np.nda
             return run_pip
     try:
         import executorch_numpy_runtime as en
-    except ImportError:
+    except ImportError as e:
+        why = "" if runtime == "numpy" else f" (pip executorch: {pip_error})"
         raise ConfigError("no ExecuTorch runtime: install executorch (with torch) or executorch-numpy-runtime "
-                          "(numpy only, Python >= 3.12)") from None
+                          f"(numpy only, Python >= 3.12){why}") from e
     method = en.Runtime.get().load_program(program).load_method("forward")
 
     def run_numpy(args: list[np.ndarray]) -> list[np.ndarray]:
@@ -260,6 +264,10 @@ class ExecuTorchBackend:
         if backend.batch_size < req.batch_size:
             raise ConfigError(f"the training program takes batches of {backend.batch_size}, the federation trains "
                               f"with {req.batch_size}: export one at the federation's batch size")
+        want = {k: tuple(v.shape) for k, v in req.model.state_dict().items()}
+        got = {k: tuple(backend._w[k].shape) for k in backend.keys}
+        if any(want.get(k) != s for k, s in got.items()):
+            raise ConfigError("the training program's weights are not this device's model's tensors (names, shapes)")
         return backend
 
     @staticmethod
@@ -281,7 +289,7 @@ class ExecuTorchBackend:
         if missing:
             raise ConfigError(f"state lacks {sorted(missing)}")
         self._w = {k: np.array(to_numpy(state[k]), dtype=np.float32, order="C", copy=True) for k in self.keys}
-        self._torch_state = not is_numpy(next(iter(state.values())))
+        self._torch_state = not is_numpy(state[self.keys[0]]) if self.keys else False
         self._loaded = True
 
     def state(self) -> dict[str, Any]:

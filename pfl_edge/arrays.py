@@ -118,6 +118,8 @@ def _select(x: Array, k: int, *, largest: bool) -> Array:
         raise ValueError(f"cannot select {k} of {n} elements")
     if k == 0:
         return np.zeros(0, np.int64) if is_numpy(x) else _torch().zeros(0, dtype=_torch().int64)
+    if bool((x != x).any()):  # NaN matches no cut: fewer than k would be picked
+        raise ValueError("cannot select among NaN values")
     if is_numpy(x):
         key = -x if largest else x
         kth = np.partition(key, k - 1)[k - 1]
@@ -159,4 +161,4 @@ def stack_states(states: Sequence[Mapping[str, Array]]) -> Stack:
 
 
 def unstack(st: Mapping[str, Array], i: int) -> dict[str, Array]:
-    return {k: v[i] for k, v in st.items()}
+    return {k: v[i, ...] for k, v in st.items()}  # a 0-d array, not a scalar, for a stack of 1-d rows

@@ -138,8 +138,7 @@ class MaskSchedule(BaseModel):
     prune: Literal["magnitude"] = Field(
         default="magnitude",
         description="per masked tensor, the ceil(alpha_t * nnz) active weights of smallest |w| (the trained weights; "
-                    "exact ties, which trained float weights almost never have, as torch.topk breaks them) leave "
-                    "the mask")
+                    "ties at the cut go to the lower flat index) leave the mask")
     regrow: Literal["gradient", "random"] = Field(
         description="gradient: as many zeros of the pruned mask with the largest |g| join it, g the dense (unmasked) "
                     "gradient at the trained masked weights; random: as many, uniformly at random")

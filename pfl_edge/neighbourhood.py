@@ -38,19 +38,19 @@ def neighbourhood_average(stack: Mapping[str, Array], mixing: Array,
     return out
 
 
-def _sum_rows(pick: np.ndarray, flat: np.ndarray) -> np.ndarray:
-    """Row i: the sum of ``flat``'s rows that ``pick[i]`` selects, added one after another in row order (as the
+def _sum_rows(a: np.ndarray, flat: np.ndarray) -> np.ndarray:
+    """Row i: sum_j a[i, j] * flat[j] over the nonzero a[i, j], added one after another in row order (as the
     sparse product adds them)."""
-    out = np.zeros((pick.shape[0], flat.shape[1]), np.float32)
-    for i in range(pick.shape[0]):
-        for j in np.flatnonzero(pick[i]):
-            out[i] += flat[j]
+    out = np.zeros((a.shape[0], flat.shape[1]), np.float32)
+    for i in range(a.shape[0]):
+        for j in np.flatnonzero(a[i]):
+            out[i] += a[i, j] * flat[j]
     return out
 
 
 def _numpy(stack: Mapping[str, Array], mixing: np.ndarray, masks: Mapping[str, Array] | None) -> dict[str, Array]:
-    pick = mixing != 0
-    counts = pick.sum(1, keepdims=True).astype(np.float32)
+    pick = mixing.astype(np.float32)
+    counts = pick.sum(1, keepdims=True)
     out: dict[str, Array] = {}
     for k, w in stack.items():
         flat = w.reshape(w.shape[0], -1).astype(np.float32)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import random
 from enum import StrEnum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -77,17 +77,21 @@ class MT:
     """The numbers a CPU ``torch.Generator`` seeded with ``seed`` draws, drawn with numpy alone, so that a device
     without torch takes exactly the simulator's batches and masks for its slot.
 
-    torch's CPU generator is a 32-bit Mersenne Twister seeded as ``init_genrand(seed mod 2**32)`` (numpy's
-    ``MT19937`` legacy seeding). ``torch.randperm(n)`` (n < 2**32 / 20) is a Fisher-Yates shuffle of ``arange(n)``
+    torch's CPU generator is a 32-bit Mersenne Twister seeded as ``init_genrand(seed mod 2**32)`` (as numpy's
+    ``RandomState`` seeds it). ``torch.randperm(n)`` (n < 2**32 / 20) is a Fisher-Yates shuffle of ``arange(n)``
     swapping ``r[i]`` with ``r[i + u_i mod (n - i)]`` for i < n - 1, one 32-bit draw each; ``torch.rand`` in
     float32 is ``(u & (2**24 - 1)) * 2**-24`` per element. tests/pfl_edge/test_seeding.py holds every method to
-    torch's own draws, call after call on one generator."""
+    torch's own draws, call after call on one generator. The shuffle is a Python loop over its swaps: fine for a
+    client's samples, a few seconds for a ResNet-18's initial masks on a board."""
 
     _MAX_PERM = (2**32 - 1) // 20  # beyond this torch draws 64 bits per swap (never reached by a client's data)
 
     def __init__(self, seed: int) -> None:
-        self._bits = np.random.MT19937(0)
-        self._bits._legacy_seeding(int(seed) & 0xFFFFFFFF)
+        # RandomState(s) seeds MT19937 as init_genrand(s), as torch does; its state moves to a bit generator whose
+        # random_raw gives the 32-bit draws
+        legacy: Any = np.random.RandomState(int(seed) & 0xFFFFFFFF).get_state()
+        self._bits = np.random.MT19937()
+        self._bits.state = {"bit_generator": "MT19937", "state": {"key": legacy[1], "pos": legacy[2]}}
 
     def randperm(self, n: int) -> NDArray[np.int64]:
         """``torch.randperm(n, generator=g)``, as int64."""

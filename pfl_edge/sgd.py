@@ -2,9 +2,11 @@
 a model's tensors (torch or numpy: ``pfl_edge.arrays``), written once.
 
 ``TrainConfig`` is SGD as ``torch.optim.SGD`` defines it (dampening 0, no Nesterov), plus gradient clipping
-(``clip_grad_norm_``), masks and a proximal term; ``step`` applies it to one client's tensors given their
-gradients. The simulator's engines (``pfl_edge.train``) batch it over clients; a device's training backends step
-with ``step`` after its program has computed the gradients.
+(``clip_grad_norm_``), masks and a proximal term; ``SGD`` applies it to one client's tensors given their
+gradients: a device's ExecuTorch backend steps with it after its program has computed them, on numpy arrays. The
+simulator's engines (``pfl_edge.train``) run the same step in torch over many clients (the loop engine with
+``torch.optim.SGD``, the vmap engine batched); tests hold all three to ``torch.optim.SGD``, equal to float32
+rounding (``SGD`` sums the clipping norm in float64).
 """
 
 from __future__ import annotations
@@ -119,7 +121,8 @@ class SGD:
                 p *= self.masks[k]
 
     def _clip(self, g: dict[str, Array]) -> dict[str, Array]:
-        """clip_grad_norm_: the norm of the per-tensor norms (float32), coefficient max/(norm + 1e-6) capped at 1."""
+        """clip_grad_norm_: the norm over every element (summed in float64), coefficient max/(norm + 1e-6) capped at
+        1."""
         if self.cfg.clip_norm is None or not g:
             return g
         total = math.sqrt(sum(float((x * x).sum()) for x in (

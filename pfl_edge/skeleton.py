@@ -4,6 +4,7 @@ DisPFL's mask counts) is answered from here on a device that cannot build the ``
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -15,7 +16,9 @@ from .errors import ConfigError
 if TYPE_CHECKING:
     from .modelcard import ModelCard
 
-__all__ = ["ModelSkeleton"]
+__all__ = ["MAX_NDIM", "ModelSkeleton"]
+
+MAX_NDIM = 8  # the models' tensors have at most 4 dimensions
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,23 @@ class ModelSkeleton:
             raise ConfigError("a model's tensors must have distinct names")
 
     @staticmethod
-    def from_card(card: ModelCard) -> ModelSkeleton:
+    def from_card(card: ModelCard, *, max_bytes: int) -> ModelSkeleton:
+        """The skeleton a card describes, checked before anything is allocated for it: every dimension >= 0, at
+        most ``MAX_NDIM`` of them, the whole model in float32 at most ``max_bytes`` (a device's blob limit: it
+        could never receive a larger one), and each block's tensor list the tensors that name it."""
+        total = 0
+        for t in card.tensors:
+            if len(t.shape) > MAX_NDIM or any(d < 0 for d in t.shape):
+                raise ConfigError(f"the card's tensor {t.name!r:.80} has shape {t.shape!r:.80}: not a tensor's shape")
+            total += math.prod(t.shape)
+            if 4 * total > max_bytes:
+                raise ConfigError(f"the card's model is over {max_bytes} bytes in float32 (this device's blob limit)")
+        listed = {b.name: sorted(b.tensors) for b in card.blocks}
+        named: dict[str, list[str]] = {b: [] for b in listed}
+        for t in card.tensors:
+            named.setdefault(t.block, []).append(t.name)
+        if {b: sorted(v) for b, v in named.items()} != listed:
+            raise ConfigError("the card's blocks do not list the tensors that name them")
         return ModelSkeleton([b.name for b in card.blocks],
                              [_Tensor(t.name, tuple(t.shape), t.block, t.kind == "parameter") for t in card.tensors])
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 import tracemalloc
 from collections.abc import Iterator
@@ -307,6 +308,13 @@ def test_a_device_cut_off_mid_upload_is_no_server_error(tmp_path: Path, broker_u
     handler = logging.Handler(logging.WARNING)
     handler.emit = records.append  # type: ignore[method-assign]
     logger = logging.getLogger("uvicorn.error")
+    gone = threading.Event()  # the server's own word that it saw the device go away mid-PUT
+    seen = logging.Handler(logging.INFO)
+    seen.emit = lambda r: gone.set() if "went away during PUT" in r.getMessage() else None  # type: ignore[method-assign]
+    blob_log = logging.getLogger("server.routers.blobs")
+    blob_log.addHandler(seen)
+    level = blob_log.level
+    blob_log.setLevel(logging.INFO)
     try:
         with start_background(_settings(tmp_path, broker_url)) as srv, httpx.Client(base_url=srv.url) as c:
             logger.addHandler(handler)  # once started: uvicorn's logging config replaces the handlers it finds
@@ -319,12 +327,17 @@ def test_a_device_cut_off_mid_upload_is_no_server_error(tmp_path: Path, broker_u
                 sock.sendall(f"PUT /v1/blobs/{'0' * 64} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
                              "Content-Type: application/octet-stream\r\nContent-Length: 1000000\r\n\r\n".encode()
                              + b"x" * 4096)
-                time.sleep(0.5)
-            time.sleep(1.0)
+                incoming = tmp_path / "data" / "incoming"
+                deadline = time.monotonic() + 30  # cut once the server is spooling the body, not before
+                while not (incoming.exists() and any(incoming.iterdir())) and time.monotonic() < deadline:
+                    time.sleep(0.02)
+            assert gone.wait(30), "the server never saw the cut upload"
             assert c.get("/healthz").status_code == 200
             assert blob_count(tmp_path) == before  # nothing kept of the cut upload
     finally:
         logger.removeHandler(handler)
+        blob_log.removeHandler(seen)
+        blob_log.setLevel(level)
     assert not [r for r in records if r.levelno >= logging.ERROR], [r.getMessage() for r in records]
 
 
