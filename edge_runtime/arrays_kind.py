@@ -47,7 +47,7 @@ def open_model(data: LocalData | ArrayData, programs: ProgramSource, threads: in
     program, details = programs.inference()
     if list(details.get("weights", [])) != list(skeleton.state_dict()):
         raise ConfigError("the server's ONNX program does not take its model card's tensors as weights")
-    return skeleton, OnnxEvaluator(program, details, data.test_x, data.test_y, threads=threads)
+    return skeleton, OnnxEvaluator(program, details, data.arrays.test_x, data.arrays.test_y, threads=threads)
 
 
 def initial_model(kind: Kind, fed: FederationConfig, data: LocalData | ArrayData, downloads: Downloads,

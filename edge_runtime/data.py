@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pfl_edge.checkpoint import ModelSpec
+from pfl_edge.data import ClientArrays
 from pfl_edge.errors import ConfigError
 from pfl_edge.federation import FederationConfig, deal_arrays, model_spec
 
@@ -47,26 +48,23 @@ class LocalData:
 
 @dataclass(frozen=True, eq=False)
 class ArrayData:
-    """A device's training and test data as numpy arrays (a device without torch) and its model's spec; the
-    model itself is the server's card (``pfl_edge.skeleton``) and programs."""
+    """A device's training and test data as numpy arrays (a device without torch: ``pfl_edge.data.ClientArrays``)
+    and its model's spec; the model itself is the server's card (``pfl_edge.skeleton``) and programs."""
 
-    train_x: np.ndarray
-    train_y: np.ndarray
-    test_x: np.ndarray
-    test_y: np.ndarray
+    arrays: ClientArrays
     spec: ModelSpec
 
     @property
     def n_train(self) -> int:
-        return len(self.train_y)
+        return self.arrays.n_train
 
     @property
     def n_test(self) -> int:
-        return len(self.test_y)
+        return self.arrays.n_test
 
     @property
     def xy(self) -> tuple[np.ndarray, np.ndarray]:
-        return self.train_x, self.train_y
+        return self.arrays.train_x, self.arrays.train_y
 
 
 def _check_index(cfg: FederationConfig, index: int) -> None:
@@ -79,8 +77,7 @@ def load_local_arrays(cfg: FederationConfig, index: int, *, data_dir: str | None
     same values, as ``load_local_data`` (``pfl_edge.data.client_arrays``)."""
     _check_index(cfg, index)
     c = deal_arrays(cfg, index, data_dir=data_dir)
-    spec = model_spec(cfg, c.num_classes, c.in_channels, c.image_size)
-    return ArrayData(c.train_x, c.train_y, c.test_x, c.test_y, spec)
+    return ArrayData(c, model_spec(cfg, c.num_classes, c.in_channels, c.image_size))
 
 
 def load_local_data(cfg: FederationConfig, index: int, *, data_dir: str | None = None) -> LocalData:

@@ -4,6 +4,7 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import Tensor
@@ -227,3 +228,32 @@ def test_the_proximal_term_matches_torch(prep: Prepared, fedper: Lowered, data: 
     _, free = _pair(prep, fedper)
     free.train(x, y, cfg, torch.Generator().manual_seed(4))
     assert _max_diff(free.state(), eb.state()) > 100 * ATOL
+
+
+def test_numpy_arrays_and_mt_streams_train_as_torch_tensors_and_generators(prep: Prepared, fedper: Lowered,
+                                                                          data: tuple[Tensor, Tensor]) -> None:
+    """A device without torch feeds the same program numpy arrays and draws its batches from seeding.MT: the same
+    batches, the same weights (to the last bit: the same program, the same numpy SGD), numpy in and out."""
+    from pfl_edge.seeding import MT
+
+    x, y = data
+    cfg = TrainConfig(epochs=2, batch_size=B, lr=0.05, momentum=0.9, weight_decay=1e-3, clip_norm=1.0)
+    state = prep.model.state_dict()
+    last = [k for k, p in prep.model.named_parameters() if p.dim() > 1][-1]
+    mask = {last: (torch.rand(state[last].shape, generator=torch.Generator().manual_seed(3)) < 0.5).float()}
+    on_torch = ExecuTorchBackend.from_lowered(fedper)
+    on_torch.load(state)
+    st_t = on_torch.train(x, y, cfg, torch.Generator().manual_seed(11), mask=mask)
+    on_numpy = ExecuTorchBackend.from_lowered(fedper)
+    on_numpy.load({k: v.numpy() for k, v in state.items()})
+    st_n = on_numpy.train(x.numpy(), y.numpy(), cfg, MT(11), mask={k: m.numpy() for k, m in mask.items()})
+    assert (st_t.steps, st_t.samples) == (st_n.steps, st_n.samples) and st_t.loss == st_n.loss
+    got_t, got_n = on_torch.state(), on_numpy.state()
+    assert all(isinstance(v, Tensor) for v in got_t.values())
+    assert all(isinstance(v, np.ndarray) and v.dtype == np.float32 for v in got_n.values())
+    for k in got_t:
+        assert np.array_equal(got_t[k].numpy(), got_n[k]), k
+    assert _max_diff(got_t, state) > 1e-3  # it trained
+    g_t = on_torch.dense_gradients(x, y, 20, torch.Generator().manual_seed(5))
+    g_n = on_numpy.dense_gradients(x.numpy(), y.numpy(), 20, MT(5))
+    assert all(np.array_equal(g_t[k].numpy(), g_n[k]) for k in g_t)

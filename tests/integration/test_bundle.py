@@ -136,15 +136,16 @@ def _install(out: Path, home: Path) -> tuple[float, str]:
     return took, proc.stdout
 
 
-def _run_federation(fed: Federation, out: Path, home: Path, log: Path, executorch: bool) -> None:
-    """The bundle's start.sh (run from ``home``, outside the checkout) and one ordinary agent device, to the end:
-    the bundle device's updates are accepted in every round."""
+def _run_bundle_device(fed: Federation, out: Path, home: Path, log: Path, *, profile: str,
+                       extra: list[str] | None = None, timeout_s: float = 240) -> dict[str, Any]:
+    """The bundle's start.sh (run from ``home``, outside the checkout) and one ordinary agent device of
+    ``profile``, to the end of the federation; the bundle device's record on the server."""
     with log.open("wb") as f:
         device = subprocess.Popen(["sh", str(out / "start.sh"), "-v"], cwd=home, env=_clean_env(home), stdout=f,
                                   stderr=subprocess.STDOUT)
     try:
-        fed.start_device(0, PROFILE)
-        deadline = time.monotonic() + 240
+        fed.start_device(0, profile, extra=extra)
+        deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if fed.info()["state"] == "finished" and device.poll() is not None and fed.devices[0].poll() is not None:
                 break
@@ -156,7 +157,13 @@ def _run_federation(fed: Federation, out: Path, home: Path, log: Path, executorc
             device.terminate()
             device.wait(15)
     devices = fed.get(f"{API_PREFIX}/federations/{fed.fed}/devices")
-    bundled = next(d for d in devices if d["name"] == "bundled")
+    bundled: dict[str, Any] = next(d for d in devices if d["name"] == "bundled")
+    return bundled
+
+
+def _run_federation(fed: Federation, out: Path, home: Path, log: Path, executorch: bool) -> None:
+    """The bundle device beside an ordinary one, to the end: its updates are accepted in every round."""
+    bundled = _run_bundle_device(fed, out, home, log, profile=PROFILE)
     assert bundled["profile"] == PROFILE and bundled["index"] == 1 and bundled["last_round"] == CONFIG["rounds"]
     metrics = fed.get(f"{API_PREFIX}/federations/{fed.fed}/metrics")
     assert [r["round"] for r in metrics["rounds"] if r["round"] >= 1] == list(range(1, CONFIG["rounds"] + 1))
@@ -412,7 +419,9 @@ def test_a_torch_free_bundle_takes_part_in_fedper_and_dispfl(tmp_path: Path) -> 
                 print(f"torch-free venv: {size / 2**20:.0f} MiB, installed in {time.monotonic() - t0:.0f} s")
             else:
                 (out / "venv").symlink_to(venv)
-            _run_torch_free(fed, out, home, run / "bundle-device.log", config)
+            bundled = _run_bundle_device(fed, out, home, run / "bundle-device.log", profile="phone-mid",
+                                         extra=["--training-backend", "torch"], timeout_s=400)
+            assert bundled["index"] == 1 and bundled["last_round"] == config["rounds"]
         finally:
             fed.close()
         cfg = FederationConfig.from_dict(config)
@@ -422,24 +431,3 @@ def test_a_torch_free_bundle_takes_part_in_fedper_and_dispfl(tmp_path: Path) -> 
         assert mine.keys() == want.keys()
         for k in mine:
             np.testing.assert_allclose(mine[k], want[k].numpy(), atol=5e-5, rtol=1e-4, err_msg=f"{algorithm} {k}")
-
-
-def _run_torch_free(fed: Federation, out: Path, home: Path, log: Path, config: dict[str, Any]) -> None:
-    with log.open("wb") as f:
-        device = subprocess.Popen(["sh", str(out / "start.sh"), "-v"], cwd=home, env=_clean_env(home), stdout=f,
-                                  stderr=subprocess.STDOUT)
-    try:
-        fed.start_device(0, "phone-mid", extra=["--training-backend", "torch"])
-        deadline = time.monotonic() + 400
-        while time.monotonic() < deadline:
-            if fed.info()["state"] == "finished" and device.poll() is not None and fed.devices[0].poll() is not None:
-                break
-            assert device.poll() in (None, 0), log.read_text()[-3000:]
-            time.sleep(1.0)
-        assert fed.info()["state"] == "finished" and device.returncode == 0, log.read_text()[-3000:]
-    finally:
-        if device.poll() is None:
-            device.terminate()
-            device.wait(15)
-    bundled = next(d for d in fed.get(f"{API_PREFIX}/federations/{fed.fed}/devices") if d["name"] == "bundled")
-    assert bundled["index"] == 1 and bundled["last_round"] == config["rounds"]
