@@ -69,7 +69,8 @@ def _install(work: Path, pins: list[str], wheel: Path, *, no_deps: bool, python:
     t0 = time.perf_counter()
     subprocess.run([python, "-m", "venv", str(venv)], check=True)
     pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    _quiet([*pip, "--no-deps", *torch])
+    if torch:  # the torch-free set has none
+        _quiet([*pip, "--no-deps", *torch])
     t1 = time.perf_counter()
     _quiet([*pip, *flags, "-r", str(req)])
     _quiet([*pip, "--no-deps", str(wheel)])
