@@ -15,10 +15,10 @@ demo: $(VENV)/.installed data
 test: $(VENV)/.installed data
 	$(BIN)/python -m pytest -q --durations=25
 
-# the few tests that must be long (a fresh venv's install, mobilenet-v1's training export, the soak); CI runs
-# them after make test
+# the few tests that must be long (fresh venvs' installs, mobilenet-v1's training export, the soak); CI runs
+# them after make test, two at a time (independent, and each waits on installs or exports much of its time)
 test-slow: $(VENV)/.installed data
-	$(BIN)/python -m pytest -q -m slow --durations=10
+	$(BIN)/python -m pytest -q -m slow -n 2 --durations=10
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check pfl_edge device_profiles export edge_runtime server tests bench
