@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
-import torch
-import torch.nn.functional as F
-from torch import nn
 
 from pfl_edge.errors import ConfigError
 
-__all__ = ["InferenceBackend", "TorchTrainer", "load_inference"]
+if TYPE_CHECKING:  # torch for the torch trainer and the pip ExecuTorch runtime; ONNX Runtime runs without it
+    import torch
+    from torch import nn
+
+__all__ = ["InferenceBackend", "TorchTrainer", "load_inference", "onnx_session"]
 
 
 class InferenceBackend(Protocol):
@@ -21,16 +22,22 @@ class InferenceBackend(Protocol):
     def run(self, x: np.ndarray) -> np.ndarray: ...
 
 
+def onnx_session(program: Path | bytes, threads: int) -> Any:
+    """An ONNX Runtime session of ``program`` (a file, or its bytes) on the CPU, on ``threads`` threads."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    source = program if isinstance(program, bytes) else str(program)
+    return ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
+
+
 class _Onnx:
     name = "onnxruntime"
 
     def __init__(self, path: Path, threads: int) -> None:
-        import onnxruntime as ort
-
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = threads
-        opts.inter_op_num_threads = 1
-        self._sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        self._sess = onnx_session(path, threads)
 
     def run(self, x: np.ndarray) -> np.ndarray:
         return np.asarray(self._sess.run(None, {"input": x.astype(np.float32, copy=False)})[0])
@@ -49,6 +56,8 @@ class _ExecuTorch:
         self.threads = threads  # XNNPACK's thread pool is not settable from Python; recorded only
 
     def run(self, x: np.ndarray) -> np.ndarray:
+        import torch
+
         out = self._method.execute([torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))])[0]
         return np.asarray(out.numpy())
 
@@ -69,11 +78,15 @@ class TorchTrainer:
     name = "torch"
 
     def __init__(self, model: nn.Module, *, lr: float = 0.01, momentum: float = 0.9, threads: int = 1) -> None:
+        import torch
+
         torch.set_num_threads(threads)
         self.model = model.train()
         self.opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        import torch.nn.functional as F
+
         self.opt.zero_grad(set_to_none=True)
         loss = F.cross_entropy(self.model(x), y)
         loss.backward()

@@ -17,6 +17,7 @@ from pfl_edge.errors import ConfigError, InternalError
 from pfl_edge.federation import FederationConfig
 from pfl_edge.sgd import TrainConfig, TrainResult
 
+from .backends import onnx_session
 from .data import ArrayData, LocalData
 from .training import TrainingBackend
 
@@ -44,15 +45,10 @@ class OnnxEvaluator:
 
     def __init__(self, program: bytes, details: Mapping[str, Any], x: np.ndarray, y: np.ndarray, *,
                  threads: int = 1, chunk: int = 1000) -> None:
-        import onnxruntime as ort
-
         if details.get("kind") != "inference":
             raise ConfigError(f"evaluation needs the ONNX inference program, got kind {details.get('kind')!r}")
         self.weights: list[str] = list(details["weights"])
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = threads
-        opts.inter_op_num_threads = 1
-        self._sess = ort.InferenceSession(program, opts, providers=["CPUExecutionProvider"])
+        self._sess = onnx_session(program, threads)
         self.x, self.y, self.chunk = x, y, chunk
 
     def __call__(self, state: Mapping[str, Array]) -> tuple[float, float]:

@@ -14,13 +14,13 @@ from numpy.typing import NDArray
 
 from ..errors import ConfigError
 from .partition import partition_arrays
-from .registry import get_arrays
+from .registry import ImageShape, get_arrays
 
 __all__ = ["ClientArrays", "client_arrays"]
 
 
 @dataclass(frozen=True, eq=False)
-class ClientArrays:
+class ClientArrays(ImageShape):
     """One client's train and test samples: images normalised float32 ``(N, C, H, W)``, labels int64 ``(N,)``
     (the labels this client sees: the preference task's ratings where its partition maps them)."""
 
@@ -38,14 +38,6 @@ class ClientArrays:
     @property
     def n_test(self) -> int:
         return len(self.test_y)
-
-    @property
-    def in_channels(self) -> int:
-        return int(self.train_x.shape[1])
-
-    @property
-    def image_size(self) -> int:
-        return int(self.train_x.shape[2])
 
 
 def client_arrays(

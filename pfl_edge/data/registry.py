@@ -30,6 +30,20 @@ __all__ = ["Dataset", "DatasetArrays", "DatasetLoader", "Labels", "LabelsLoader"
            "get_labels", "list_datasets", "register_dataset"]
 
 
+class ImageShape:
+    """What a model's input shape is read from: the training images ``(N, C, H, W)`` (square)."""
+
+    train_x: Any
+
+    @property
+    def in_channels(self) -> int:
+        return int(self.train_x.shape[1])
+
+    @property
+    def image_size(self) -> int:
+        return int(self.train_x.shape[2])
+
+
 def _check(name: str, d: Dataset | DatasetArrays, float32: Any, int64: Any) -> None:
     """One set of checks for both forms (numpy arrays and torch tensors answer the same questions)."""
     for split, x, y in (("train", d.train_x, d.train_y), ("test", d.test_x, d.test_y)):
@@ -46,7 +60,7 @@ def _check(name: str, d: Dataset | DatasetArrays, float32: Any, int64: Any) -> N
 
 
 @dataclass(frozen=True, eq=False)
-class DatasetArrays:
+class DatasetArrays(ImageShape):
     """A data set as numpy arrays: images normalised float32 ``(N, C, H, W)``, labels int64 ``(N,)``, a train and
     a test split. What ``Dataset``'s tensors are made from where the loader needs no torch."""
 
@@ -60,17 +74,9 @@ class DatasetArrays:
     def __post_init__(self) -> None:
         _check(self.name, self, np.float32, np.int64)
 
-    @property
-    def in_channels(self) -> int:
-        return int(self.train_x.shape[1])
-
-    @property
-    def image_size(self) -> int:
-        return int(self.train_x.shape[2])
-
 
 @dataclass(frozen=True, eq=False)
-class Dataset:
+class Dataset(ImageShape):
     """Images as normalised float32 ``(N, C, H, W)``, labels as int64 ``(N,)``, a train and a test split."""
 
     name: str
@@ -97,14 +103,6 @@ class Dataset:
         """The tensors as numpy arrays, sharing their memory."""
         return DatasetArrays(self.name, self.train_x.numpy(), self.train_y.numpy(), self.test_x.numpy(),
                              self.test_y.numpy(), self.num_classes)
-
-    @property
-    def in_channels(self) -> int:
-        return int(self.train_x.shape[1])
-
-    @property
-    def image_size(self) -> int:
-        return int(self.train_x.shape[2])
 
 
 @dataclass(frozen=True, eq=False)
