@@ -12,8 +12,10 @@ FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 demo: $(VENV)/.installed data
 	$(BIN)/pfl-edge demo
 
+# two workers per two cores (at most 4), each module's tests on one worker (module fixtures such as exported
+# programs are made once); the workers share one program directory (tests/conftest.py)
 test: $(VENV)/.installed data
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q -n auto --maxprocesses=4 --dist loadscope --durations=25
 
 # the few tests that must be long (fresh venvs' installs, mobilenet-v1's training export, the soak); CI runs
 # them after make test, two at a time (independent, and each waits on installs or exports much of its time)

@@ -11,8 +11,18 @@ import pytest
 os.environ.setdefault("PFL_EXPORT_ON_CREATE", "none")
 # and every test server (in-process or a child) shares one program directory for the session: a program's bytes
 # depend only on its key, so each is exported once, not once per test (a training export takes ~40 s here);
-# tests of the export itself give their servers a directory of their own
-os.environ.setdefault("PFL_PROGRAMS_DIR", tempfile.mkdtemp(prefix="pfl-test-programs-"))
+# tests of the export itself give their servers a directory of their own. Under pytest-xdist the workers share
+# it too (named by the run's id): files land by os.replace, so a reader never sees half of one
+_run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+if _run:
+    # two workers on two cores: one thread each (set before anything imports torch; children inherit it), so
+    # that OpenMP's spinning threads of one worker don't steal the other's core
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _shared = Path(tempfile.gettempdir()) / f"pfl-test-programs-{_run[:16]}"
+    _shared.mkdir(mode=0o700, exist_ok=True)
+    os.environ.setdefault("PFL_PROGRAMS_DIR", str(_shared))
+else:
+    os.environ.setdefault("PFL_PROGRAMS_DIR", tempfile.mkdtemp(prefix="pfl-test-programs-"))
 
 FMNIST = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
 
