@@ -11,6 +11,7 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import IO
 
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
@@ -30,6 +31,7 @@ from .migrations import make_sessionmaker
 from .mqtt import MqttLink
 from .ratelimit import enrol_gate
 from .routers import api, dashboard, health, prom
+from .services.leadership import leadership_for, sqlite_guard
 from .services.spool import DecodePool
 from .services.telemetry import install as install_telemetry
 from .settings import Settings, ensure_admin_token, secure_data_dir
@@ -47,6 +49,7 @@ class AppState:
     broker: EmbeddedBroker | None
     broker_url: str
     link: MqttLink
+    guard: IO[bytes] | None = None  # SQLite's one-server lock (server.services.leadership.sqlite_guard)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -84,6 +87,16 @@ async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
 
 def _start(settings: Settings) -> AppState:
     secure_data_dir(settings)  # 0700, and state.db 0600
+    guard = sqlite_guard(settings.resolved_database_url)  # SQLite: this process alone (replicas: PostgreSQL)
+    try:
+        return _start_guarded(settings, guard)
+    except BaseException:
+        if guard is not None:  # a start that failed must not keep the next one out
+            guard.close()
+        raise
+
+
+def _start_guarded(settings: Settings, guard: IO[bytes] | None) -> AppState:
     engine = make_engine(settings.resolved_database_url)
     try:
         sessions = make_sessionmaker(engine)  # refuses a database of a newer schema before anything starts
@@ -101,12 +114,13 @@ def _start(settings: Settings) -> AppState:
         server_mqtt=mq.server_credentials,
         device_mqtt_password=settings.device_mqtt_password.get_secret_value() if settings.device_mqtt_password
         else "", max_blob_bytes=settings.max_blob_bytes, tick_s=settings.tick_s, token_ttl_s=settings.token_ttl_s,
-        gate=enrol_gate(settings), upload_quota=settings.upload_quota_pending, gc_keep_rounds=settings.gc_keep_rounds)
+        gate=enrol_gate(settings, sessions), upload_quota=settings.upload_quota_pending,
+        gc_keep_rounds=settings.gc_keep_rounds, leadership=leadership_for(engine))
     holder.append(coordinator)
     _uploads(coordinator, settings)
     link.start()
     coordinator.start()
-    return AppState(settings, engine, coordinator, mq.broker, mq.url, link)
+    return AppState(settings, engine, coordinator, mq.broker, mq.url, link, guard)
 
 
 def _uploads(coordinator: Coordinator, settings: Settings) -> None:
@@ -125,3 +139,5 @@ def _stop(st: AppState) -> None:
     if st.broker is not None:
         st.broker.stop()
     st.engine.dispose()
+    if st.guard is not None:
+        st.guard.close()

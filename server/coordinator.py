@@ -23,6 +23,7 @@ from .services import (
 )
 from .services.broker_access import BrokerAccess, Mode
 from .services.gc import BlobGC
+from .services.leadership import Leadership
 
 __all__ = ["Coordinator"]
 
@@ -32,7 +33,8 @@ class Coordinator:
                  device_broker_url: str, device_mqtt_password: str = "", max_blob_bytes: int = 64 << 20,
                  tick_s: float = 1.0, token_ttl_s: float = 30 * 86400.0, gate: EnrolGate | None = None,
                  upload_quota: int = 4, gc_keep_rounds: int = 2, broker_mode: Mode = "shared",
-                 embedded_broker: EmbeddedBroker | None = None, server_mqtt: tuple[str, str] = ("", "")) -> None:
+                 embedded_broker: EmbeddedBroker | None = None, server_mqtt: tuple[str, str] = ("", ""),
+                 leadership: Leadership | None = None) -> None:
         self.blobs = blobs
         self.store = Store(sessions, max_blob_bytes)
         self.blob_access = BlobAccess(self.store, blobs)
@@ -41,7 +43,7 @@ class Coordinator:
         self.planner = Planner(self.store, self.blob_access)
         self.rounds = RoundMachine(self.store, self.blob_access, self.planner, self.publisher)
         self.recovery = Recovery(self.store, self.planner, self.publisher, self.rounds)
-        self.worker = RoundWorker(self.store, self.rounds, self.recovery, tick_s=tick_s)
+        self.worker = RoundWorker(self.store, self.rounds, self.recovery, tick_s=tick_s, leadership=leadership)
         self.updates = Updates(self.store, self.blob_access, on_accepted=self.worker.kick)
         self.metrics = Metrics(self.store)
         self.enrolment = EnrolmentService(self.store, self.blob_access, device_broker_url=device_broker_url,
@@ -52,7 +54,8 @@ class Coordinator:
         self.broker_access = BrokerAccess(self.store, broker_mode, server_username=server_mqtt[0],
                                           server_password=server_mqtt[1], broker=embedded_broker, link=link,
                                           shared_password=device_mqtt_password)
-        self.enrolment.mqtt_credentials = self.broker_access.credentials
+        self.enrolment.mqtt_password = self.broker_access.fresh_password
+        self.enrolment.provision = self.broker_access.provision
         self.gc = BlobGC(self.store, self.blob_access, blobs, keep_rounds=gc_keep_rounds)
         self.worker.after_step = self.gc.after_step
 

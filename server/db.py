@@ -42,6 +42,7 @@ __all__ = [
     "Device",
     "Federation",
     "Metric",
+    "RateBucket",
     "Round",
     "SchemaVersion",
     "Update",
@@ -173,6 +174,16 @@ class SchemaVersion(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)  # always 1
     version: Mapped[int] = mapped_column(Integer)
     updated_at: Mapped[float] = mapped_column(Float, default=now)
+
+
+class RateBucket(Base):
+    """A token bucket that server replicas share (``server.ratelimit.SqlBuckets``); a full one has no row."""
+
+    __tablename__ = "pfl_rate_buckets"
+
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)  # sha256 of (bucket kind, key): no addresses
+    tokens: Mapped[float] = mapped_column(Float)
+    at: Mapped[float] = mapped_column(Float)  # wall-clock seconds (time.time()) the level was computed at
 
 
 class Blob(Base):

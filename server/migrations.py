@@ -79,6 +79,8 @@ STEPS: tuple[Step, ...] = (
     Step(3, "pfl_devices.enrol_nonce and its index (idempotent enrolment)", _enrol_nonce),
     Step(4, "per-device MQTT credentials, revocation, token expiry, declared samples, upload quota; "
             "federations' aggregation rule, updates' norms", _trust),
+    Step(5, "pfl_rate_buckets: enrolment rate limits that server replicas share (a new table: created whole)",
+         lambda conn: None),
 )
 SCHEMA_VERSION = STEPS[-1].version
 

@@ -1,8 +1,8 @@
-"""In-memory rate limits: token buckets by key (a client address, a federation), and a logging filter that keeps
-a burst of identical errors (``Too many open files`` while the descriptor table is full) from flooding the log.
+"""Rate limits: token buckets by key (a client address, a federation), in memory (one server process) or in the
+database (``SqlBuckets``: replicas sharing PostgreSQL share their buckets), and a logging filter that keeps a
+burst of identical errors (``Too many open files`` while the descriptor table is full) from flooding the log.
 
-A bucket holds up to ``burst`` tokens and refills at ``rate`` per second. Per process: replicas of the server
-each hold their own buckets (docs/reliability.md)."""
+A bucket holds up to ``burst`` tokens and refills at ``rate`` per second."""
 
 from __future__ import annotations
 
@@ -16,11 +16,16 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from .db import hash_secret, verify_secret
+from sqlalchemy import delete, func
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.orm import Session, sessionmaker
+
+from .db import RateBucket, hash_secret, verify_secret
 from .errors import Forbidden, TooManyRequests
 from .settings import Settings
 
-__all__ = ["Buckets", "EnrolGate", "FloodFilter", "enrol_gate", "install_flood_filter"]
+__all__ = ["Buckets", "EnrolGate", "FloodFilter", "SqlBuckets", "enrol_gate", "install_flood_filter"]
 
 
 class Buckets:
@@ -61,6 +66,50 @@ class Buckets:
             self._b.move_to_end(key)
             while len(self._b) > self.max_keys:
                 self._b.popitem(last=False)
+
+
+class SqlBuckets:
+    """:class:`Buckets` in the database (``pfl_rate_buckets``), for server replicas: every replica spends from
+    and reads the same buckets. Each change is one atomic upsert (the level is computed in SQL from the row as
+    it is), so racing replicas never lose a spend; a bucket that has refilled to full is deleted (its absence
+    means full), so the table holds only the keys in use. Keys are stored as sha256 of (``kind``, key): no
+    client addresses in the database. The clock is wall time (replicas on several hosts share it)."""
+
+    def __init__(self, sessions: sessionmaker[Session], kind: str, rate: float, burst: int, *,
+                 clock: Callable[[], float] = time.time, sweep_every: int = 256) -> None:
+        self.sessions, self.kind = sessions, kind
+        self.rate, self.burst, self.clock = rate, float(burst), clock
+        self.sweep_every = sweep_every
+        self._changes = 0
+
+    def _key(self, key: str) -> str:
+        return hashlib.sha256(f"{self.kind}\0{key}".encode()).hexdigest()
+
+    def wait_s(self, key: str) -> float:
+        with self.sessions() as s:
+            row = s.get(RateBucket, self._key(key))
+            level = self.burst if row is None else min(self.burst, row.tokens + (self.clock() - row.at) * self.rate)
+        return 0.0 if level >= 1 else (1 - level) / self.rate
+
+    def spend(self, key: str) -> None:
+        self._add(key, -1.0)
+
+    def refund(self, key: str) -> None:
+        self._add(key, 1.0)
+
+    def _add(self, key: str, n: float) -> None:
+        now, b = self.clock(), self.burst
+        row = RateBucket
+        with self.sessions.begin() as s:
+            dialect = s.get_bind().dialect.name
+            ins = (pg_insert if dialect == "postgresql" else sqlite_insert)(row).values(
+                key=self._key(key), tokens=min(b, b + n), at=now)
+            least = func.least if dialect == "postgresql" else func.min  # SQLite's two-argument min is scalar
+            new = least(b, least(b, row.tokens + (now - row.at) * self.rate) + n)
+            s.execute(ins.on_conflict_do_update(index_elements=[row.key], set_={"tokens": new, "at": now}))
+            self._changes += 1
+            if self._changes % self.sweep_every == 0:  # full again: forget them
+                s.execute(delete(RateBucket).where(RateBucket.tokens + (now - RateBucket.at) * self.rate >= b))
 
 
 class FloodFilter(logging.Filter):
@@ -130,7 +179,8 @@ class EnrolGate:
     token in both buckets (nothing spent): with an empty bucket every answer is 429, so a guess's answer never
     tells more than "wait"."""
 
-    def __init__(self, per_address: Buckets, per_federation: Buckets, *, kdf_slots: int = 4) -> None:
+    def __init__(self, per_address: Buckets | SqlBuckets, per_federation: Buckets | SqlBuckets, *,
+                 kdf_slots: int = 4) -> None:
         self.per_address = per_address
         self.per_federation = per_federation
         self._key = secrets.token_bytes(32)
@@ -201,7 +251,15 @@ class EnrolGate:
         self._verified.pop(fed_id, None)
 
 
-def enrol_gate(settings: Settings) -> EnrolGate:
-    """The enrolment gate with the settings' limits."""
+def enrol_gate(settings: Settings, sessions: sessionmaker[Session] | None = None) -> EnrolGate:
+    """The enrolment gate with the settings' limits: buckets in the database where ``sessions`` are on
+    PostgreSQL (replicas share them), else in this process's memory."""
+    bind = None if sessions is None else sessions.kw.get("bind")
+    if bind is not None and bind.dialect.name == "postgresql":
+        assert sessions is not None
+        return EnrolGate(SqlBuckets(sessions, "address", settings.enrol_rate_per_address,
+                                    settings.enrol_burst_per_address),
+                         SqlBuckets(sessions, "federation", settings.enrol_rate_per_federation,
+                                    settings.enrol_burst_per_federation))
     return EnrolGate(Buckets(settings.enrol_rate_per_address, settings.enrol_burst_per_address),
                      Buckets(settings.enrol_rate_per_federation, settings.enrol_burst_per_federation))

@@ -81,7 +81,7 @@ class BlobAccess:
             raise TooLarge(str(e)) from None
         except BlobError as e:
             raise Unprocessable(str(e)) from None
-        with self.store.write() as s:
+        with self.store.write(blobs="store") as s:
             self._check_quota(s, dev)  # again: uploads racing each other
             if not self.blobs.exists(digest):  # collected meanwhile (server.services.gc): store it again
                 self.blobs.put(digest, payload)
@@ -151,7 +151,9 @@ class BlobAccess:
     def store_server_blob(self, fed_id: str, payload: bytes) -> str:
         """Keep a payload the server made, readable by every device of ``fed_id``; its digest."""
         digest = self.keep(payload)
-        with self.store.write() as s:
+        with self.store.write(blobs="store") as s:
+            if not self.blobs.exists(digest):  # collected meanwhile (server.services.gc): store it again
+                self.blobs.put(digest, payload)
             self.add_ref(s, digest, len(payload), fed_id, SERVER)
         return digest
 

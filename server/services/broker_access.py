@@ -90,30 +90,31 @@ class BrokerAccess:
             link.listen(DYNSEC_TOPIC + "/response", self._on_response)
 
     # ------------------------------------------------------------------------------------------- devices
-    def credentials(self, fed_id: str, device_id: str) -> tuple[str, str]:
-        """(username, password) for a device that has just enrolled: a fresh password, provisioned."""
+    def fresh_password(self) -> tuple[str, str | None]:
+        """A device's MQTT password for an enrolment and what the server keeps of it (``Device.mqtt_hash``, set
+        in the enrolment's transaction); in ``shared`` mode the shared password, of which nothing is kept."""
         if self.mode == "shared":
-            return device_id, self.shared_password
+            return self.shared_password, None
         password = secrets.token_urlsafe(32)
-        self.add_device(fed_id, device_id, password)
-        return device_id, password
+        return password, mqtt_hash(password)
 
-    def add_device(self, fed_id: str, device_id: str, password: str) -> None:
-        """Let ``device_id`` in with ``password`` (replacing any earlier one) and its federation's topics."""
-        with self.store.write() as s:
-            s.execute(update(Device).where(Device.id == device_id).values(mqtt_hash=mqtt_hash(password)))
-        if self.mode == "dynsec":
-            ident = device_identity(fed_id, device_id)
-            role = f"pfl-{device_id}"
-            acls = [{"acltype": kind, "topic": t, "allow": True}
-                    for t in sorted(ident.read or ()) for kind in ("subscribePattern", "publishClientReceive")]
-            acls += [{"acltype": "publishClientSend", "topic": t, "allow": True} for t in sorted(ident.write or ())]
-            self._dynsec([{"command": "deleteClient", "username": device_id},
-                          {"command": "deleteRole", "rolename": role},
-                          {"command": "createRole", "rolename": role, "acls": acls},
-                          {"command": "createClient", "username": device_id, "password": password,
-                           "clientid": ident.client_id, "roles": [{"rolename": role}]}],
-                         tolerate={"deleteClient", "deleteRole"})
+    def provision(self, fed_id: str, device_id: str, password: str) -> None:
+        """Tell a broker that keeps its own accounts (``dynsec``) about a device that has just enrolled with
+        ``password`` (replacing any earlier one) and its federation's topics; the embedded broker and the HTTP
+        hook read the database instead."""
+        if self.mode != "dynsec":
+            return
+        ident = device_identity(fed_id, device_id)
+        role = f"pfl-{device_id}"
+        acls = [{"acltype": kind, "topic": t, "allow": True}
+                for t in sorted(ident.read or ()) for kind in ("subscribePattern", "publishClientReceive")]
+        acls += [{"acltype": "publishClientSend", "topic": t, "allow": True} for t in sorted(ident.write or ())]
+        self._dynsec([{"command": "deleteClient", "username": device_id},
+                      {"command": "deleteRole", "rolename": role},
+                      {"command": "createRole", "rolename": role, "acls": acls},
+                      {"command": "createClient", "username": device_id, "password": password,
+                       "clientid": ident.client_id, "roles": [{"rolename": role}]}],
+                     tolerate={"deleteClient", "deleteRole"})
 
     def remove_device(self, device_id: str) -> None:
         """The device loses MQTT now: its password is forgotten and its live connection closed."""

@@ -55,8 +55,10 @@ class EnrolmentService:
         self.blobs = blobs
         self.device_broker_url = device_broker_url
         self.device_mqtt_password = device_mqtt_password
-        # (username, password) of a device that has just enrolled; the coordinator sets BrokerAccess.credentials
-        self.mqtt_credentials: Callable[[str, str], tuple[str, str]] = lambda _fed, dev: (dev, device_mqtt_password)
+        # a device's MQTT password and its hash to keep (None: keep nothing), and the broker told of it where it
+        # keeps accounts of its own; the coordinator sets them from BrokerAccess
+        self.mqtt_password: Callable[[], tuple[str, str | None]] = lambda: (device_mqtt_password, None)
+        self.provision: Callable[[str, str, str], None] = lambda fed_id, dev_id, password: None
         self.on_enrolled = on_enrolled  # wakes the round worker: enrolment may open round 1
         self.on_created = on_created  # announces a new federation
 
@@ -77,7 +79,9 @@ class EnrolmentService:
                                 f"max_blob_bytes of {limit}: raise PFL_MAX_BLOB_BYTES or pick a smaller model")
         digest = self.blobs.keep(payload)
         try:
-            with self.store.write() as s:
+            with self.store.write(blobs="store") as s:
+                if not self.blobs.blobs.exists(digest):  # collected meanwhile (server.services.gc): again
+                    self.blobs.blobs.put(digest, payload)
                 if s.get(Federation, req.id) is not None:
                     raise Conflict(f"federation {req.id!r} already exists")
                 s.add(Federation(id=req.id, config=fm.cfg.to_dict(), enrol_secret_hash=hash_secret(req.enrol_secret),
@@ -120,22 +124,28 @@ class EnrolmentService:
         return dev
 
     def enrol(self, req: EnrolRequest, address: str = "") -> Enrolment:
-        """Enrol a device (``address``: the client's, for the rate limit)."""
+        """Enrol a device (``address``: the client's, for the rate limit): one write transaction, on the
+        federation's locked row."""
         profile = self._admit(req, address)
         token = secrets.token_urlsafe(32)
-        got = self._again(req, token)
-        if got is not None:
+        password, keep = self.mqtt_password()  # fresh at every enrolment
+        with self.store.write() as s:
+            fed = self.store.locked(s, req.federation)
+            got = self._again(s, fed, req, token, keep)
+            again = got is not None
+            if got is None:
+                got = self._new(s, fed, req, token, profile, keep)
+        if again:
             log.info("federation %s: device %s enrolled again (same nonce)", req.federation, got.device_id)
         else:
-            got = self._new(req, token, profile)
             self.on_enrolled()
             log.info("federation %s: device %s enrolled in slot %d (%s)", req.federation, got.device_id, got.slot,
                      profile.name)
+        self.provision(req.federation, got.device_id, password)
         fm = fed_model(got.config)
-        mqtt_user, mqtt_password = self.mqtt_credentials(req.federation, got.device_id)  # fresh at every enrolment
         return Enrolment(device_id=got.device_id, token=token, index=got.slot, federation=req.federation,
                          config=got.config, density=got.density, kp=got.kp, broker_url=self.device_broker_url,
-                         mqtt_username=mqtt_user, mqtt_password=mqtt_password, round=got.round,
+                         mqtt_username=got.device_id, mqtt_password=password, round=got.round,
                          init_digest=self.blobs.base_for(req.federation, fm, got.init_digest, got.kp),
                          init_model=got.init_digest)
 
@@ -152,44 +162,43 @@ class EnrolmentService:
             raise Unprocessable(f"unknown device profile {req.profile!r}; valid profiles: "
                                 f"{', '.join(list_profiles())}") from None
 
-    def _again(self, req: EnrolRequest, token: str) -> _Enrolled | None:
+    def _again(self, s: Session, fed: Federation, req: EnrolRequest, token: str, mqtt: str | None
+               ) -> _Enrolled | None:
         """The same device asking again with its nonce (its first answer was lost): same slot, a fresh token."""
-        with self.store.write() as s:
-            fed = self.store.locked(s, req.federation)
-            again = None if req.nonce is None else s.scalar(
-                select(Device).where(Device.federation == fed.id, Device.enrol_nonce == req.nonce))
-            if again is None:
-                self._check_open(fed)
-                return None
-            if again.revoked_at is not None:
-                raise Forbidden(f"device {again.id} was revoked by the operator; it cannot enrol again")
-            again.token_hash, again.token_expires = hash_token(token), now() + self.token_ttl_s
-            return _Enrolled(again.id, again.slot, again.density, again.kp, again.joined_round, fed.init_digest,
-                             fed.config)
+        again = None if req.nonce is None else s.scalar(
+            select(Device).where(Device.federation == fed.id, Device.enrol_nonce == req.nonce))
+        if again is None:
+            self._check_open(fed)
+            return None
+        if again.revoked_at is not None:
+            raise Forbidden(f"device {again.id} was revoked by the operator; it cannot enrol again")
+        again.token_hash, again.token_expires = hash_token(token), now() + self.token_ttl_s
+        if mqtt is not None:
+            again.mqtt_hash = mqtt
+        return _Enrolled(again.id, again.slot, again.density, again.kp, again.joined_round, fed.init_digest,
+                         fed.config)
 
     @staticmethod
     def _check_open(fed: Federation) -> None:
         if fed.state == RoundState.FINISHED:
             raise Conflict(f"federation {fed.id!r} has finished its {fed_model(fed.config).cfg.rounds} rounds")
 
-    def _new(self, req: EnrolRequest, token: str, profile: Profile) -> _Enrolled:
-        with self.store.write() as s:
-            fed = self.store.locked(s, req.federation)
-            self._check_open(fed)
-            slot = self._slot(s, fed, req.index)
-            fm = self.store.model(fed)
-            density, kp = device_capacity(fm.cfg, slot,
-                                          profile_density=profile.density if fed.profile_capacity else None,
-                                          profile_kp=profile.kp if fed.profile_capacity else None)
-            if kp > fm.num_blocks:
-                raise Unprocessable(f"profile {profile.name!r} keeps {kp} personal blocks but model "
-                                    f"{fm.cfg.model!r} has only {fm.num_blocks}: {fm.model.block_names}")
-            dev_id = "dev-" + secrets.token_hex(8)
-            s.add(Device(id=dev_id, federation=fed.id, token_hash=hash_token(token), profile=profile.name,
-                         name=req.name, slot=slot, density=density, kp=kp, online=False, joined_round=fed.round,
-                         enrol_nonce=req.nonce, declared_samples=req.n_samples,
-                         token_expires=now() + self.token_ttl_s))
-            return _Enrolled(dev_id, slot, density, kp, fed.round, fed.init_digest, fed.config)
+    def _new(self, s: Session, fed: Federation, req: EnrolRequest, token: str, profile: Profile,
+             mqtt: str | None) -> _Enrolled:
+        slot = self._slot(s, fed, req.index)
+        fm = self.store.model(fed)
+        density, kp = device_capacity(fm.cfg, slot,
+                                      profile_density=profile.density if fed.profile_capacity else None,
+                                      profile_kp=profile.kp if fed.profile_capacity else None)
+        if kp > fm.num_blocks:
+            raise Unprocessable(f"profile {profile.name!r} keeps {kp} personal blocks but model "
+                                f"{fm.cfg.model!r} has only {fm.num_blocks}: {fm.model.block_names}")
+        dev_id = "dev-" + secrets.token_hex(8)
+        s.add(Device(id=dev_id, federation=fed.id, token_hash=hash_token(token), profile=profile.name,
+                     name=req.name, slot=slot, density=density, kp=kp, online=False, joined_round=fed.round,
+                     enrol_nonce=req.nonce, declared_samples=req.n_samples, mqtt_hash=mqtt,
+                     token_expires=now() + self.token_ttl_s))
+        return _Enrolled(dev_id, slot, density, kp, fed.round, fed.init_digest, fed.config)
 
     @staticmethod
     def _slot(s: Session, fed: Federation, asked: int | None) -> int:

@@ -92,7 +92,7 @@ class BlobGC:
         if not drop:
             return 0
         gone: list[str] = []
-        with self.store.write():  # the write lock held until the files are gone (the inner write commits first)
+        with self.store.write(blobs="collect"):  # held until the files are gone (the inner write commits first)
             with self.store.write() as s:
                 # an update accepted since the read above names its digest: that one stays
                 used = set(s.scalars(select(Update.digest).where(Update.federation == fed_id, Update.round >= lo)))

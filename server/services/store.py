@@ -1,5 +1,5 @@
-"""What every service shares: sessions on the database, the lock that serialises this process's writes, and
-the lookups each of them needs (a federation, its model, a round's update count)."""
+"""What every service shares: sessions on the database, how writes are serialised, and the lookups each of them
+needs (a federation, its model, a round's update count)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import math
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Literal
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from pfl_edge.errors import InternalError
@@ -16,25 +17,42 @@ from pfl_edge.errors import InternalError
 from ..db import Federation, Round, Update
 from ..errors import NotFound
 from ..fedmodel import FedModel, fed_model
+from .leadership import NAMESPACE
+
+BLOBS_LOCK = (NAMESPACE + 1, 0)  # the blob table's advisory lock; a federation's is (NAMESPACE, advisory_key(id))
 
 __all__ = ["Store"]
 
 
 class Store:
-    """Writes in this process are serialised by one lock (SQLite has one writer anyway); on PostgreSQL the
-    federation row is also locked ``FOR UPDATE`` by :meth:`locked`."""
+    """On SQLite (one writer, one server process) writes are serialised by one lock of this process. On
+    PostgreSQL, which replicas may share, by the rows they lock: the federation's ``FOR UPDATE``
+    (:meth:`locked`) for whatever a round's state decides, and the blob table's advisory lock (``blobs``)
+    between storing a blob and collecting blobs."""
 
     def __init__(self, sessions: sessionmaker[Session], max_blob_bytes: int = 64 << 20) -> None:
         self.sessions = sessions
         self.max_blob_bytes = max_blob_bytes
         self._lock = threading.RLock()
+        bind = sessions.kw.get("bind")
+        self.shared = bind is not None and bind.dialect.name == "postgresql"  # several processes may write
 
     def read(self) -> Session:
         return self.sessions()
 
     @contextmanager
-    def write(self) -> Iterator[Session]:
-        with self._lock, self.sessions.begin() as s:
+    def write(self, *, blobs: Literal["store", "collect"] | None = None) -> Iterator[Session]:
+        """A write transaction. ``blobs="store"``: it adds references to blob files it has checked exist, which
+        no collection may delete until it commits; ``"collect"``: it deletes blob rows and files, and waits for
+        (and holds off) every ``store``."""
+        if not self.shared:
+            with self._lock, self.sessions.begin() as s:
+                yield s
+            return
+        with self.sessions.begin() as s:
+            if blobs is not None:
+                fn = "pg_advisory_xact_lock_shared" if blobs == "store" else "pg_advisory_xact_lock"
+                s.execute(text(f"SELECT {fn}(:ns, :key)"), {"ns": BLOBS_LOCK[0], "key": BLOBS_LOCK[1]})
             yield s
 
     @staticmethod

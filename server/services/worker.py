@@ -1,5 +1,7 @@
-"""The round worker: one thread that makes every state transition, woken by enrolments and updates, by the
-MQTT link when the broker came back, and by a ticker for deadlines. HTTP handlers only insert rows."""
+"""The round worker: one thread that makes every state transition of the federations this process leads
+(``server.services.leadership``: all of them, but where replicas share a PostgreSQL database), woken by
+enrolments and updates, by the MQTT link when the broker came back, and by a ticker for deadlines. HTTP handlers
+only insert rows."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from sqlalchemy import select
 
 from ..db import Federation
 from ..states import RoundState
+from .leadership import Leadership, SoleLeadership
 from .recovery import Recovery
 from .rounds import RoundMachine
 from .store import Store
@@ -22,8 +25,10 @@ log = logging.getLogger(__name__)
 
 class RoundWorker:
     def __init__(self, store: Store, machine: RoundMachine, recovery: Recovery, *, tick_s: float = 1.0,
-                 coalesce_s: float = 0.05) -> None:
+                 coalesce_s: float = 0.05, leadership: Leadership | None = None) -> None:
         self.store = store
+        self.leadership: Leadership = leadership if leadership is not None else SoleLeadership()
+        self.led: set[str] = set()  # the unfinished federations this process led at its last tick
         self.machine = machine
         self.recovery = recovery
         self.tick_s = tick_s
@@ -39,8 +44,10 @@ class RoundWorker:
         self.after_step: Callable[[str], object] = lambda fed_id: None  # the blob collector (server.services.gc)
 
     def start(self) -> None:
-        """Resume every unfinished federation, then run the worker (transitions and deadlines)."""
-        self.recovery.recover()
+        """Claim the federations no other replica leads and resume them (and every finished one), then run the
+        worker (transitions and deadlines)."""
+        self._claim()
+        self.recovery.recover(leads=self.led.__contains__)
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="pfl-rounds", daemon=True)
         self._thread.start()
@@ -51,6 +58,8 @@ class RoundWorker:
         if self._thread is not None:
             self._thread.join(30)
             self._thread = None
+        self.leadership.close()
+        self.led = set()
 
     def kick(self) -> None:
         self.kicks += 1  # not atomic across threads: a statistic, not a ledger
@@ -71,18 +80,28 @@ class RoundWorker:
             try:
                 if self._republish:
                     self._republish = False
-                    self.recovery.recover()
+                    self.recovery.recover(leads=self.led.__contains__)
                 self.tick()
             except Exception:  # keep the worker alive; the next tick retries
                 log.exception("round worker")
 
-    def tick(self) -> None:
-        """Every due transition of every unfinished federation."""
-        self.ticks += 1
+    def _claim(self) -> set[str]:
+        """Claim leadership of the unfinished federations; those newly led (another replica's, until it died)."""
         with self.store.read() as s:
-            ids = list(s.scalars(select(Federation.id).where(Federation.state != RoundState.FINISHED.value)))
-        for fed_id in ids:
+            ids = set(s.scalars(select(Federation.id).where(Federation.state != RoundState.FINISHED.value)))
+        for gone in self.led - ids:  # finished (here or, before a takeover, by the leader that died)
+            self.leadership.release(gone)
+        self.led, gained = self.leadership.claim(ids)
+        return gained
+
+    def tick(self) -> None:
+        """Every due transition of every unfinished federation this process leads."""
+        self.ticks += 1
+        gained = self._claim()
+        for fed_id in sorted(self.led):
             try:
+                if fed_id in gained:  # new, or taken over from a leader that died: resume it as a restart would
+                    self.recovery.resume_one(fed_id)
                 self.machine.step(fed_id)
                 self.after_step(fed_id)
             except Exception:
