@@ -198,7 +198,7 @@ def start_subprocess(env: dict[str, str], host: str = "127.0.0.1", port: int | N
         raise ValueError("start_subprocess needs PFL_ADMIN_TOKEN in env")
     port = port or free_port(host)
     url = f"{'https' if env.get('PFL_TLS_CERT') else 'http'}://{host}:{port}"
-    full = {**os.environ, **env, "PFL_PUBLIC_URL": url}
+    full = {**os.environ, "PFL_PUBLIC_URL": url, **env}  # env may name another public URL (a load balancer's)
     # the repository root on the path, whether or not the package is installed
     full["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
     def limit() -> None:

@@ -66,18 +66,20 @@ def _registry(app: Any) -> CollectorRegistry:
     if not isinstance(reg, CollectorRegistry):
         reg = CollectorRegistry(auto_describe=False)
         reg.register(PflCollector(lambda: app.state.pfl.coordinator.metrics,
-                                  lambda: telemetry_of(app).snapshot()))
+                                  lambda: telemetry_of(app).snapshot(),
+                                  lambda: app.state.pfl.coordinator.worker.led))
         app.state.prom_registry = reg
     return reg
 
 
 class PflCollector(Collector):
     """Every family of one scrape, read when Prometheus asks: the database's counters through ``metrics()``, this
-    process's HTTP telemetry through ``http()``."""
+    process's HTTP telemetry through ``http()`` and the federations it leads through ``led()`` (replicas)."""
 
     def __init__(self, metrics: Callable[[], Metrics],
-                 http: Callable[[], dict[tuple[str, str], RouteStats]]) -> None:
-        self.metrics, self.http = metrics, http
+                 http: Callable[[], dict[tuple[str, str], RouteStats]],
+                 led: Callable[[], set[str]] = set) -> None:
+        self.metrics, self.http, self.led = metrics, http, led
 
     def collect(self) -> Iterator[Metric]:
         m = self.metrics()
@@ -85,6 +87,9 @@ class PflCollector(Collector):
         n, size = m.blob_store()
         yield _gauge("pfl_blob_store_blobs", "Blobs in the blob store.", [], [([], n)])
         yield _gauge("pfl_blob_store_bytes", "Bytes of the blobs in the blob store.", [], [([], size)])
+        yield _gauge("pfl_federation_led", "1 for each unfinished federation whose rounds this server process runs "
+                     "(its leader, where replicas share the database).", ["federation"],
+                     [([f], 1) for f in sorted(self.led())])
         yield from _http(self.http())
 
 

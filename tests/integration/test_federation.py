@@ -17,18 +17,16 @@ from typing import Any
 
 import pytest
 import torch
+from fedkit import BASE, assert_simulator_models, device_log
 from pgkit import fresh_schema
 
 from edge_runtime.data import load_local_data
 from edge_runtime.fleet import Federation, free_port, start_server
 from pfl_edge.algorithms import get_algorithm
-from pfl_edge.checkpoint import load_checkpoint
 from pfl_edge.codec import decode
 from pfl_edge.protocol import API_PREFIX
-from pfl_edge.sim import SimConfig, simulate
+from pfl_edge.sim import SimConfig
 
-BASE: dict[str, Any] = dict(dataset="synthetic", partition="pathological:2", rounds=2, samples_per_client=48,
-                            test_per_client=32, local_epochs=1, batch_size=16, lr=0.05, workers=1, seed=5)
 MOSQUITTO = shutil.which("mosquitto") or ("/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None)
 
 
@@ -108,10 +106,11 @@ def _run(root: Path, config: dict[str, Any], profiles: list[str], *, broker: str
                 break
             for i, p in enumerate(fed.devices):
                 code = p.poll()
-                assert code in (None, 0), f"device {i} exited with {code}: " + _log(root, i)
+                assert code in (None, 0), f"device {i} exited with {code}: " + device_log(root, i)
             time.sleep(0.3)
         else:
-            raise AssertionError("federation did not finish: " + _log(root, 0) + (root / "server.log").read_text())
+            raise AssertionError("federation did not finish: " + device_log(root, 0)
+                                 + (root / "server.log").read_text())
         assert all(p.returncode == 0 for p in fed.devices)
         return fed
     except BaseException:
@@ -153,31 +152,6 @@ def _enrol_late(fed: Federation, i: int, profile: str, config: dict[str, Any]) -
         assert r.status_code == 200, r.text
 
 
-def _log(root: Path, i: int) -> str:
-    p = root / "devices" / f"device-{i:02d}.log"
-    return p.read_text()[-3000:] if p.exists() else ""
-
-
-def _final(root: Path, i: int) -> dict[str, torch.Tensor]:
-    """What device i deploys at the end, from its own state dir."""
-    from safetensors.torch import load_file
-
-    return dict(load_file(str(root / "devices" / f"device-{i:02d}" / "final.safetensors")))
-
-
-def _assert_simulator_models(cfg: SimConfig, tmp_path: Path) -> None:
-    """Every device of the run in ``tmp_path/run`` ends with the model the simulator deploys for its client."""
-    simulate(cfg, save_dir=tmp_path / "sim", progress=False)
-    for i in range(cfg.clients):
-        _close(_final(tmp_path / "run", i), load_checkpoint(tmp_path / "sim" / f"client_{i:03d}.safetensors")[0])
-
-
-def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], atol=5e-5, rtol=1e-4, msg=k)
-
-
 @pytest.mark.parametrize("db", ["sqlite", "postgresql"])
 def test_fedper_devices_end_with_the_simulators_models(tmp_path: Path, broker: str, db: str,
                                                        postgres_url: str | None) -> None:
@@ -194,7 +168,7 @@ def test_fedper_devices_end_with_the_simulators_models(tmp_path: Path, broker: s
         blobs = sorted((tmp_path / "run" / "server").rglob("*"))
     finally:
         fed.close()
-    _assert_simulator_models(cfg, tmp_path)
+    assert_simulator_models(cfg, tmp_path)
     assert len(metrics["rounds"]) >= cfg.rounds
     # every payload a device sent the server (the blob refs record the uploader): its base part, nothing more
     data = load_local_data(cfg, 0)
@@ -220,7 +194,7 @@ def test_dispfl_devices_end_with_the_simulators_models(tmp_path: Path, broker: s
     cfg = SimConfig(algorithm="dispfl", clients=4, densities=dens, topology="random:2", **BASE)
     fed = _run(tmp_path / "run", cfg.to_dict(), profiles, broker=broker)
     fed.close()
-    _assert_simulator_models(cfg, tmp_path)
+    assert_simulator_models(cfg, tmp_path)
     # what a device sends carries the mask its weights were trained under, not the next round's mask
     from safetensors.torch import load_file
 
@@ -240,7 +214,7 @@ def test_a_device_killed_mid_run_picks_up_where_it_was(tmp_path: Path, broker: s
     cfg = SimConfig(algorithm="fedper", clients=3, kp=2, **{**BASE, "rounds": 3})
     fed = _run(tmp_path / "run", cfg.to_dict(), ["phone-mid"] * 3, broker=broker, kill_and_restart=1)
     fed.close()
-    _assert_simulator_models(cfg, tmp_path)
+    assert_simulator_models(cfg, tmp_path)
 
 
 @pytest.mark.parametrize("algorithm", ["fedper", "dispfl"])
@@ -251,7 +225,7 @@ def test_devices_ride_out_a_server_crash(tmp_path: Path, algorithm: str) -> None
     cfg = SimConfig(algorithm=algorithm, clients=3, **extra, **{**BASE, "rounds": 3})
     fed = _run(tmp_path / "run", cfg.to_dict(), ["phone-mid"] * 3, broker="embedded", restart_server_at=2)
     fed.close()
-    _assert_simulator_models(cfg, tmp_path)
+    assert_simulator_models(cfg, tmp_path)
 
 
 @pytest.mark.parametrize("algorithm", ["fedper", "dispfl"])
@@ -291,7 +265,7 @@ def test_devices_on_the_program_and_without_torch_end_where_the_simulator_does(t
     assert list(programs.glob("*.pte")) and not (programs / "manifest.json").exists()  # downloaded, not exported
     assert not list(programs.glob("*.onnx"))  # it evaluates in eager PyTorch
     assert list((devices / "device-01" / "programs").glob("*.onnx"))  # the numpy device evaluates with ONNX
-    _assert_simulator_models(cfg, tmp_path)
+    assert_simulator_models(cfg, tmp_path)
 
 
 def test_ditto_devices_end_with_the_simulators_models_and_keep_their_personal_model(tmp_path: Path) -> None:
@@ -304,7 +278,7 @@ def test_ditto_devices_end_with_the_simulators_models_and_keep_their_personal_mo
     fed = _run(tmp_path / "run", cfg.to_dict(), ["phone-mid"] * 3, broker="embedded",
                extra={0: ["--training-backend", "executorch"]})
     fed.close()
-    _assert_simulator_models(cfg, tmp_path)
+    assert_simulator_models(cfg, tmp_path)
     model_keys = set(load_local_data(cfg, 0).model.state_dict())
     blobs = {p.name: p for p in (tmp_path / "run" / "server").rglob("*") if p.is_file()}
     for i in range(cfg.clients):
@@ -346,7 +320,7 @@ def test_an_external_broker_restart_loses_nothing(tmp_path: Path) -> None:
             p.kill()
             p.wait()
     assert len(procs) == 2  # the broker was restarted
-    _assert_simulator_models(cfg, tmp_path)
+    assert_simulator_models(cfg, tmp_path)
 
 
 @pytest.mark.skipif(MOSQUITTO is None, reason="needs the mosquitto binary")

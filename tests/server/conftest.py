@@ -28,7 +28,7 @@ def broker_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         with EmbeddedBroker() as b:
             yield b.url
         return
-    from mosquitto_kit import mosquitto  # beside this file
+    from mosquitto_kit import mosquitto  # tests/, on the path as the root conftest's folder
 
     with mosquitto(tmp_path_factory.mktemp("mosquitto")) as url:
         yield url

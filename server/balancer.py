@@ -1,0 +1,180 @@
+"""The load balancer in front of server replicas: HAProxy's configuration (``haproxy_config``: what
+``docker/haproxy.cfg`` holds for compose's replicated profile, and what the tests and benchmarks run), and a
+private HAProxy process for them (``start_haproxy``).
+
+Devices see one URL. HAProxy sends each request to a replica that answers ``/healthz`` (checked every second;
+two failures take a replica out, one success puts it back), round robin. A request whose connection to a replica
+fails (a replica that has just died) is sent to another (``retry-on conn-failure`` with ``option redispatch``);
+one that fails after its body was sent is the device's to retry, as against a single server (every write of the
+protocol is idempotent: docs/protocol.md)."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from pfl_edge.errors import ConfigError
+
+from .broker import free_port
+from .launch import SubprocessServer, start_subprocess
+
+__all__ = ["Haproxy", "Replicas", "haproxy_config", "start_haproxy", "start_replicas"]
+
+HAPROXY = shutil.which("haproxy") or ("/usr/sbin/haproxy" if Path("/usr/sbin/haproxy").exists() else None)
+
+
+def haproxy_config(bind: str, servers: Sequence[str], *, max_body_s: int = 300) -> str:
+    """HAProxy's configuration: listen on ``bind`` (``host:port``), balance over ``servers`` (``host:port``
+    each). ``max_body_s``: the longest a request or response may take (a large model's upload on a slow link)."""
+    if not servers:
+        raise ConfigError("a load balancer needs at least one server")
+    lines = [
+        "global",
+        "    maxconn 4096",  # each needs two descriptors (client and server side)
+        "",
+        "defaults",
+        "    mode http",
+        "    timeout connect 2s",
+        f"    timeout client {max_body_s}s",
+        f"    timeout server {max_body_s}s",
+        "    timeout http-request 10s",
+        "    retries 3",
+        "    option redispatch 1",
+        "    retry-on conn-failure empty-response response-timeout",
+        "",
+        "frontend pfl",
+        f"    bind {bind}",
+        "    default_backend replicas",
+        "",
+        "backend replicas",
+        "    balance roundrobin",
+        "    option httpchk GET /healthz",
+        "    http-check expect status 200",
+    ]
+    lines += [f"    server r{i} {addr} check inter 1s fall 2 rise 1" for i, addr in enumerate(servers)]
+    return "\n".join(lines) + "\n"
+
+
+@dataclass
+class Haproxy:
+    proc: subprocess.Popen[bytes]
+    url: str
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_haproxy(folder: Path, port: int, servers: Sequence[str], *, timeout_s: float = 15.0) -> Haproxy:
+    """A private HAProxy on 127.0.0.1:``port`` in front of ``servers``; returns once it accepts connections.
+    ConfigError where HAProxy is not installed (Debian: ``apt-get install haproxy``)."""
+    if HAPROXY is None:
+        raise ConfigError("haproxy is not installed (Debian: apt-get install haproxy)")
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = folder / "haproxy.cfg"
+    cfg.write_text(haproxy_config(f"127.0.0.1:{port}", servers))
+    log = open(folder / "haproxy.log", "ab")  # noqa: SIM115  (the child owns it)
+    proc = subprocess.Popen([HAPROXY, "-db", "-f", str(cfg)], stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ConfigError(f"haproxy exited with {proc.returncode}; see {folder / 'haproxy.log'}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return Haproxy(proc, f"http://127.0.0.1:{port}")
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise ConfigError(f"haproxy did not listen on port {port} within {timeout_s:.0f} s")
+
+
+@dataclass
+class Replicas:
+    """``n`` server processes on one database, broker and blob directory, behind a private HAProxy: what the
+    tests and benchmarks of replicas run (``start_replicas``). Devices are given :attr:`url`."""
+
+    folder: Path
+    env: dict[str, str]
+    ports: list[int]
+    servers: list[SubprocessServer | None]
+    balancer: Haproxy | None = None
+
+    @property
+    def url(self) -> str:
+        if self.balancer is None:
+            raise ConfigError("the replicas' load balancer is not running")
+        return self.balancer.url
+
+    @property
+    def admin_token(self) -> str:
+        return self.env["PFL_ADMIN_TOKEN"]
+
+    def replica_url(self, i: int) -> str:
+        return f"http://127.0.0.1:{self.ports[i]}"
+
+    def leader_of(self, fed_id: str) -> int | None:
+        """The replica whose ``/metrics`` says it leads ``fed_id`` now (``pfl_federation_led``), or None."""
+        want = f'pfl_federation_led{{federation="{fed_id}"}} 1.0'
+        for i, srv in enumerate(self.servers):
+            if srv is None or srv.proc.poll() is not None:
+                continue
+            try:
+                r = httpx.get(f"{self.replica_url(i)}/metrics", timeout=5.0,
+                              headers={"Authorization": f"Bearer {self.admin_token}"})
+            except httpx.TransportError:
+                continue
+            if r.status_code == 200 and want in r.text.splitlines():
+                return i
+        return None
+
+    def kill(self, i: int) -> None:
+        """SIGKILL replica ``i``: no shutdown, its database session (and leadership) dies with it."""
+        srv = self.servers[i]
+        if srv is not None:
+            srv.kill()
+            self.servers[i] = None
+
+    def start(self, i: int, timeout_s: float = 120.0) -> None:
+        """(Re)start replica ``i`` on its port and data dir."""
+        env = {**self.env, "PFL_DATA_DIR": str(self.folder / f"replica-{i}")}
+        self.servers[i] = start_subprocess(env, port=self.ports[i], timeout=timeout_s,
+                                           log=self.folder / f"replica-{i}.log")
+
+    def stop(self) -> None:
+        if self.balancer is not None:
+            self.balancer.stop()
+        for srv in self.servers:
+            if srv is not None:
+                srv.stop()
+
+
+def start_replicas(folder: Path, n: int, env: dict[str, str], *, timeout_s: float = 120.0) -> Replicas:
+    """``n`` replicas (``python -m server.main`` with ``env``: ``PFL_ADMIN_TOKEN``, ``PFL_DATABASE_URL`` of a
+    PostgreSQL database, ``PFL_BROKER_URL`` of an external broker) sharing ``folder/blobs``, behind HAProxy; each
+    tells devices the balancer's URL. ConfigError where HAProxy is missing."""
+    if HAPROXY is None:
+        raise ConfigError("haproxy is not installed (Debian: apt-get install haproxy)")
+    folder.mkdir(parents=True, exist_ok=True)
+    ports, lb = [free_port() for _ in range(n)], free_port()
+    env = {"PFL_BLOB_DIR": str(folder / "blobs"), **env, "PFL_PUBLIC_URL": f"http://127.0.0.1:{lb}"}
+    reps = Replicas(folder, env, ports, [None] * n)
+    try:
+        for i in range(n):
+            reps.start(i, timeout_s)
+        reps.balancer = start_haproxy(folder / "haproxy", lb, [f"127.0.0.1:{p}" for p in ports])
+    except BaseException:
+        reps.stop()
+        raise
+    return reps

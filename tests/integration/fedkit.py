@@ -1,0 +1,39 @@
+"""What the integration tests of device processes share: a small federation's config, a device's log and final
+model from its state dir, and the check that every device ends with the simulator's model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pfl_edge.checkpoint import load_checkpoint
+from pfl_edge.sim import SimConfig, simulate
+
+__all__ = ["BASE", "assert_simulator_models", "device_log", "final_model"]
+
+BASE: dict[str, Any] = dict(dataset="synthetic", partition="pathological:2", rounds=2, samples_per_client=48,
+                            test_per_client=32, local_epochs=1, batch_size=16, lr=0.05, workers=1, seed=5)
+
+
+def device_log(root: Path, i: int) -> str:
+    p = root / "devices" / f"device-{i:02d}.log"
+    return p.read_text()[-3000:] if p.exists() else ""
+
+
+def final_model(root: Path, i: int) -> dict[str, torch.Tensor]:
+    """What device i deploys at the end, from its own state dir."""
+    from safetensors.torch import load_file
+
+    return dict(load_file(str(root / "devices" / f"device-{i:02d}" / "final.safetensors")))
+
+
+def assert_simulator_models(cfg: SimConfig, tmp_path: Path) -> None:
+    """Every device of the run in ``tmp_path/run`` ends with the model the simulator deploys for its client."""
+    simulate(cfg, save_dir=tmp_path / "sim", progress=False)
+    for i in range(cfg.clients):
+        a, b = final_model(tmp_path / "run", i), load_checkpoint(tmp_path / "sim" / f"client_{i:03d}.safetensors")[0]
+        assert a.keys() == b.keys()
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], atol=5e-5, rtol=1e-4, msg=k)
