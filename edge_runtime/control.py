@@ -121,6 +121,10 @@ class Control:
             self._failed(f"it refused this device's subscriptions ({', '.join(str(c) for c in codes)})")
             return
         self.connected.set()  # connected and subscribed: nothing published from now on is missed
+        # and what was published before may never come: a broker that restarted without its retained messages,
+        # or another node of a cluster (RabbitMQ keeps retained messages per node). Ring the bell once, so the
+        # device asks the server for its task now
+        self.inbox.put((round_topic(self.fed), b""))
 
     def _on_connect_fail(self, client: Any, userdata: Any) -> None:
         err = sys.exc_info()[1]  # paho calls this from inside its ``except OSError``

@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import httpx
 
@@ -30,11 +31,20 @@ __all__ = ["Haproxy", "Replicas", "haproxy_config", "start_haproxy", "start_repl
 HAPROXY = shutil.which("haproxy") or ("/usr/sbin/haproxy" if Path("/usr/sbin/haproxy").exists() else None)
 
 
-def haproxy_config(bind: str, servers: Sequence[str], *, max_body_s: int = 300) -> str:
+def haproxy_config(bind: str, servers: Sequence[str], *, max_body_s: int = 300,
+                   mode: Literal["http", "tcp"] = "http") -> str:
     """HAProxy's configuration: listen on ``bind`` (``host:port``), balance over ``servers`` (``host:port``
-    each). ``max_body_s``: the longest a request or response may take (a large model's upload on a slow link)."""
+    each). ``max_body_s``: the longest a request or response may take (a large model's upload on a slow link).
+    ``mode="tcp"``: connections balanced as they are (MQTT over a broker cluster's nodes; each connection stays
+    on its node for its life)."""
     if not servers:
         raise ConfigError("a load balancer needs at least one server")
+    if mode == "tcp":
+        lines = ["global", "    maxconn 4096", "", "defaults", "    mode tcp", "    timeout connect 2s",
+                 "    timeout client 1h", "    timeout server 1h", "", "frontend mqtt", f"    bind {bind}",
+                 "    default_backend nodes", "", "backend nodes", "    balance roundrobin"]
+        lines += [f"    server n{i} {addr} check inter 1s fall 2 rise 1" for i, addr in enumerate(servers)]
+        return "\n".join(lines) + "\n"
     lines = [
         "global",
         "    maxconn 4096",  # each needs two descriptors (client and server side)
@@ -77,16 +87,18 @@ class Haproxy:
                 self.proc.wait()
 
 
-def start_haproxy(folder: Path, port: int, servers: Sequence[str], *, timeout_s: float = 15.0) -> Haproxy:
+def start_haproxy(folder: Path, port: int, servers: Sequence[str], *, timeout_s: float = 15.0,
+                  mode: Literal["http", "tcp"] = "http") -> Haproxy:
     """A private HAProxy on 127.0.0.1:``port`` in front of ``servers``; returns once it accepts connections.
     ConfigError where HAProxy is not installed (Debian: ``apt-get install haproxy``)."""
     if HAPROXY is None:
         raise ConfigError("haproxy is not installed (Debian: apt-get install haproxy)")
     folder.mkdir(parents=True, exist_ok=True)
     cfg = folder / "haproxy.cfg"
-    cfg.write_text(haproxy_config(f"127.0.0.1:{port}", servers))
+    cfg.write_text(haproxy_config(f"127.0.0.1:{port}", servers, mode=mode))
     log = open(folder / "haproxy.log", "ab")  # noqa: SIM115  (the child owns it)
     proc = subprocess.Popen([HAPROXY, "-db", "-f", str(cfg)], stdout=log, stderr=subprocess.STDOUT)
+    log.close()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -63,8 +63,9 @@ def start_mqtt(settings: Settings, authenticate: Authenticator) -> MqttSetup:
                               "PFL_MQTT_USERNAME and PFL_MQTT_PASSWORD")
         ext = ssl.create_default_context(cafile=str(settings.mqtt_ca_file) if settings.mqtt_ca_file else None)
         url = settings.broker_url
-        return MqttSetup(None, url, _device_url(settings, url, None), "dynsec" if settings.broker_dynsec else "shared",
-                         (user, password), ext if broker_tls(url) else None)
+        mode: Mode = "dynsec" if settings.broker_dynsec else "hook" if settings.broker_hook_token else "shared"
+        return MqttSetup(None, url, _device_url(settings, url, None), mode, (user, password),
+                         ext if broker_tls(url) else None)
     port_file = settings.data_dir / "broker-port"
     port = settings.embedded_broker_port or _recorded_port(port_file)
     broker = EmbeddedBroker(settings.embedded_broker_host, port, authenticate=authenticate,

@@ -47,6 +47,7 @@ JSON_BODY_LIMIT = 64 << 10  # enrolment, updates, metrics: a few hundred bytes i
 BODY_LIMITS: tuple[tuple[str, re.Pattern[str], int | None], ...] = (
     ("POST", re.compile(rf"^{API_PREFIX}/federations/?$"), 1 << 20),  # a federation's config (admin)
     ("PUT", re.compile(rf"^{API_PREFIX}/blobs/[^/]*$"), None),  # max_blob_bytes, streamed by the route
+    ("POST", re.compile(rf"^{API_PREFIX}/broker/hook/"), 4 << 10),  # a broker's question: a few names
 )
 MAX_HEADERS = 64
 MAX_HEADER_BYTES = 16 << 10

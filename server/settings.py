@@ -51,6 +51,12 @@ class Settings(BaseSettings):
     # dynamic-security plugin (mqtt_username/mqtt_password: a dynsec admin whose role may also publish pfl/#);
     # without it every device gets device_mqtt_password and the broker's own configuration rules.
     broker_dynsec: bool = False
+    # or the external broker asks this server about every device (RabbitMQ's rabbitmq_auth_backend_http, and
+    # brokers with an HTTP auth hook): POST /v1/broker/hook/<token>/{user,vhost,resource,topic} answer allow or
+    # deny by the same rules as the embedded broker, nothing provisioned per device (docs/operations.md,
+    # "Brokers that ask the server"). The token, in the hook's URL, keeps everyone but the broker out of it
+    broker_hook_token: SecretStr | None = None
+    broker_hook_vhost: str = "/"  # the only virtual host a device may use
     embedded_broker_host: str = "127.0.0.1"  # where the embedded broker listens; 0.0.0.0 for devices elsewhere
     embedded_broker_port: int | None = Field(default=None, ge=1, le=65535)  # None: last run's port, else free one
     # the embedded broker listens with TLS (mqtts://) with this certificate chain and key (both or neither)
@@ -91,6 +97,17 @@ class Settings(BaseSettings):
         if v != "embedded" and not v.startswith(("mqtt://", "tcp://", "mqtts://", "ssl://")):
             raise ValueError("broker_url must be 'embedded', mqtt://host:port or mqtts://host:port")
         return v
+
+    @model_validator(mode="after")
+    def _hook(self) -> Settings:
+        token = self.broker_hook_token.get_secret_value() if self.broker_hook_token else None
+        if token is not None:
+            if self.broker_url == "embedded" or self.broker_dynsec:
+                raise ValueError("broker_hook_token is for an external broker that asks the server (not the embedded "
+                                 "broker, not broker_dynsec): set broker_url to that broker, or unset the token")
+            if len(token) < 16:
+                raise ValueError("broker_hook_token must be at least 16 characters (it is the hook's only secret)")
+        return self
 
     @model_validator(mode="after")
     def _tls_pair(self) -> Settings:

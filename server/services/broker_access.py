@@ -12,6 +12,11 @@ last will is there too). Three modes, by the server's settings:
   credentials, whose role must allow ``$CONTROL/dynamic-security/#`` and publishing ``pfl/#``) creates a client
   and a role per device through the control topic ``$CONTROL/dynamic-security/v1`` and waits for the plugin's
   answer; removal deletes the client, which Mosquitto disconnects at once.
+- ``hook``: an external broker that asks the server over HTTP (RabbitMQ's ``rabbitmq_auth_backend_http``;
+  EMQX and VerneMQ have the like): at every CONNECT (:meth:`hook_user`) and for every virtual host, queue,
+  exchange and topic a client touches (:meth:`hook_vhost`, :meth:`hook_resource`, :meth:`hook_topic`), by the
+  same rules as the embedded broker, read from the database. Nothing is provisioned per device; a revoked
+  device is refused at the broker's next question. The routes: ``server.routers.broker_hook``.
 - ``shared``: an external broker the server does not manage (the old mode): every device is told
   ``device_mqtt_password``, and the broker's own configuration decides what it may do.
 """
@@ -42,7 +47,10 @@ __all__ = ["DYNSEC_TOPIC", "BrokerAccess", "BrokerUnavailable", "Mode", "device_
 log = logging.getLogger(__name__)
 
 DYNSEC_TOPIC = "$CONTROL/dynamic-security/v1"
-Mode = Literal["embedded", "dynsec", "shared"]
+Mode = Literal["embedded", "dynsec", "hook", "shared"]
+# RabbitMQ's MQTT plugin: a session's subscriptions live in the queue mqtt-subscription-<client id>qos<0|1>,
+# bound to this exchange with the topic as routing key ("/" -> ".", "+" -> "*")
+MQTT_EXCHANGE = "amq.topic"
 
 
 class BrokerUnavailable(ApiError):
@@ -142,6 +150,56 @@ class BrokerAccess:
             if not hmac.compare_digest(mqtt_hash(password), dev.mqtt_hash):
                 return None
             return device_identity(dev.federation, dev.id)
+
+    # ------------------------------------------------------------------------------------ the HTTP hook
+    def identity(self, username: str) -> Identity | None:
+        """What ``username`` may do now (None: nobody we know, or revoked): the hook's authorisation questions
+        come without a password, after :meth:`hook_user` let the client in."""
+        if self.server_username and username == self.server_username:
+            return Identity(username)
+        with self.store.read() as s:
+            dev = s.get(Device, username)
+            if dev is None or dev.revoked_at is not None or not dev.mqtt_hash:
+                return None
+            return device_identity(dev.federation, dev.id)
+
+    def hook_user(self, username: str, password: str, client_id: str | None = None) -> bool:
+        """A CONNECT: the password is the user's, and the client id (where the broker tells it) its own."""
+        ident = self.authenticate("", username, password.encode())
+        if ident is None:
+            return False
+        return client_id is None or ident.client_id is None or client_id == ident.client_id
+
+    def hook_vhost(self, username: str, vhost: str, vhost_allowed: str = "/") -> bool:
+        return vhost == vhost_allowed and self.identity(username) is not None
+
+    def hook_resource(self, username: str, resource: str, name: str, permission: str) -> bool:
+        """A queue or exchange: a device may use its own subscription queues and publish to, and read from, the
+        MQTT exchange (the topic question then decides which topics); the server anything."""
+        ident = self.identity(username)
+        if ident is None:
+            return False
+        if ident.read is None and ident.write is None:
+            return True
+        if resource == "exchange":
+            return name == MQTT_EXCHANGE and permission in ("read", "write")
+        if resource == "queue":
+            own = f"mqtt-subscription-{ident.client_id}qos"
+            return name in (own + "0", own + "1") and permission in ("configure", "read", "write")
+        return False
+
+    def hook_topic(self, username: str, name: str, permission: str, routing_key: str) -> bool:
+        """A topic on the MQTT exchange: ``write`` to publish (its status, its will), ``read`` to subscribe
+        (its federation's round topic, its own task)."""
+        ident = self.identity(username)
+        if ident is None or name != MQTT_EXCHANGE:
+            return False
+        topic = routing_key.replace(".", "/")  # pfl_edge.protocol's ids hold no "." (nor "/", "+", "#")
+        if permission == "write":
+            return ident.may_write(topic)
+        if permission == "read":
+            return ident.may_subscribe(topic)
+        return False
 
     # --------------------------------------------------------------------------------- dynamic security
     def _dynsec(self, commands: list[dict[str, Any]], *, tolerate: set[str]) -> None:

@@ -1,0 +1,145 @@
+"""Devices on a two-node RabbitMQ cluster (its MQTT plugin) that authenticates every client and authorises every
+topic by asking the server's HTTP hook: nothing provisioned per device. A stranger, a wrong password, a device
+reading another's task, a device publishing another's status and a revoked device are refused, as on the
+embedded broker; a FedPer federation of device processes spread over both nodes (a TCP balancer in front, as a
+fleet would have) runs to its end."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from broker_clients import Raw
+from pydantic import SecretStr
+from server_testkit import FEDPER, Dev, create, wait_for
+
+from edge_runtime.fleet import Federation
+from pfl_edge.protocol import mqtt_client_id, round_topic, status_topic, task_topic
+from server.balancer import HAPROXY, start_haproxy
+from server.broker import free_port
+from server.launch import start_background
+from server.rabbitmq import RABBITMQ_SERVER, RabbitCluster, start_cluster
+from server.settings import Settings
+
+TOKEN = "admin-token-for-rabbitmq"
+HOOK = "rabbit-hook-token-0123456789"
+SERVER = ("pfl-server", "server-password-on-rabbitmq")
+
+pytestmark = pytest.mark.skipif(RABBITMQ_SERVER is None, reason="RabbitMQ is not installed")
+
+
+@pytest.fixture(scope="module")
+def rabbit(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RabbitCluster, int]]:
+    """Two clustered nodes asking the server's hook on a port reserved for the module's servers."""
+    port = free_port()
+    cluster = start_cluster(tmp_path_factory.mktemp("rabbitmq"), 2,
+                            f"http://127.0.0.1:{port}/v1/broker/hook/{HOOK}")
+    try:
+        yield cluster, port
+    finally:
+        cluster.stop()
+
+
+def _settings(tmp_path: Path, broker: str, **kw: object) -> Settings:
+    return Settings(data_dir=tmp_path / "data", admin_token=TOKEN, broker_url=broker,  # type: ignore[arg-type]
+                    broker_hook_token=SecretStr(HOOK), mqtt_username=SERVER[0], mqtt_password=SecretStr(SERVER[1]),
+                    tick_s=0.1, **kw)
+
+
+def test_the_cluster_lets_in_only_what_the_server_says(rabbit: tuple[RabbitCluster, int], tmp_path: Path) -> None:
+    cluster, port = rabbit
+    assert cluster.running_nodes() == sorted(cluster.names)
+    srv = start_background(_settings(tmp_path, cluster.mqtt_urls[0]), port=port)
+    try:
+        c = httpx.Client(base_url=srv.url, timeout=30)
+        create(c, TOKEN, "f", FEDPER)
+        a, b, _ = Dev(c, "f"), Dev(c, "f"), Dev(c, "f")  # round 1 opens: each has a task
+        node0, node1 = cluster.mqtt_urls
+        assert Raw(node1, "stranger", clean=True).rc not in (None, 0)
+        assert Raw(node1, "stranger", clean=True, user="nobody", password="x" * 40).rc not in (None, 0)
+        pw = a.e["mqtt_password"]
+        assert Raw(node0, mqtt_client_id(a.id), user=a.id, password=pw[:-1] + "?").rc not in (None, 0)
+        # its own password but another device's client id: it could take that device's session over
+        assert Raw(node0, mqtt_client_id(b.id), user=a.id, password=pw).rc not in (None, 0)
+        # its own credentials on either node: in, its own task and the round topic granted
+        obs = Raw(node0, "observer", clean=True, subs=("pfl/#",), user=SERVER[0], password=SERVER[1])
+        assert obs.rc == 0 and obs.subscribed.wait(10)
+        dev = Raw(node1, mqtt_client_id(a.id), user=a.id, password=pw,
+                  subs=(task_topic("f", a.id), round_topic("f")))
+        assert dev.rc == 0 and dev.subscribed.wait(10) and all(g in (0, 1) for g in dev.granted), dev.granted
+        dev.publish(status_topic("f", a.id), {"device_id": a.id, "state": "online"})  # its own: let through
+        wait_for(lambda: status_topic("f", a.id) in obs.topics(), timeout=20, what="its own status, across nodes")
+        dev.close()
+        # another device's task: refused (RabbitMQ closes a connection that asks for what it may not have)
+        spy = Raw(node1, mqtt_client_id(a.id), user=a.id, password=pw, subs=(task_topic("f", b.id),))
+        assert spy.rc == 0
+        assert spy.gone.wait(20) or spy.granted == [0x80], spy.granted
+        assert not any(t == task_topic("f", b.id) for t, _, _ in spy.got)
+        spy.close()
+        # another device's status: the publish is refused and the connection closed; the observer never sees it
+        forger = Raw(node0, mqtt_client_id(a.id), user=a.id, password=pw)
+        assert forger.rc == 0
+        forger.c.publish(status_topic("f", b.id), json.dumps({"device_id": b.id, "state": "offline"}), qos=1)
+        assert forger.gone.wait(20), "RabbitMQ kept a connection that published where it may not"
+        forger.close()
+        probe = Raw(node0, mqtt_client_id(b.id), user=b.id, password=b.e["mqtt_password"])  # a later publish of B
+        probe.publish(status_topic("f", b.id), {"device_id": b.id, "state": "online"})
+        wait_for(lambda: status_topic("f", b.id) in obs.topics(), timeout=20, what="B's own status")
+        assert all(json.loads(p)["state"] == "online" for t, p, _ in obs.got if t == status_topic("f", b.id))
+        probe.close()
+        # revoked: the next CONNECT is refused on either node
+        c.post(f"/v1/federations/f/devices/{a.id}/revoke", headers={"Authorization": f"Bearer {TOKEN}"}
+               ).raise_for_status()
+        for node in (node0, node1):
+            assert Raw(node, mqtt_client_id(a.id), user=a.id, password=pw).rc not in (None, 0)
+        obs.close()
+        c.close()
+    finally:
+        srv.stop()
+
+
+@pytest.mark.skipif(HAPROXY is None, reason="haproxy is not installed")
+def test_a_federation_runs_on_the_cluster_with_devices_on_both_nodes(rabbit: tuple[RabbitCluster, int],
+                                                                     tmp_path: Path) -> None:
+    cluster, port = rabbit
+    lb_port = free_port()
+    lb = start_haproxy(tmp_path / "lb", lb_port, [u.removeprefix("mqtt://") for u in cluster.mqtt_urls], mode="tcp")
+    srv = start_background(_settings(tmp_path, cluster.mqtt_urls[0],
+                                     public_broker_url=f"mqtt://127.0.0.1:{lb_port}"), port=port)
+    root = tmp_path / "run"
+    (root / "devices").mkdir(parents=True)
+    assert srv.app_state is not None
+    fed = Federation(srv.url, TOKEN, None, root, ([], {}))  # type: ignore[arg-type]  # the server runs in process
+    try:
+        fed.create(f"rmq{secrets.token_hex(3)}", dict(FEDPER, clients=4, rounds=3), deadline_s=120.0)
+        for i in range(4):
+            fed.start_device(i, "phone-mid", extra=["--training-backend", "torch"])
+        deadline = time.monotonic() + 240
+        spread: set[str] = set()
+        while time.monotonic() < deadline:
+            spread |= set(cluster.nodes_with_mqtt_clients())
+            info = fed.info()
+            if info["state"] == "finished" and all(p.poll() is not None for p in fed.devices):
+                break
+            for i, p in enumerate(fed.devices):
+                assert p.poll() in (None, 0), (root / "devices" / f"device-{i:02d}.log").read_text()[-3000:]
+            time.sleep(0.5)
+        else:
+            raise AssertionError("the federation did not finish: "
+                                 + (root / "devices" / "device-00.log").read_text()[-3000:])
+        assert all(p.returncode == 0 for p in fed.devices)
+        assert spread == set(cluster.names), spread  # devices (and the server) on both nodes
+        rounds = fed.get(f"/v1/federations/{fed.fed}/metrics")["rounds"]
+        assert len(rounds) >= 3
+    finally:
+        for p in fed.devices:
+            if p.poll() is None:
+                p.kill()
+        fed.http.close()
+        srv.stop()
+        lb.stop()
