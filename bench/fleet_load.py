@@ -9,6 +9,10 @@ error. Reported: enrolments/s, updates/s, p50/p99 of each call, each round's wal
 resident memory of the server (with its decode processes) and of the broker, errors.
 
     .venv/bin/python bench/fleet_load.py --devices 1000 [--rounds 2] [--database sqlite] [--broker embedded]
+
+Replicas (issue 18): ``--replicas N`` runs N server processes on the PostgreSQL database behind HAProxy (devices
+see the balancer); ``--broker rabbitmq --broker-nodes K`` a K-node RabbitMQ cluster that authenticates devices
+through the servers' HTTP hook, devices spread over the nodes by a TCP balancer.
 """
 
 from __future__ import annotations
@@ -35,7 +39,17 @@ from urllib.parse import urlsplit
 import httpx
 import torch
 from fleet_mqtt import MqttSession
-from fleet_setup import ENROL_SECRET, RssSampler, config_for, mosquitto, postgres_db, raise_nofile, server
+from fleet_setup import (
+    ADMIN,
+    ENROL_SECRET,
+    RssSampler,
+    config_for,
+    mosquitto,
+    postgres_db,
+    raise_nofile,
+    server,
+    server_env,
+)
 
 from pfl_edge.codec import encode
 from pfl_edge.protocol import API_PREFIX, Enrolment, Task, mqtt_client_id, round_topic, status_topic, task_topic
@@ -345,6 +359,55 @@ def _report(args: argparse.Namespace, calls: Calls, parts: list[dict[str, Any]],
             "rounds": rounds, "states": [{**e, "t": e["t"] - t0} for e in log]}
 
 
+def _servers(args: argparse.Namespace, stack: ExitStack, tmp: Path, db: str | None,
+             token: str) -> tuple[str, dict[str, int]]:
+    """Start the broker and the server(s) the arguments ask for; (the URL devices use, the pids to sample)."""
+    from server.balancer import start_haproxy, start_replicas
+    from server.broker import free_port
+    from server.rabbitmq import start_cluster
+
+    pids: dict[str, int] = {}
+    if args.broker == "rabbitmq":
+        if args.replicas < 1 or db is None:
+            raise SystemExit("--broker rabbitmq needs --replicas >= 1 and PostgreSQL (the hook is behind HAProxy)")
+        hook = secrets.token_urlsafe(24)
+        lb_port = free_port()
+        cluster = start_cluster(tmp / "rabbitmq", args.broker_nodes,
+                                f"http://127.0.0.1:{lb_port}/v1/broker/hook/{hook}")
+        stack.callback(cluster.stop)
+        mqtt_lb = free_port()
+        lb = start_haproxy(tmp / "mqtt-lb", mqtt_lb, [u.removeprefix("mqtt://") for u in cluster.mqtt_urls],
+                           mode="tcp")
+        stack.callback(lb.stop)
+        pids.update({f"broker{i}": p.pid for i, p in enumerate(cluster.procs)})
+        env = server_env(tmp / "server", database_url=db, broker_url=None, admin_token=token, extra={
+            "PFL_BROKER_URL": cluster.mqtt_urls[0], "PFL_BROKER_HOOK_TOKEN": hook,
+            "PFL_MQTT_USERNAME": ADMIN[0], "PFL_MQTT_PASSWORD": ADMIN[1],
+            "PFL_PUBLIC_BROKER_URL": f"mqtt://127.0.0.1:{mqtt_lb}"})
+        reps = start_replicas(tmp / "replicas", args.replicas, env, port=lb_port)
+    else:
+        broker_url, broker_pid = (stack.enter_context(mosquitto(tmp / "mosquitto"))
+                                  if args.broker == "mosquitto" else (None, None))
+        if broker_pid:
+            pids["broker"] = broker_pid
+        if args.replicas < 1:
+            srv = server(tmp / "server", database_url=db, broker_url=broker_url, admin_token=token)
+            stack.callback(srv.stop)
+            pids["server"] = srv.proc.pid
+            print(f"server {srv.url}, broker {broker_url or 'embedded'}, database {args.database}", flush=True)
+            return srv.url, pids
+        if db is None or broker_url is None:
+            raise SystemExit("--replicas needs PostgreSQL and an external broker")
+        reps = start_replicas(tmp / "replicas", args.replicas,
+                              server_env(tmp / "server", database_url=db, broker_url=broker_url, admin_token=token))
+    stack.callback(reps.stop)
+    for i, r in enumerate(reps.servers):
+        assert r is not None
+        pids["server" if i == 0 else f"server{i}"] = r.proc.pid
+    print(f"{args.replicas} replicas behind {reps.url}, broker {args.broker}, database {args.database}", flush=True)
+    return reps.url, pids
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--devices", type=int, default=1000)
@@ -353,7 +416,10 @@ def main() -> None:
     ap.add_argument("--variants", type=int, default=16, help="distinct payloads per round (disk: 1.8 MB each)")
     ap.add_argument("--connections", type=int, default=1000, help="HTTP connections (and calls in flight) at most")
     ap.add_argument("--database", default="postgresql", help="postgresql (a fresh database), sqlite, or a URL")
-    ap.add_argument("--broker", default="mosquitto", choices=["mosquitto", "embedded"])
+    ap.add_argument("--broker", default="mosquitto", choices=["mosquitto", "embedded", "rabbitmq"])
+    ap.add_argument("--broker-nodes", type=int, default=2, help="--broker rabbitmq: the cluster's nodes")
+    ap.add_argument("--replicas", type=int, default=0,
+                    help="N >= 1: N server processes behind HAProxy (PostgreSQL); 0: one server, no balancer")
     ap.add_argument("--procs", type=int, default=2, help="client processes the devices are spread over")
     ap.add_argument("--no-download", action="store_true", help="devices skip the GET of their task's base")
     ap.add_argument("--client-nice", type=int, default=0, help="niceness of the devices' processes")
@@ -365,17 +431,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="pfl-fleet-") as tmp, ExitStack() as stack:
         db = (stack.enter_context(postgres_db()) if args.database == "postgresql"
               else None if args.database == "sqlite" else args.database)
-        broker_url, broker_pid = (stack.enter_context(mosquitto(Path(tmp) / "mosquitto"))
-                                  if args.broker == "mosquitto" else (None, None))
         token = secrets.token_urlsafe(24)
-        srv = server(Path(tmp) / "server", database_url=db, broker_url=broker_url, admin_token=token)
-        stack.callback(srv.stop)
-        pids = {"server": srv.proc.pid, **({"broker": broker_pid} if broker_pid else {})}
-        print(f"server {srv.url} (pid {srv.proc.pid}), broker {broker_url or 'embedded'}, database "
-              f"{args.database}; {args.devices} devices, {args.rounds} rounds", flush=True)
+        url, pids = _servers(args, stack, Path(tmp), db, token)
         with RssSampler(pids) as rss:
             cpu0 = {k: rss.cpu_s(k) for k in pids}
-            res = asyncio.run(run_fleet(srv.url, token, args, calls))
+            res = asyncio.run(run_fleet(url, token, args, calls))
             cpu: dict[str, float | None] = {f"{k}_cpu_s": rss.cpu_s(k) - cpu0[k] for k in pids}
         enrol_cpu = rss.cpu_between(res["t0"], res["enrol_end"])
         cpu["server_cpu_ms_per_enrolment"] = enrol_cpu and 1e3 * enrol_cpu / max(1, res["enrolled"])
@@ -387,6 +447,7 @@ def main() -> None:
         "calls": calls.summary(), "server_peak_rss_mb": rss.peak_main_mb.get("server"),
         "server_peak_rss_with_children_mb": rss.peak_mb.get("server"),
         "broker_peak_rss_mb": rss.peak_mb.get("broker"),
+        "peak_rss_mb_by_process": dict(rss.peak_mb),  # each replica and broker node, with its children
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

@@ -22,7 +22,7 @@ from server.broker import free_port, listening
 from server.broker_setup import init_dynsec
 from server.launch import SubprocessServer, start_subprocess, wait_healthy
 
-__all__ = ["RssSampler", "config_for", "mosquitto", "postgres_db", "raise_nofile", "server"]
+__all__ = ["RssSampler", "config_for", "mosquitto", "postgres_db", "raise_nofile", "server", "server_env"]
 
 ADMIN = ("pfl-admin", "fleet-admin-password")
 ENROL_SECRET = "fleet-enrol-secret"
@@ -86,12 +86,11 @@ def postgres_db(base_url: str = "postgresql://postgres@127.0.0.1:5432/test") -> 
             c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-def server(data_dir: Path, *, database_url: str | None, broker_url: str | None, admin_token: str,
-           extra: dict[str, str] | None = None, root: Path | None = None) -> SubprocessServer:
-    """The server as a subprocess: the given database (None: SQLite in ``data_dir``), the private Mosquitto with
-    dynamic security (None: the embedded broker), enrolment rate limits raised for a fleet on one address;
-    ``root``: the server of another checkout (a ``git worktree``; environment settings it does not know are
-    ignored)."""
+def server_env(data_dir: Path, *, database_url: str | None, broker_url: str | None, admin_token: str,
+               extra: dict[str, str] | None = None) -> dict[str, str]:
+    """A fleet benchmark's server settings: the given database (None: SQLite in ``data_dir``), the private
+    Mosquitto with dynamic security (None: the embedded broker), enrolment rate limits raised for a fleet on one
+    address; ``extra`` last."""
     env = {"PFL_DATA_DIR": str(data_dir), "PFL_ADMIN_TOKEN": admin_token,
            "PFL_ENROL_RATE_PER_ADDRESS": "1000000", "PFL_ENROL_BURST_PER_ADDRESS": "1000000",
            "PFL_ENROL_RATE_PER_FEDERATION": "1000000", "PFL_ENROL_BURST_PER_FEDERATION": "1000000",
@@ -102,6 +101,15 @@ def server(data_dir: Path, *, database_url: str | None, broker_url: str | None, 
         env.update({"PFL_BROKER_URL": broker_url, "PFL_BROKER_DYNSEC": "true", "PFL_MQTT_USERNAME": ADMIN[0],
                     "PFL_MQTT_PASSWORD": ADMIN[1]})
     env.update(extra or {})
+    return env
+
+
+def server(data_dir: Path, *, database_url: str | None, broker_url: str | None, admin_token: str,
+           extra: dict[str, str] | None = None, root: Path | None = None) -> SubprocessServer:
+    """The server as a subprocess with :func:`server_env`'s settings; ``root``: the server of another checkout
+    (a ``git worktree``; environment settings it does not know are ignored)."""
+    env = server_env(data_dir, database_url=database_url, broker_url=broker_url, admin_token=admin_token,
+                     extra=extra)
     if root is None:
         return start_subprocess(env, timeout=120)
     return _subprocess_at(root, env)

@@ -172,14 +172,15 @@ class Replicas:
                 srv.stop()
 
 
-def start_replicas(folder: Path, n: int, env: dict[str, str], *, timeout_s: float = 120.0) -> Replicas:
+def start_replicas(folder: Path, n: int, env: dict[str, str], *, timeout_s: float = 120.0,
+                   port: int | None = None) -> Replicas:
     """``n`` replicas (``python -m server.main`` with ``env``: ``PFL_ADMIN_TOKEN``, ``PFL_DATABASE_URL`` of a
     PostgreSQL database, ``PFL_BROKER_URL`` of an external broker) sharing ``folder/blobs``, behind HAProxy; each
-    tells devices the balancer's URL. ConfigError where HAProxy is missing."""
+    tells devices the balancer's URL (on ``port``, default a free one). ConfigError where HAProxy is missing."""
     if HAPROXY is None:
         raise ConfigError("haproxy is not installed (Debian: apt-get install haproxy)")
     folder.mkdir(parents=True, exist_ok=True)
-    ports, lb = [free_port() for _ in range(n)], free_port()
+    ports, lb = [free_port() for _ in range(n)], port or free_port()
     env = {"PFL_BLOB_DIR": str(folder / "blobs"), **env, "PFL_PUBLIC_URL": f"http://127.0.0.1:{lb}"}
     reps = Replicas(folder, env, ports, [None] * n)
     try:

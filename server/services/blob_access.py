@@ -9,6 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from sqlalchemy import func, select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
 from pfl_edge.codec import DEFAULT_MAX_BYTES, Decoded, decode, encode
@@ -16,7 +18,7 @@ from pfl_edge.errors import CodecError
 from pfl_edge.split import take
 
 from ..blobs import BlobError, BlobStore, BlobTooLarge, DirBlobStore, sha256_hex
-from ..db import SERVER, Blob, BlobRef, Device, Update
+from ..db import SERVER, Blob, BlobRef, Device, Update, now
 from ..errors import Forbidden, NotFound, TooLarge, TooManyRequests, Unprocessable
 from ..fedmodel import FedModel
 from .spool import DecodePool, Spooled, check_update
@@ -40,14 +42,16 @@ class BlobAccess:
 
     @staticmethod
     def add_ref(s: Session, digest: str, size: int, fed_id: str, uploader: str) -> bool:
-        """Record that ``uploader`` of ``fed_id`` holds ``digest``; True if that is new."""
+        """Record that ``uploader`` of ``fed_id`` holds ``digest``; True if that is new. Inserts that lose a race
+        (replicas, or threads, storing the same blob at once) do nothing instead of failing."""
+        insert = pg_insert if s.get_bind().dialect.name == "postgresql" else sqlite_insert
         if s.get(Blob, digest) is None:
-            s.add(Blob(digest=digest, size=size))
-            s.flush()
-        if s.get(BlobRef, (digest, fed_id, uploader)) is None:
-            s.add(BlobRef(digest=digest, federation=fed_id, uploader=uploader))
-            return True
-        return False
+            s.execute(insert(Blob).values(digest=digest, size=size, created_at=now()).on_conflict_do_nothing())
+        if s.get(BlobRef, (digest, fed_id, uploader)) is not None:
+            return False
+        got = s.execute(insert(BlobRef).values(digest=digest, federation=fed_id, uploader=uploader)
+                        .on_conflict_do_nothing())
+        return bool(got.rowcount)  # type: ignore[attr-defined]  # a CursorResult
 
     def put(self, dev: Device, digest: str, data: bytes | Spooled) -> bool:
         """True if new for this device (201), False if it had already sent it (200). ``data``: the body, or the
