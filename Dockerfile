@@ -5,12 +5,13 @@
 # (PFL_BROKER_URL, and PFL_PUBLIC_BROKER_URL as devices reach it), as compose.yaml does.
 FROM python:3.11-slim
 
-# a fixed, unprivileged user: /data (the SQLite file if any, the blobs, the broker port file) belongs to it, and
+# a fixed, unprivileged user: /data (the SQLite file if any, the blobs, the broker port file) and /shared (the
+# blobs and programs replicas share: compose.replicated.yaml) belong to it, and
 # a volume mounted there takes that ownership on first use
 ARG PFL_UID=10001
 RUN groupadd --gid "${PFL_UID}" pfl \
     && useradd --uid "${PFL_UID}" --gid pfl --no-create-home --home-dir /data --shell /usr/sbin/nologin pfl \
-    && mkdir -p /data && chown pfl:pfl /data && chmod 0700 /data
+    && mkdir -p /data /shared && chown pfl:pfl /data /shared && chmod 0700 /data /shared
 
 WORKDIR /app
 # torch first, from the CPU index (the PyPI default would pull the CUDA build, ~4 GB more); the project's own

@@ -17,10 +17,11 @@ demo: $(VENV)/.installed data
 test: $(VENV)/.installed data
 	$(BIN)/python -m pytest -q -n auto --maxprocesses=4 --dist loadscope --durations=25
 
-# the few tests that must be long (fresh venvs' installs, mobilenet-v1's training export, the soak); CI runs
-# them after make test, two at a time (independent, and each waits on installs or exports much of its time)
+# the few tests that must be long (fresh venvs' installs, mobilenet-v1's training export, the soak, replicas,
+# a RabbitMQ cluster); CI runs them after make test, two modules at a time (each waits on installs, exports or
+# other processes much of its time; a module's tests on one worker: its cluster or run is made once)
 test-slow: $(VENV)/.installed data
-	$(BIN)/python -m pytest -q -m slow -n 2 --durations=10
+	$(BIN)/python -m pytest -q -m slow -n 2 --dist loadscope --durations=12
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check pfl_edge device_profiles export edge_runtime server tests bench

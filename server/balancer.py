@@ -32,11 +32,12 @@ HAPROXY = shutil.which("haproxy") or ("/usr/sbin/haproxy" if Path("/usr/sbin/hap
 
 
 def haproxy_config(bind: str, servers: Sequence[str], *, max_body_s: int = 300,
-                   mode: Literal["http", "tcp"] = "http") -> str:
+                   mode: Literal["http", "tcp"] = "http", dns: str | None = None) -> str:
     """HAProxy's configuration: listen on ``bind`` (``host:port``), balance over ``servers`` (``host:port``
     each). ``max_body_s``: the longest a request or response may take (a large model's upload on a slow link).
     ``mode="tcp"``: connections balanced as they are (MQTT over a broker cluster's nodes; each connection stays
-    on its node for its life)."""
+    on its node for its life). ``dns``: a name server (``host:port``) that HAProxy asks again at run time, where
+    replicas are names whose addresses change (containers: Docker's ``127.0.0.11:53``)."""
     if not servers:
         raise ConfigError("a load balancer needs at least one server")
     if mode == "tcp":
@@ -67,8 +68,12 @@ def haproxy_config(bind: str, servers: Sequence[str], *, max_body_s: int = 300,
         "    balance roundrobin",
         "    option httpchk GET /healthz",
         "    http-check expect status 200",
+        "    default-server init-addr last,libc,none",  # a replica's name that does not resolve yet: down, not fatal
     ]
-    lines += [f"    server r{i} {addr} check inter 1s fall 2 rise 1" for i, addr in enumerate(servers)]
+    res = " resolvers dns" if dns else ""
+    lines += [f"    server r{i} {addr} check inter 1s fall 2 rise 1{res}" for i, addr in enumerate(servers)]
+    if dns:
+        lines += ["", "resolvers dns", f"    nameserver dns1 {dns}", "    hold valid 10s"]
     return "\n".join(lines) + "\n"
 
 

@@ -352,3 +352,74 @@ def test_the_image_command_is_healthy_with_compose_environment(
         server.terminate()
         server.wait(30)
     assert not healthy()  # and once the server is gone
+
+
+# ------------------------------------------------------------------------------- replicas (compose.replicated)
+REPLICATED = ROOT / "compose.replicated.yaml"
+REPLICATED_SECRETS = {**SECRETS, "PFL_BROKER_HOOK_TOKEN": "hook-" + uuid.uuid4().hex}
+
+
+def test_the_replicated_set_shares_one_database_blob_store_and_broker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three replicas behind HAProxy: each one's environment parses as the server's settings and asks for the
+    hook mode on RabbitMQ; they share the blobs and programs volume and each has its own data volume; no secret
+    has a default."""
+    from server.broker_setup import start_mqtt
+    from server.settings import Settings
+
+    spec = dict(yaml.safe_load(REPLICATED.read_text()))
+    services = spec["services"]
+    assert set(services) == {"replica-1", "replica-2", "replica-3", "haproxy", "rabbitmq", "postgres"}
+    own = set()
+    for name in ("replica-1", "replica-2", "replica-3"):
+        svc = services[name]
+        assert svc["build"] == "." and "shared:/shared" in svc["volumes"]
+        own |= {v for v in svc["volumes"] if v.endswith(":/data")}
+        env = {k: interpolate(str(v), REPLICATED_SECRETS) for k, v in svc["environment"].items()}
+        for k in list(os.environ):
+            if k.startswith("PFL_"):
+                monkeypatch.delenv(k)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        s = Settings()
+        assert s.resolved_database_url.startswith("postgresql+psycopg://pfl:")
+        assert str(s.resolved_blob_dir).startswith("/shared/") and str(s.programs_dir).startswith("/shared/")
+        mqtt = start_mqtt(s, lambda *_: None)
+        assert mqtt.mode == "hook" and mqtt.url == "mqtt://rabbitmq:1883"
+        for secret in REPLICATED_SECRETS:
+            with pytest.raises(KeyError, match=secret):
+                {k: interpolate(str(v), {x: y for x, y in REPLICATED_SECRETS.items() if x != secret})
+                 for k, v in svc["environment"].items()}
+    assert len(own) == 3  # a data dir each (the spool of uploads in flight)
+    for v in [*services["haproxy"]["volumes"], *services["rabbitmq"]["volumes"]]:
+        src = v.split(":")[0]
+        if src.startswith("./"):
+            assert (ROOT / src).is_file(), f"{v}: compose mounts a file the repository lacks"
+    assert interpolate(str(services["rabbitmq"]["environment"]["PFL_BROKER_HOOK_TOKEN"]), REPLICATED_SECRETS) \
+        == REPLICATED_SECRETS["PFL_BROKER_HOOK_TOKEN"]
+
+
+def test_the_balancer_and_broker_configs_are_the_servers_own(tmp_path: Path) -> None:
+    """docker/haproxy.cfg is server.balancer.haproxy_config's for the three replicas, and HAProxy accepts it;
+    the RabbitMQ container's entrypoint writes server.rabbitmq.rabbitmq_conf's lines for the hook behind the
+    balancer, with the token from the environment, then runs its arguments."""
+    from server.balancer import HAPROXY, haproxy_config
+    from server.rabbitmq import rabbitmq_conf
+
+    cfg = (DOCKER / "haproxy.cfg").read_text()
+    body = "".join(ln + "\n" for ln in cfg.splitlines() if not ln.startswith("#"))
+    assert body == haproxy_config("*:8080", ["replica-1:8080", "replica-2:8080", "replica-3:8080"],
+                                  dns="127.0.0.11:53")
+    if HAPROXY is not None:
+        check = subprocess.run([HAPROXY, "-c", "-f", str(DOCKER / "haproxy.cfg")], capture_output=True, text=True)
+        assert check.returncode == 0, check.stderr
+    token = REPLICATED_SECRETS["PFL_BROKER_HOOK_TOKEN"]
+    out = tmp_path / "20-pfl.conf"
+    env = {"PATH": os.environ["PATH"], "PFL_BROKER_HOOK_TOKEN": token, "PFL_RABBITMQ_CONF": str(out)}
+    ran = subprocess.run(["sh", str(DOCKER / "rabbitmq-entrypoint.sh"), "sh", "-c", "echo started"], env=env,
+                         capture_output=True, text=True, timeout=30)
+    assert ran.returncode == 0 and ran.stdout.strip() == "started", ran.stderr
+    assert out.read_text() == rabbitmq_conf(f"http://haproxy:8080/v1/broker/hook/{token}")
+    assert out.stat().st_mode & 0o077 == 0  # the token is a secret
+    missing = subprocess.run(["sh", str(DOCKER / "rabbitmq-entrypoint.sh"), "true"], capture_output=True, text=True,
+                             env={"PATH": os.environ["PATH"], "PFL_RABBITMQ_CONF": str(tmp_path / "no.conf")})
+    assert missing.returncode != 0 and "PFL_BROKER_HOOK_TOKEN" in missing.stderr

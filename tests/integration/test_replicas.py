@@ -25,7 +25,8 @@ from server.balancer import HAPROXY, Replicas, start_replicas
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
-pytestmark = pytest.mark.skipif(HAPROXY is None, reason="haproxy is not installed (apt-get install haproxy)")
+pytestmark = [pytest.mark.skipif(HAPROXY is None, reason="haproxy is not installed (apt-get install haproxy)"),
+              pytest.mark.slow]  # three servers and three devices through four rounds: a minute each
 
 
 @pytest.fixture

@@ -30,7 +30,8 @@ TOKEN = "admin-token-for-rabbitmq"
 HOOK = "rabbit-hook-token-0123456789"
 SERVER = ("pfl-server", "server-password-on-rabbitmq")
 
-pytestmark = pytest.mark.skipif(RABBITMQ_SERVER is None, reason="RabbitMQ is not installed")
+# two RabbitMQ nodes take half a minute to start and cluster, and the federation a minute more
+pytestmark = [pytest.mark.skipif(RABBITMQ_SERVER is None, reason="RabbitMQ is not installed"), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
