@@ -57,7 +57,7 @@ from pfl_edge.split import take
 from server.fedmodel import fed_model
 
 FED = "fleet"
-RETRY_STATUS = {429, 503}
+RETRY_STATUS = {429, 502, 503, 504}  # 502/504: a balancer whose replica died under the call
 
 
 def percentiles(xs: list[float]) -> dict[str, float | int | None]:
@@ -169,6 +169,7 @@ class Fleet:
         self.sessions: list[MqttSession] = []
         self.done: dict[int, list[float]] = defaultdict(list)  # round -> times its updates were accepted
         self.tasks_at: dict[int, list[float]] = defaultdict(list)  # round -> times tasks arrived
+        self.ledger: list[tuple[str, int, str]] = []  # (device, round, digest) the server said it holds
 
     async def enrol(self, client: httpx.AsyncClient, i: int) -> Enrolment:
         body = {"federation": FED, "enrol_secret": ENROL_SECRET, "profile": "raspberry-pi-4", "name": f"v{i}",
@@ -219,6 +220,7 @@ class Fleet:
                            headers={**auth, "Content-Type": "application/octet-stream"})
                 await call(client, self.calls, "post_update", "POST", f"{API_PREFIX}/rounds/{t}/updates",
                            json={"digest": digest, "n_samples": 4}, headers=auth)
+            self.ledger.append((enr.device_id, t, digest))  # accepted, now or by an earlier try
             self.done[t].append(time.time())
 
     async def wait_task(self, m: MqttSession, t: int) -> Task:
@@ -272,7 +274,7 @@ async def run_slice(url: str, rounds: int, payloads: Payloads, lo: int, hi: int,
         await s.close()
     failed = [r for r in results if isinstance(r, BaseException)]
     return {"calls": calls.export(), "enrolled": fleet.enrolled, "done": dict(fleet.done),
-            "tasks_at": dict(fleet.tasks_at), "failures": len(failed),
+            "tasks_at": dict(fleet.tasks_at), "failures": len(failed), "ledger": fleet.ledger,
             "failure_samples": [repr(f)[:300] for f in failed[:5]], "payload_bytes": fleet.payload_bytes,
             "cpu_s": sum(resource.getrusage(resource.RUSAGE_SELF)[:2])}
 
@@ -289,7 +291,43 @@ def client_process(url: str, rounds: int, payloads: Payloads, lo: int, hi: int, 
         raise
 
 
-async def run_fleet(url: str, admin_token: str, args: argparse.Namespace, calls: Calls) -> dict[str, Any]:
+async def kill_leaders(reps: Any, n: int, delay_s: float, log: list[dict[str, Any]], stop: asyncio.Event,
+                       admin: dict[str, str], client: httpx.AsyncClient) -> list[dict[str, Any]]:
+    """In each of rounds 1..n, ``delay_s`` after it starts collecting: SIGKILL the federation's leader (uploads
+    stream into it too: the balancer spreads them), time until another replica leads, restart the dead one."""
+    kills: list[dict[str, Any]] = []
+    restarts = []
+    for t in range(1, n + 1):
+        while not stop.is_set():
+            info = (await client.get(f"{API_PREFIX}/federations/{FED}", headers=admin, timeout=30)).json()
+            if (info["round"], info["state"]) >= (t, "collecting") and info["round"] >= t:
+                break
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(delay_s)
+        leader, asked = None, time.time()
+        while leader is None and time.time() - asked < 20:  # a busy replica may answer /metrics late
+            leader = await asyncio.to_thread(reps.leader_of, FED)
+        if leader is None:
+            kills.append({"round": t, "error": "no replica said it led the federation (finished meanwhile?)"})
+            continue
+        t0 = time.time()
+        reps.kill(leader)
+        new = None
+        while new is None and time.time() - t0 < 120:
+            new = await asyncio.to_thread(reps.leader_of, FED)
+            if new is None:
+                await asyncio.sleep(0.1)
+        took = time.time() - t0
+        print(f"  round {t}: killed leader {leader}; replica {new} leads after {took:.2f} s", flush=True)
+        restarts.append(asyncio.create_task(asyncio.to_thread(reps.start, leader)))  # back, as a follower
+        kills.append({"round": t, "killed": leader, "new_leader": new, "takeover_s": took})
+    for r in restarts:
+        await r
+    return kills
+
+
+async def run_fleet(url: str, admin_token: str, args: argparse.Namespace, calls: Calls,
+                    reps: Any = None) -> dict[str, Any]:
     payloads = make_payloads(args.devices, args.rounds, args.variants)
     admin = {"Authorization": f"Bearer {admin_token}"}
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(120)) as client:
@@ -311,16 +349,54 @@ async def run_fleet(url: str, admin_token: str, args: argparse.Namespace, calls:
         log: list[dict[str, Any]] = []
         stop = asyncio.Event()
         watcher = asyncio.create_task(watch(client, admin, args.rounds, stop, log))
+        killer = (asyncio.create_task(kill_leaders(reps, args.kill_leader, args.kill_delay_s, log, stop, admin, client))
+                  if args.kill_leader else None)
         parts = [await asyncio.to_thread(q.get) for _ in procs]
         with contextlib.suppress(TimeoutError):  # the last round closes after its last update
             await asyncio.wait_for(asyncio.shield(watcher), 300)
         stop.set()
         await watcher
         wall = time.time() - t0
+        kills = await killer if killer is not None else []
         for p in procs:
             p.join(30)
         summary = (await client.get(f"{API_PREFIX}/federations/{FED}/metrics", headers=admin, timeout=300)).json()
-    return _report(args, calls, parts, summary, log, t0, wall)
+    return {**_report(args, calls, parts, summary, log, t0, wall), "leader_kills": kills,
+            "ledger": [e for p in parts for e in p.get("ledger", [])]}
+
+
+def ledger_check(database_url: str, ledger: list[list[Any]]) -> dict[str, Any]:
+    """The virtual devices' ledgers against the database (as the soak's check, bench/soak_ledger.py): every
+    update a device was told the server holds has its row (else lost), no (round, device) has two rows (double
+    counted), and every closed round's rows are what its close recorded taking."""
+    from sqlalchemy import select
+
+    from server.db import Round, Update, inputs_digest, make_engine
+    from server.migrations import make_sessionmaker
+    from server.settings import Settings
+
+    engine = make_engine(Settings(database_url=database_url).resolved_database_url)
+    try:
+        with make_sessionmaker(engine)() as s:
+            rows = list(s.execute(select(Update.device, Update.round, Update.digest).where(Update.federation == FED)))
+            rounds = list(s.scalars(select(Round).where(Round.federation == FED)))
+    finally:
+        engine.dispose()
+    have = {(d, t, g) for d, t, g in rows}
+    per: dict[tuple[int, str], int] = defaultdict(int)
+    for d, t, _ in rows:
+        per[t, d] += 1
+    mismatched = 0
+    for r in rounds:
+        if r.inputs is None:
+            continue
+        took = [(d, g) for d, t, g in rows if t == r.round]
+        mismatched += int(len(took) != r.inputs or inputs_digest(took) != r.inputs_digest)
+    return {"ledger_entries": len(ledger), "rows": len(rows),
+            "lost": sum(1 for e in ledger if tuple(e) not in have),
+            "double_counted": sum(n - 1 for n in per.values() if n > 1),
+            "unlogged": len(have - {tuple(e) for e in ledger}),
+            "rounds_checked": sum(1 for r in rounds if r.inputs is not None), "inputs_mismatched": mismatched}
 
 
 def _report(args: argparse.Namespace, calls: Calls, parts: list[dict[str, Any]], summary: dict[str, Any],
@@ -360,7 +436,7 @@ def _report(args: argparse.Namespace, calls: Calls, parts: list[dict[str, Any]],
 
 
 def _servers(args: argparse.Namespace, stack: ExitStack, tmp: Path, db: str | None,
-             token: str) -> tuple[str, dict[str, int]]:
+             token: str) -> tuple[str, dict[str, int], Any]:
     """Start the broker and the server(s) the arguments ask for; (the URL devices use, the pids to sample)."""
     from server.balancer import start_haproxy, start_replicas
     from server.broker import free_port
@@ -395,7 +471,7 @@ def _servers(args: argparse.Namespace, stack: ExitStack, tmp: Path, db: str | No
             stack.callback(srv.stop)
             pids["server"] = srv.proc.pid
             print(f"server {srv.url}, broker {broker_url or 'embedded'}, database {args.database}", flush=True)
-            return srv.url, pids
+            return srv.url, pids, None
         if db is None or broker_url is None:
             raise SystemExit("--replicas needs PostgreSQL and an external broker")
         reps = start_replicas(tmp / "replicas", args.replicas,
@@ -405,7 +481,7 @@ def _servers(args: argparse.Namespace, stack: ExitStack, tmp: Path, db: str | No
         assert r is not None
         pids["server" if i == 0 else f"server{i}"] = r.proc.pid
     print(f"{args.replicas} replicas behind {reps.url}, broker {args.broker}, database {args.database}", flush=True)
-    return reps.url, pids
+    return reps.url, pids, reps
 
 
 def main() -> None:
@@ -418,6 +494,9 @@ def main() -> None:
     ap.add_argument("--database", default="postgresql", help="postgresql (a fresh database), sqlite, or a URL")
     ap.add_argument("--broker", default="mosquitto", choices=["mosquitto", "embedded", "rabbitmq"])
     ap.add_argument("--broker-nodes", type=int, default=2, help="--broker rabbitmq: the cluster's nodes")
+    ap.add_argument("--kill-leader", type=int, default=0, metavar="N",
+                    help="SIGKILL the federation's leader in rounds 1..N (needs --replicas >= 2), restart it")
+    ap.add_argument("--kill-delay-s", type=float, default=3.0, help="how long into a round's collecting")
     ap.add_argument("--replicas", type=int, default=0,
                     help="N >= 1: N server processes behind HAProxy (PostgreSQL); 0: one server, no balancer")
     ap.add_argument("--procs", type=int, default=2, help="client processes the devices are spread over")
@@ -432,13 +511,16 @@ def main() -> None:
         db = (stack.enter_context(postgres_db()) if args.database == "postgresql"
               else None if args.database == "sqlite" else args.database)
         token = secrets.token_urlsafe(24)
-        url, pids = _servers(args, stack, Path(tmp), db, token)
+        url, pids, reps = _servers(args, stack, Path(tmp), db, token)
         with RssSampler(pids) as rss:
             cpu0 = {k: rss.cpu_s(k) for k in pids}
-            res = asyncio.run(run_fleet(url, token, args, calls))
+            res = asyncio.run(run_fleet(url, token, args, calls, reps))
             cpu: dict[str, float | None] = {f"{k}_cpu_s": rss.cpu_s(k) - cpu0[k] for k in pids}
         enrol_cpu = rss.cpu_between(res["t0"], res["enrol_end"])
         cpu["server_cpu_ms_per_enrolment"] = enrol_cpu and 1e3 * enrol_cpu / max(1, res["enrolled"])
+        entries = res.pop("ledger")
+        if db is not None:  # before the database is dropped
+            res["ledger_check"] = ledger_check(db, entries)
     result = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"), "load_average_after": os.getloadavg(),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",

@@ -148,7 +148,7 @@ class Replicas:
             if srv is None or srv.proc.poll() is not None:
                 continue
             try:
-                r = httpx.get(f"{self.replica_url(i)}/metrics", timeout=5.0,
+                r = httpx.get(f"{self.replica_url(i)}/metrics", timeout=15.0,
                               headers={"Authorization": f"Bearer {self.admin_token}"})
             except httpx.TransportError:
                 continue
