@@ -255,8 +255,7 @@ def enrol_gate(settings: Settings, sessions: sessionmaker[Session] | None = None
     """The enrolment gate with the settings' limits: buckets in the database where ``sessions`` are on
     PostgreSQL (replicas share them), else in this process's memory."""
     bind = None if sessions is None else sessions.kw.get("bind")
-    if bind is not None and bind.dialect.name == "postgresql":
-        assert sessions is not None
+    if sessions is not None and bind is not None and bind.dialect.name == "postgresql":
         return EnrolGate(SqlBuckets(sessions, "address", settings.enrol_rate_per_address,
                                     settings.enrol_burst_per_address),
                          SqlBuckets(sessions, "federation", settings.enrol_rate_per_federation,
