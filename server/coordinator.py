@@ -66,10 +66,12 @@ class Coordinator:
             remove(dev_id)
 
     def start(self) -> None:
+        self.publisher.start()
         self.worker.start()
 
     def stop(self) -> None:
         self.worker.stop()
+        self.publisher.stop()
 
     def on_status(self, topic: str, payload: bytes) -> None:
         self.publisher.on_status(topic, payload)

@@ -144,3 +144,37 @@ def test_a_second_server_on_one_sqlite_database_is_refused(tmp_path: Path) -> No
     assert again is not None
     again.close()
     assert sqlite_guard("postgresql://x@h/db") is None
+
+
+def test_statuses_are_written_in_batches_each_devices_latest(tmp_path: Path) -> None:
+    """A burst of statuses from the MQTT thread becomes one transaction of each device's latest status; one for a
+    device of another federation than its topic names changes nothing."""
+    import json
+
+    import httpx
+    from server_testkit import FEDPER, Dev, create
+
+    from server.launch import start_background
+
+    srv = start_background(Settings(data_dir=tmp_path / "data", admin_token="admin-token-for-statuses"))
+    try:
+        assert srv.app_state is not None
+        pub = srv.app_state.coordinator.publisher
+        c = httpx.Client(base_url=srv.url, timeout=30)
+        create(c, "admin-token-for-statuses", "f", FEDPER)
+        devs = [Dev(c, "f") for _ in range(3)]
+        pub.flush_statuses()
+        before = pub.status_writes
+        burst = [(f"pfl/f/device/{d.id}/status", {"device_id": d.id, "state": s})
+                 for d in devs for s in ("offline", "online")]
+        burst.append((f"pfl/g/device/{devs[0].id}/status", {"device_id": devs[0].id, "state": "offline"}))
+        for topic, msg in burst:
+            pub.on_status(topic, json.dumps(msg).encode())
+        pub.flush_statuses()
+        listed = c.get("/v1/federations/f/devices", headers={"Authorization": "Bearer admin-token-for-statuses"})
+        online = {d["device_id"]: d["online"] for d in listed.json()}
+        assert online == {d.id: True for d in devs}
+        assert pub.status_writes - before <= 2  # the burst in one transaction (or two, if the thread cut it)
+        c.close()
+    finally:
+        srv.stop()
