@@ -93,7 +93,8 @@ def _run(root: Path, config: dict[str, Any], profiles: list[str], *, broker: str
                 # a device killed without warning (no clean disconnect: its last will fires), then restarted
                 fed.devices[kill_and_restart].kill()
                 fed.devices[kill_and_restart].wait()
-                fed.start_device(kill_and_restart, profiles[kill_and_restart])
+                fed.start_device(kill_and_restart, profiles[kill_and_restart],  # as it was started
+                                 extra=(extra or {}).get(kill_and_restart, ["--training-backend", "torch"]))
                 restarted = True
             if at_round is not None and info["round"] >= at_round[0]:
                 at_round[1]()

@@ -121,11 +121,14 @@ def with_nan(payload: bytes) -> bytes:
 
 
 def snapshot(engine: Engine) -> dict[str, list[str]]:
-    """Every row of every server table, as sorted JSON (device liveness excluded: MQTT may touch it)."""
+    """Every row of every server table, as sorted JSON (device liveness excluded: MQTT may touch it; and the rate
+    limits' buckets, which a refused attempt is meant to spend: that is how a guesser is slowed)."""
     out: dict[str, list[str]] = {}
     md: MetaData = Base.metadata
     with engine.connect() as conn:
         for name, table in md.tables.items():
+            if name == "pfl_rate_buckets":
+                continue
             rows = []
             for row in conn.execute(select(table)).mappings():
                 d = {k: v for k, v in row.items() if k not in ("online", "last_seen")}

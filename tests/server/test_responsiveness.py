@@ -84,7 +84,7 @@ def test_worker_coalesces_a_burst_of_wakeups() -> None:
     burst still makes one: nothing waits for the next periodic tick."""
     store = SimpleNamespace(read=lambda: _Ids())
     m = _Machine()
-    w = RoundWorker(store, m, SimpleNamespace(recover=lambda: None), tick_s=60.0,  # type: ignore[arg-type]
+    w = RoundWorker(store, m, SimpleNamespace(recover=lambda **_: None), tick_s=60.0,  # type: ignore[arg-type]
                     coalesce_s=0.05)
     w.start()
     try:
