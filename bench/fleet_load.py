@@ -208,7 +208,7 @@ class Fleet:
         m = await self.session(enr)
         auth = {"Authorization": f"Bearer {enr.token}"}
         for t in range(1, self.rounds + 1):
-            task = await self.wait_task(m, t)
+            task = await self.wait_task(m, t, client, auth)
             self.tasks_at[t].append(time.time())
             async with gate:  # as an agent does: the server's word on its task before acting on it, then the base
                 await call(client, self.calls, "get_task", "GET", f"{API_PREFIX}/rounds/current/task", headers=auth)
@@ -223,9 +223,19 @@ class Fleet:
             self.ledger.append((enr.device_id, t, digest))  # accepted, now or by an earlier try
             self.done[t].append(time.time())
 
-    async def wait_task(self, m: MqttSession, t: int) -> Task:
+    async def wait_task(self, m: MqttSession, t: int, client: httpx.AsyncClient, auth: dict[str, str]) -> Task:
+        """The task of round ``t``: as the agent does, asked over HTTP once subscribed (a retained task may never
+        come: RabbitMQ keeps them per node) and again whenever MQTT is quiet for a while; else from MQTT."""
         while True:
-            topic, payload = await m.messages.get()
+            r = await client.get(f"{API_PREFIX}/rounds/current/task", headers=auth)
+            if r.status_code == 200:
+                task = Task.model_validate_json(r.content)
+                if task.round == t and not task.final:
+                    return task
+            try:
+                topic, payload = await asyncio.wait_for(m.messages.get(), 30.0)
+            except TimeoutError:
+                continue
             if not topic:
                 self.calls.error("mqtt_session", f"{m.client_id}: session ended before the task of round {t}")
                 raise RuntimeError("session ended")
