@@ -9,7 +9,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["PG_HOST", "PG_PORT", "fresh_schema", "pg_user"]
+__all__ = ["PG_HOST", "PG_PORT", "fresh_schema", "pg_user", "schema_or_skip"]
 
 PG_HOST, PG_PORT = "127.0.0.1", 5432
 
@@ -58,3 +58,14 @@ def fresh_schema(prefix: str) -> Iterator[str | None]:
     finally:
         with psycopg.connect(host=PG_HOST, port=PG_PORT, dbname="test", user=user, autocommit=True) as c:
             c.execute(f'DROP SCHEMA "{schema}" CASCADE')
+
+
+@contextmanager
+def schema_or_skip(prefix: str) -> Iterator[str]:
+    """:func:`fresh_schema`'s URL, or the calling test skipped (saying why) where there is no PostgreSQL."""
+    import pytest
+
+    with fresh_schema(prefix) as url:
+        if url is None:
+            pytest.skip(f"PostgreSQL does not answer on {PG_HOST}:{PG_PORT}, or no user may connect to 'test'")
+        yield url

@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
-from pgkit import fresh_schema
+from pgkit import schema_or_skip
 
 yaml = pytest.importorskip("yaml")
 
@@ -224,9 +224,7 @@ def _wait(pred: Any, timeout_s: float, what: str) -> None:
 @pytest.fixture
 def pg_schema_url() -> Iterator[str]:
     """postgresql://... whose search_path is a fresh schema of database ``test``, dropped afterwards."""
-    with fresh_schema("pfl_ct") as url:
-        if url is None:
-            pytest.skip("PostgreSQL does not answer on 127.0.0.1:5432")
+    with schema_or_skip("pfl_ct") as url:
         yield url
 
 

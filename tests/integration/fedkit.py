@@ -11,7 +11,7 @@ import torch
 from pfl_edge.checkpoint import load_checkpoint
 from pfl_edge.sim import SimConfig, simulate
 
-__all__ = ["BASE", "assert_simulator_models", "device_log", "final_model"]
+__all__ = ["BASE", "assert_simulator_models", "device_log", "ended", "final_model"]
 
 BASE: dict[str, Any] = dict(dataset="synthetic", partition="pathological:2", rounds=2, samples_per_client=48,
                             test_per_client=32, local_epochs=1, batch_size=16, lr=0.05, workers=1, seed=5)
@@ -20,6 +20,17 @@ BASE: dict[str, Any] = dict(dataset="synthetic", partition="pathological:2", rou
 def device_log(root: Path, i: int) -> str:
     p = root / "devices" / f"device-{i:02d}.log"
     return p.read_text()[-3000:] if p.exists() else ""
+
+
+def ended(fed: Any, root: Path, info: dict[str, Any]) -> bool:
+    """True once the federation ``info`` describes has finished and every device process of ``fed`` (an
+    ``edge_runtime.fleet.Federation``) has exited; fails at once if a device exited with an error."""
+    if info["state"] == "finished" and all(p.poll() is not None for p in fed.devices):
+        return True
+    for i, p in enumerate(fed.devices):
+        code = p.poll()
+        assert code in (None, 0), f"device {i} exited with {code}: " + device_log(root, i)
+    return False
 
 
 def final_model(root: Path, i: int) -> dict[str, torch.Tensor]:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from fedkit import BASE, assert_simulator_models, device_log
+from fedkit import BASE, assert_simulator_models, device_log, ended
 from pgkit import fresh_schema
 
 from edge_runtime.data import load_local_data
@@ -103,11 +103,8 @@ def _run(root: Path, config: dict[str, Any], profiles: list[str], *, broker: str
                 fed.restart_server()
                 server_restarted = True
                 continue
-            if info["state"] == "finished" and all(p.poll() is not None for p in fed.devices):
+            if ended(fed, root, info):
                 break
-            for i, p in enumerate(fed.devices):
-                code = p.poll()
-                assert code in (None, 0), f"device {i} exited with {code}: " + device_log(root, i)
             time.sleep(0.3)
         else:
             raise AssertionError("federation did not finish: " + device_log(root, 0)

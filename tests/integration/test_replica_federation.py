@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fedkit import BASE, assert_simulator_models, device_log
+from fedkit import BASE, assert_simulator_models, device_log, ended
 from mosquitto_kit import mosquitto
-from pgkit import fresh_schema
+from pgkit import schema_or_skip
 
 from edge_runtime.fleet import Federation
 from pfl_edge.sim import SimConfig
@@ -31,9 +31,7 @@ pytestmark = [pytest.mark.skipif(HAPROXY is None, reason="haproxy is not install
 
 @pytest.fixture
 def pg() -> Iterator[str]:
-    with fresh_schema("pfl_rep") as url:
-        if url is None:
-            pytest.skip("no PostgreSQL on 127.0.0.1:5432")
+    with schema_or_skip("pfl_rep") as url:
         yield url
 
 
@@ -81,11 +79,8 @@ def test_replicas_ride_out_the_leaders_death_mid_round(tmp_path: Path, pg: str, 
                 reps.kill(killed)  # mid-round: the round is collecting its updates
             if killed is not None and taken_over is None:
                 taken_over = reps.leader_of(fed.fed)
-            if info["state"] == "finished" and all(p.poll() is not None for p in fed.devices):
+            if ended(fed, root, info):
                 break
-            for i, p in enumerate(fed.devices):
-                code = p.poll()
-                assert code in (None, 0), f"device {i} exited with {code}: " + device_log(root, i)
             time.sleep(0.3)
         else:
             raise AssertionError("federation did not finish: " + device_log(root, 0)

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # `server` may be newer than the editable install's package list
     sys.path.insert(0, str(ROOT))
 
-from pgkit import PG_HOST, PG_PORT, fresh_schema  # noqa: E402  (tests/, on the path as the root conftest's folder)
+from pgkit import schema_or_skip  # noqa: E402  (tests/, on the path as the root conftest's folder)
 
 from server.broker import EmbeddedBroker  # noqa: E402
 
@@ -37,9 +37,7 @@ def broker_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture
 def pg_url() -> Iterator[str]:
     """A PostgreSQL URL whose search_path is a fresh schema, dropped afterwards."""
-    with fresh_schema("pfl_test") as url:
-        if url is None:
-            pytest.skip(f"PostgreSQL does not answer on {PG_HOST}:{PG_PORT}, or no user may connect to 'test'")
+    with schema_or_skip("pfl_test") as url:
         yield url
 
 
