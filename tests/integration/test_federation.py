@@ -69,12 +69,14 @@ def postgres_url() -> Iterator[str | None]:
 def _run(root: Path, config: dict[str, Any], profiles: list[str], *, broker: str, database_url: str | None = None,
          kill_and_restart: int | None = None, restart_server_at: int | None = None,
          late: int | None = None, extra: dict[int, list[str]] | None = None,
-         at_round: tuple[int, Any] | None = None, timeout_s: float = 240) -> Federation:
-    """Run a federation to its end. ``late``: device ``late`` (the last) enrols only once round 1 has
-    closed; round 1 opens without it."""
+         at_round: tuple[int, Any] | None = None, timeout_s: float = 600) -> Federation:
+    """Run a federation to its end (``timeout_s``: a generous bound; a device may wait minutes for a program
+    export on a loaded machine). ``late``: device ``late`` (the last) enrols only once round 1 has closed; round
+    1 opens without it."""
     fed = start_server(root, broker_url=broker, database_url=database_url)
     try:
-        fed.create(f"t{int(time.time() * 1000) % 10**9}", config, deadline_s=120.0,
+        # a generous deadline: no test here waits for one to pass, and a slow device must not miss its round
+        fed.create(f"t{int(time.time() * 1000) % 10**9}", config, deadline_s=600.0,
                    **({"min_devices": len(profiles) - 1} if late is not None else {}))
         for i, p in enumerate(profiles):
             if i != late:

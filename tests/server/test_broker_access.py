@@ -14,7 +14,7 @@ import pytest
 from broker_clients import Raw
 from mosquitto_kit import ADMIN, mosquitto
 from pydantic import SecretStr
-from server_testkit import FEDPER, SECRET, Dev, create, wait_for
+from server_testkit import FEDPER, SECRET, Dev, create, fed_state, wait_for
 
 from pfl_edge.protocol import mqtt_client_id, round_topic, status_topic, task_topic
 from server.launch import BackgroundServer, start_background
@@ -31,6 +31,8 @@ class Fleet:
         self.c = httpx.Client(base_url=srv.url, timeout=30)
         create(self.c, TOKEN, "f", FEDPER)
         self.devs = [Dev(self.c, "f") for _ in range(3)]
+        # round 1 opens and collects in the round worker's own time: the tests start from there
+        wait_for(lambda: fed_state(self.c, TOKEN, "f") == (1, "collecting"), timeout=60, what="round 1 collecting")
 
     def login(self, dev: Dev, **kw: Any) -> Raw:
         return Raw(self.url, mqtt_client_id(dev.id), user=dev.e["mqtt_username"], password=dev.e["mqtt_password"],
