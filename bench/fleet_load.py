@@ -309,8 +309,12 @@ async def kill_leaders(reps: Any, n: int, delay_s: float, log: list[dict[str, An
     restarts = []
     for t in range(1, n + 1):
         while not stop.is_set():
-            info = (await client.get(f"{API_PREFIX}/federations/{FED}", headers=admin, timeout=30)).json()
-            if (info["round"], info["state"]) >= (t, "collecting") and info["round"] >= t:
+            try:  # through the balancer: a 502 while a replica has just died is asked again
+                info = (await client.get(f"{API_PREFIX}/federations/{FED}", headers=admin, timeout=30)).json()
+            except (httpx.HTTPError, ValueError):
+                await asyncio.sleep(0.2)
+                continue
+            if info["round"] > t or (info["round"] == t and info["state"] == "collecting"):
                 break
             await asyncio.sleep(0.2)
         await asyncio.sleep(delay_s)
