@@ -268,7 +268,9 @@ def _wait_round(c: TestClient, t: int) -> None:
 
 def _stored(c: TestClient) -> tuple[set[str], set[str]]:
     root = Path(c.app.state.pfl.settings.resolved_blob_dir)  # type: ignore[attr-defined]
-    with coord(c).store.write() as s:  # the collector deletes rows, then files, holding this lock
+    # the collector deletes rows, then files, holding the blob table's lock (this process's on SQLite, an advisory
+    # lock on PostgreSQL, where replicas share it): a storing transaction waits for it to finish
+    with coord(c).store.write(blobs="store") as s:
         files = {p.name for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")}
         rows = set(s.scalars(select(Blob.digest)))
     return files, rows
