@@ -208,10 +208,12 @@ class Fleet:
         m = await self.session(enr)
         auth = {"Authorization": f"Bearer {enr.token}"}
         for t in range(1, self.rounds + 1):
-            task = await self.wait_task(m, t, client, auth)
+            task, asked = await self.wait_task(m, t, client, auth)
             self.tasks_at[t].append(time.time())
             async with gate:  # as an agent does: the server's word on its task before acting on it, then the base
-                await call(client, self.calls, "get_task", "GET", f"{API_PREFIX}/rounds/current/task", headers=auth)
+                if not asked:  # a task from MQTT: asked once over HTTP (one from HTTP already is the server's word)
+                    await call(client, self.calls, "get_task", "GET", f"{API_PREFIX}/rounds/current/task",
+                               headers=auth)
                 if task.base is not None and self.download:
                     await call(client, self.calls, "get_base", "GET", f"{API_PREFIX}/blobs/{task.base}", headers=auth,
                                discard=True)
@@ -223,7 +225,8 @@ class Fleet:
             self.ledger.append((enr.device_id, t, digest))  # accepted, now or by an earlier try
             self.done[t].append(time.time())
 
-    async def wait_task(self, m: MqttSession, t: int, client: httpx.AsyncClient, auth: dict[str, str]) -> Task:
+    async def wait_task(self, m: MqttSession, t: int, client: httpx.AsyncClient,
+                        auth: dict[str, str]) -> tuple[Task, bool]:
         """The task of round ``t``: as the agent does, asked over HTTP once subscribed (a retained task may never
         come: RabbitMQ keeps them per node) and again whenever MQTT is quiet for a while; else from MQTT."""
         while True:
@@ -231,7 +234,7 @@ class Fleet:
             if r.status_code == 200:
                 task = Task.model_validate_json(r.content)
                 if task.round == t and not task.final:
-                    return task
+                    return task, True
             try:
                 topic, payload = await asyncio.wait_for(m.messages.get(), 30.0)
             except TimeoutError:
@@ -242,7 +245,7 @@ class Fleet:
             if topic.endswith("/task"):
                 task = Task.model_validate_json(payload)
                 if task.round == t and not task.final:
-                    return task
+                    return task, False
 
 
 async def watch(client: httpx.AsyncClient, admin: dict[str, str], rounds: int, stop: asyncio.Event,
