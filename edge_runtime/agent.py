@@ -276,7 +276,10 @@ class Agent:
         received, down = self.downloads.received(task)
         trainer = self.trainer
         trainer.reset_clock()
-        out = self.algo.device_round(self.dev, state, received, t, prev=prog.round, late=prog.late)
+        # the base received is round t-1's result: what it reports on (a device that rounds did not sample, or that
+        # was away, too); a device that has not trained yet has nothing of its own to report
+        out = self.algo.device_round(self.dev, state, received, t, prev=t - 1 if prog.round >= 1 else 0,
+                                     late=prog.late)
         if not all_finite(out.state):  # kept as it was: the next round starts from the last good model
             raise CodecError(f"training diverged: NaN/Inf in the model of round {t}; not keeping or sending it")
         st = prog.stat(t)
@@ -301,8 +304,8 @@ class Agent:
             self.on_event("bad_model", {"round": task.round, "error": str(e)})
             received = None
         if received is not None:
-            out = self.algo.device_round(self.dev, state, received, task.round, prev=prog.round, late=prog.late,
-                                         final=True)
+            out = self.algo.device_round(self.dev, state, received, task.round,
+                                         prev=task.round if prog.round >= 1 else 0, late=prog.late, final=True)
             if out.deployed is not None and all_finite(out.deployed):
                 self.store.save_tensors("final.safetensors", out.deployed, {"round": str(prog.round)})
             for m in self._metrics(out.metrics):

@@ -239,13 +239,10 @@ def check_device_algorithm(name: str) -> None:
 
 
 def check_device_config(cfg: FederationConfig) -> None:
-    """What a federation of real devices can run: its algorithm, and every device in every round (the server
-    does not sample participants: with ``participation`` < 1 its rounds would not be the simulator's)."""
+    """What a federation of real devices can run: its algorithm, and the rules its algorithm adds for devices
+    (the server samples each round's participants as the simulator does, by slot)."""
     check_device_algorithm(cfg.algorithm)
-    if cfg.participation != 1.0:
-        raise ConfigError(f"participation {cfg.participation:g}: a federation of devices trains every enrolled "
-                          "device in every round (the server does not sample participants yet); use the "
-                          "simulator for sampled rounds, or participation = 1")
+    algorithm_class(cfg.algorithm).check_devices(cfg)
 
 
 def device_capacity(cfg: FederationConfig, slot: int, *, profile_density: float | None = None,

@@ -12,6 +12,7 @@ which algorithm it follows.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
@@ -66,6 +67,12 @@ def sample_participants(seed: int, t: int, num_clients: int, fraction: float) ->
     if m == num_clients:
         return torch.arange(num_clients)
     return torch.randperm(num_clients, generator=stream(seed, Stream.PARTICIPANTS, t))[:m].sort().values
+
+
+@functools.lru_cache(maxsize=256)
+def _sampled_slots(seed: int, t: int, num_clients: int, fraction: float) -> frozenset[int] | None:
+    slots = sample_participants(seed, t, num_clients, fraction)
+    return None if len(slots) == num_clients else frozenset(int(i) for i in slots.tolist())
 
 
 @dataclass(frozen=True)
@@ -135,6 +142,16 @@ class Algorithm:
         """The rules this algorithm adds to the federation config's own (ConfigError)."""
 
     @classmethod
+    def check_devices(cls, cfg: FederationConfig) -> None:
+        """The rules a federation of real devices adds (ConfigError). A device works only in the rounds that
+        sample it, so an algorithm whose clients adapt to every round's base, sampled or not (FedPer-FT in the
+        simulator), would not be the simulator's with ``participation`` < 1."""
+        if cfg.participation != 1.0 and cls.finetunes_personal:
+            raise ConfigError(f"participation {cfg.participation:g}: {cls.name} adapts every client's personal "
+                              "blocks to every round's base, and a device that a round does not sample has no task "
+                              "to do it in; use participation = 1 (or the simulator)")
+
+    @classmethod
     def clip_order(cls, cfg: FederationConfig) -> bool:
         """Is the whole gradient clipped before masks apply? The config's ``clip_unmasked``, else the
         algorithm's way (DisPFL's reference clips first; without masks the order makes no difference)."""
@@ -198,6 +215,11 @@ class Algorithm:
     # ------------------------------------------------------------------------------------------ coordinator
     def participants(self, t: int) -> Tensor:
         return sample_participants(self.cfg.seed, t, self.cfg.clients, self.cfg.participation)
+
+    def sampled(self, t: int) -> frozenset[int] | None:
+        """The slots that take part in round ``t`` (the simulator's ``participants``); None when every client
+        does. The server asks on every update: the draw is cached."""
+        return _sampled_slots(self.cfg.seed, t, self.cfg.clients, self.cfg.participation)
 
     def neighbours(self, t: int) -> list[list[int]] | None:
         """Decentralised algorithms: each slot's in-neighbours in round ``t``; None where a server averages."""

@@ -25,11 +25,14 @@ class Planner:
 
     @staticmethod
     def active(s: Session, fed: Federation, fm: FedModel, t: int) -> list[Device]:
-        """Devices that take part in round ``t``: enrolled before it opened (and, where the algorithm asks for
-        one, with their initial model sent)."""
-        devs = list(s.scalars(select(Device).where(Device.federation == fed.id, Device.joined_round < t,
-                                                  Device.revoked_at.is_(None))
-                              .order_by(Device.slot)))
+        """Devices that take part in round ``t``: enrolled before it opened, in the round's sample where the
+        federation samples participants (the simulator's draw, by slot), and, where the algorithm asks for one,
+        with their initial model sent."""
+        q = select(Device).where(Device.federation == fed.id, Device.joined_round < t, Device.revoked_at.is_(None))
+        sampled = fm.algorithm().sampled(t)
+        if sampled is not None:
+            q = q.where(Device.slot.in_(sorted(sampled)))
+        devs = list(s.scalars(q.order_by(Device.slot)))
         if fm.algorithm().initial_upload():
             have = set(s.scalars(select(Update.device).where(Update.federation == fed.id,
                                                              Update.round == ENROLMENT_ROUND)))
@@ -37,11 +40,15 @@ class Planner:
         return devs
 
     @staticmethod
-    def count_active(s: Session, fed: Federation, fm: FedModel, t: int) -> int:
+    def count_active(s: Session, fed: Federation, fm: FedModel, t: int, *, sampled: bool = True) -> int:
         """``len(active(...))`` as one count in SQL: the readiness checks run on every enrolment and update, and
-        must not load every device of a large fleet."""
+        must not load every device of a large fleet. ``sampled=False``: every device that could take part (the
+        fleet enrolment waits for), sampled or not."""
         q = select(func.count()).select_from(Device).where(Device.federation == fed.id, Device.joined_round < t,
                                                              Device.revoked_at.is_(None))
+        slots = fm.algorithm().sampled(t) if sampled else None
+        if slots is not None:
+            q = q.where(Device.slot.in_(sorted(slots)))
         if fm.algorithm().initial_upload():
             q = q.where(exists().where(Update.federation == fed.id, Update.device == Device.id,
                                        Update.round == ENROLMENT_ROUND))
@@ -51,6 +58,9 @@ class Planner:
     def takes_part(s: Session, fed: Federation, fm: FedModel, t: int, dev: Device) -> bool:
         """``active``'s rule for one device (without loading the others)."""
         if dev.federation != fed.id or dev.joined_round >= t or dev.revoked_at is not None:
+            return False
+        sampled = fm.algorithm().sampled(t)
+        if sampled is not None and dev.slot not in sampled:
             return False
         return not fm.algorithm().initial_upload() or s.scalar(select(Update.id).where(
             Update.federation == fed.id, Update.device == dev.id, Update.round == ENROLMENT_ROUND)) is not None

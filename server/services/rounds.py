@@ -89,7 +89,7 @@ class RoundMachine:
         if fed.round == ENROLMENT_ROUND:
             clients = fm.cfg.clients
             need = min(fed.min_devices or clients, clients)
-            facts["enrolment_ready"] = self.planner.count_active(s, fed, fm, ENROLMENT_ROUND + 1) >= need
+            facts["enrolment_ready"] = self.planner.count_active(s, fed, fm, ENROLMENT_ROUND + 1, sampled=False) >= need
         elif fed.state == RoundState.COLLECTING:
             r = self.store.round(s, fed.id, fed.round)
             facts.update(updates=self.store.count_updates(s, fed.id, fed.round), active=r.active,

@@ -151,6 +151,10 @@ class Updates:
         if dev.joined_round >= t:
             raise Conflict(f"device joined during round {dev.joined_round}; it takes part from round "
                            f"{dev.joined_round + 1}")
+        sampled = algo.sampled(t)
+        if sampled is not None and dev.slot not in sampled:
+            raise Conflict(f"round {t} samples {len(sampled)} of {fm.cfg.clients} slots, and this device's "
+                           f"({dev.slot}) is not one of them: it has no task this round")
         if algo.initial_upload() and s.scalar(select(Update.id).where(
                 Update.federation == fed.id, Update.device == dev.id, Update.round == ENROLMENT_ROUND)) is None:
             raise Conflict("upload the initial sparse model as the update of round 0 first")

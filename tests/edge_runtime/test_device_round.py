@@ -83,6 +83,51 @@ def test_fedper_devices_match_simulator(tmp_path: Path, algorithm: str) -> None:
             _equal(states[i], want[i])  # what it keeps is what it deploys
 
 
+@pytest.mark.parametrize("algorithm", ["fedper", "fedavg", "ditto"])
+def test_sampled_devices_match_simulator(tmp_path: Path, algorithm: str) -> None:
+    """participation 0.5: only the round's sampled devices work (as the server tasks them), each reporting on the
+    base it receives (round t-1's, however long it was away) once it has trained; every device takes the final
+    step. Their deployed models are the simulator's, bit for bit, and so is every metric they report."""
+    options = {"lam": 0.5, "personal_epochs": 2} if algorithm == "ditto" else None
+    cfg = SimConfig(algorithm=algorithm, kp=2, options=options, participation=0.5, **{**QUICK, "rounds": 4})
+    res, want = _sim(cfg, tmp_path)
+    devs = _devices(cfg)
+    init = init_state(cfg, devs[0][0].spec)
+    states = [algo.device_init(dev, init, 1.0) for _, dev, algo in devs]
+    trained = [0] * cfg.clients
+    deployed: list[dict[str, torch.Tensor]] = [{} for _ in devs]
+    base = devs[0][2].device_upload(init).tensors
+    reported = 0
+    for t in range(1, cfg.rounds + 2):
+        final = t > cfg.rounds
+        sampled = devs[0][2].sampled(t)
+        assert final or (sampled is not None and len(sampled) == 2)
+        uploads = []
+        for i, (data, dev, algo) in enumerate(devs):
+            if not final and i not in (sampled or ()):
+                continue
+            prev = (t - 1 if not final else cfg.rounds) if trained[i] else 0
+            out = algo.device_round(dev, states[i], Received(base=base), t, prev=prev, final=final)
+            states[i] = out.state
+            for m in out.metrics:
+                assert m.round == t - 1
+                assert m.accuracy == pytest.approx(res["rounds"][m.round - 1]["client_acc"][i], abs=1e-6)
+                reported += 1
+            if final:
+                assert out.deployed is not None
+                deployed[i] = out.deployed
+            else:
+                assert out.upload is not None
+                trained[i] = t
+                sent = _wire(out.upload.tensors, out.upload.masks, data.spec, t)
+                uploads.append((sent.tensors, float(data.n_train)))
+        if not final:
+            base = devs[0][2].aggregate(base, uploads)
+    assert reported >= 4 and all(trained)
+    for i in range(cfg.clients):
+        _equal(deployed[i], want[i])
+
+
 def test_ditto_deploys_its_personal_model_and_sends_the_global_one(tmp_path: Path) -> None:
     """Ditto keeps two models: what a device sends is its copy of the global model (the server's average is
     FedAvg's, to the bit, with the same global stream), what it deploys is the personal one, which differs."""

@@ -95,6 +95,25 @@ def test_participation_samples_a_fraction() -> None:
         assert sum(b > 0 for b in x["client_bytes_up"]) == 2
 
 
+def test_devices_sample_what_the_simulator_samples() -> None:
+    """A device federation samples by slot with the simulator's draw (``Algorithm.sampled``); FedPer-FT, whose
+    clients adapt to every round's base sampled or not, is refused on devices with a reason."""
+    from pfl_edge.algorithms import get_algorithm
+    from pfl_edge.federation import FederationConfig, check_device_config
+
+    cfg = SimConfig(**{**QUICK, "algorithm": "fedper", "clients": 10, "participation": 0.3})
+    algo = get_algorithm(cfg, build_model(build_context(cfg)[1]), cfg.kp)
+    for t in (1, 2, 3):
+        assert algo.sampled(t) == frozenset(sample_participants(cfg.seed, t, 10, 0.3).tolist())
+    assert len(algo.sampled(1) or ()) == 3
+    full = get_algorithm(SimConfig(**{**QUICK, "algorithm": "fedper"}), algo.model, cfg.kp)
+    assert full.sampled(1) is None  # everyone: no filter
+    dev = dict(dataset="synthetic", clients=10, rounds=2, participation=0.3)
+    check_device_config(FederationConfig.from_dict({**dev, "algorithm": "fedper"}))
+    with pytest.raises(ConfigError, match=r"participation 0\.3: fedper-ft adapts"):
+        check_device_config(FederationConfig.from_dict({**dev, "algorithm": "fedper-ft"}))
+
+
 def test_checkpoints_round_trip(tmp_path: Path) -> None:
     cfg = SimConfig(**{**QUICK, "algorithm": "fedper"})
     r = simulate(cfg, save_dir=tmp_path, progress=False)

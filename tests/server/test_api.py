@@ -287,10 +287,11 @@ def test_refusals_carry_their_typed_status(client: TestClient) -> None:
     assert "www-authenticate" not in r.headers
 
 
-def test_a_sampled_federation_is_refused_with_why(client: TestClient) -> None:
-    """The server trains every device every round: a config that samples participants would not be run as the
-    simulator runs it, so it is refused, saying so, and nothing is created."""
+def test_a_sampled_federation_that_devices_cannot_run_is_refused_with_why(client: TestClient) -> None:
+    """The server samples each round's devices as the simulator does; FedPer-FT, whose clients adapt to every
+    round's base (sampled or not), cannot be run so on devices: refused, saying so, and nothing is created."""
     r = client.post("/v1/federations", headers=bearer(ADMIN),
-                    json={"id": "sampled", "enrol_secret": SECRET, "config": {**FEDPER, "participation": 0.5}})
-    assert r.status_code == 422 and "does not sample participants" in r.json()["detail"], r.text
+                    json={"id": "sampled", "enrol_secret": SECRET,
+                          "config": {**FEDPER, "algorithm": "fedper-ft", "participation": 0.5}})
+    assert r.status_code == 422 and "fedper-ft adapts" in r.json()["detail"], r.text
     assert client.get("/v1/federations/sampled", headers=bearer(ADMIN)).status_code == 404

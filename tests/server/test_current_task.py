@@ -77,3 +77,57 @@ def test_dispfl_tasks_name_the_published_neighbours(srv: BackgroundServer) -> No
         got = _task(c, d).json()
         assert got == _published(watch, "dp", d, 1) and got["neighbours"], json.dumps(got)
     watch.close()
+
+
+def test_sampled_rounds_task_only_the_simulators_participants(srv: BackgroundServer) -> None:
+    """participation 0.5 of 4 slots: each round tasks exactly the simulator's draw (by slot); the others get 404
+    and their updates are refused; the round closes on the sampled updates alone, averaged with their weights."""
+    import torch
+
+    from pfl_edge.aggregate import weighted_average
+    from pfl_edge.algorithms import sample_participants
+
+    c = httpx.Client(base_url=srv.url, timeout=30)
+    cfg = {**FEDPER, "clients": 4, "rounds": 3, "participation": 0.5}
+    create(c, ADMIN, "sp", cfg)
+    devs = [Dev(c, "sp", index=i) for i in range(4)]
+    watch = Mqtt(srv.broker_url, ["pfl/sp/device/+/task"])
+    base = devs[0].get(devs[0].e["init_digest"]).tensors
+    drawn = set()
+    for t in (1, 2, 3):
+        wait_for(lambda t=t: fed_state(c, ADMIN, "sp") == (t, "collecting"), what=f"round {t}")
+        want = set(sample_participants(cfg["seed"], t, 4, 0.5).tolist())
+        assert len(want) == 2
+        drawn.add(frozenset(want))
+        for d in devs:
+            got = _task(c, d)
+            if d.index in want:
+                assert got.status_code == 200 and got.json() == _published(watch, "sp", d, t)
+                assert devs[0].get(got.json()["base"]).tensors.keys() == base.keys()
+            else:
+                assert got.status_code == 404, got.text
+        out = next(d for d in devs if d.index not in want)
+        r = out.update(t, out.put(encode(perturbed(base, 99), model_id=out.fm.model_id, round=t)))
+        assert r.status_code == 409 and "not one of them" in r.json()["detail"], r.text
+        ups, ns = [], []
+        for d in sorted((d for d in devs if d.index in want), key=lambda d: d.index):
+            sent = perturbed(base, 10 * t + d.index)
+            ups.append(sent)
+            ns.append(20 + 7 * d.index)
+            d.send(t, sent, n=ns[-1])
+        expected = weighted_average(ups, ns)
+        if t < 3:
+            wait_for(lambda t=t: fed_state(c, ADMIN, "sp") == (t + 1, "collecting"), what=f"round {t + 1}")
+            nxt = next(_task(c, d).json() for d in devs if _task(c, d).status_code == 200)
+            base = devs[0].get(nxt["base"]).tensors
+        else:
+            wait_for(lambda: fed_state(c, ADMIN, "sp") == (3, "finished"), what="finished")
+            finals = [_task(c, d).json() for d in devs]  # every device evaluates the last base, sampled or not
+            assert all(f["final"] for f in finals) and len({f["base"] for f in finals}) == 1
+            base = devs[0].get(finals[0]["base"]).tensors
+        for k in expected:
+            assert torch.equal(base[k], expected[k]), k
+    assert len(drawn) > 1  # the draw changes with the round
+    rounds = c.get("/v1/federations/sp/metrics", headers={"Authorization": f"Bearer {ADMIN}"}).json()["rounds"]
+    assert [r["updates"] for r in rounds] == [2, 2, 2]
+    watch.close()
