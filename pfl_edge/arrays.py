@@ -26,8 +26,10 @@ __all__ = [
     "Stack",
     "as_bool",
     "as_float",
+    "broadcast_rows",
     "copy",
     "expand_rows",
+    "is_broadcast",
     "is_numpy",
     "ones",
     "ones_like",
@@ -72,6 +74,19 @@ def expand_rows(x: Array, n: int) -> Array:
     if is_numpy(x):
         return np.broadcast_to(x, (n, *x.shape)).copy()
     return x.unsqueeze(0).expand(n, *x.shape).clone()
+
+
+def broadcast_rows(x: Array, n: int) -> Array:
+    """``x`` in ``n`` rows that nobody may write: a view with no memory of its own (torch), so a round in which every
+    client starts from one model holds it once, not ``n`` times; a copy on numpy (a device's one row)."""
+    if is_numpy(x):
+        return expand_rows(x, n)
+    return x.unsqueeze(0).expand(n, *x.shape)
+
+
+def is_broadcast(x: Array) -> bool:
+    """Is ``x`` rows of one tensor (``broadcast_rows``)?"""
+    return not is_numpy(x) and x.dim() > 0 and x.stride(0) == 0 and x.shape[0] > 1
 
 
 def zeros(shape: Sequence[int], like: Array) -> Array:

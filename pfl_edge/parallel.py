@@ -25,7 +25,6 @@ from .train import (
     TrainResult,
     dense_gradients,
     evaluate,
-    index_stack,
     train,
 )
 
@@ -69,10 +68,21 @@ def _evaluate_shard(args: tuple[Any, ...]) -> tuple[Tensor, Tensor]:
     return evaluate(_WORKER["model"], stack, _WORKER["test_data"], rows)
 
 
-def _train_shard(args: tuple[Any, ...]) -> TrainResult:
-    stack, rows, cfg, gen_states, trainable, masks, anchor, engine = args
-    return train(_WORKER["model"], stack, _WORKER["data"], rows, cfg, _gens(gen_states), trainable=trainable,
-                 masks=masks, anchor=anchor, engine=engine)
+def _train_shard(args: tuple[Any, ...]) -> tuple[Tensor, Tensor, Tensor]:
+    stack, rows, cfg, gen_states, trainable, masks, anchor, engine, out = args
+    # ``out``: this shard's rows of the caller's shared-memory result, written in place (nothing sent back)
+    res = train(_WORKER["model"], stack, _WORKER["data"], rows, cfg, _gens(gen_states), trainable=trainable,
+                masks=masks, anchor=anchor, engine=engine, out=out)
+    return res.loss, res.steps, res.samples
+
+
+def _warm_up() -> None:
+    """The first optimizer step of a process imports and sets up much of torch (seconds): done once here, before
+    the workers fork, instead of once in each worker in every run's first round."""
+    p = torch.zeros(1, requires_grad=True)
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    (p * 2).sum().backward()
+    opt.step()
 
 
 class Trainer:
@@ -93,6 +103,7 @@ class Trainer:
         if self.workers > 1:
             if "fork" not in mp.get_all_start_methods():
                 raise ConfigError("workers > 1 needs the 'fork' start method (Linux); use workers=1")
+            _warm_up()
             threads = max(1, torch.get_num_threads() // self.workers)
             ctx = torch.multiprocessing.get_context("fork")
             self._pool = ctx.Pool(self.workers, initializer=_init_worker, initargs=(model, data, test_data, threads))
@@ -104,18 +115,20 @@ class Trainer:
             return train(self.model, stack, self.data, rows, cfg, gens, trainable=trainable, masks=masks,
                          anchor=anchor, engine=self.engine)
         shards = _balance(self.data.n[rows].tolist(), self.workers)
+        # the result lives in shared memory that each worker writes its rows of: no copy of a trained stack is
+        # pickled back, concatenated and reordered; a shard is a run of rows, so its part of ``out`` is a view
+        out = {k: _shared_empty(v.shape, v.dtype) for k, v in stack.items()}
         jobs = []
-        for pos in shards:
-            sel = torch.tensor(pos, dtype=torch.int64)
-            jobs.append((index_stack(stack, sel), rows[sel], cfg, [gens[i].get_state() for i in pos],
+        for a, b in shards:
+            sel = slice(a, b)
+            jobs.append((_rows(stack, sel), rows[sel], cfg, [gens[i].get_state() for i in range(a, b)],
                          None if trainable is None else list(trainable),
-                         None if masks is None else index_stack(masks, sel),
-                         None if anchor is None else index_stack(anchor, sel), self.engine))
-        parts: list[TrainResult] = self._pool.map(_train_shard, jobs)
-        cat = _concat_in_order(shards)
-        stack_out = {k: cat([p.stack[k] for p in parts]) for k in parts[0].stack}
-        return TrainResult(stack_out, cat([p.loss for p in parts]), cat([p.steps for p in parts]),
-                           cat([p.samples for p in parts]))
+                         None if masks is None else _rows(masks, sel),
+                         None if anchor is None else _rows(anchor, sel), self.engine,
+                         {k: v[sel] for k, v in out.items()}))
+        parts: list[tuple[Tensor, Tensor, Tensor]] = self._pool.map(_train_shard, jobs)
+        return TrainResult(out, torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]),
+                           torch.cat([p[2] for p in parts]))
 
     def evaluate(self, stack: Mapping[str, Tensor], rows: Tensor) -> tuple[Tensor, Tensor]:
         """Accuracy and loss of each client's model on its test data (``pfl_edge.train.evaluate``)."""
@@ -124,10 +137,9 @@ class Trainer:
         if self._pool is None or len(rows) < 2:
             return evaluate(self.model, stack, self.test_data, rows)
         shards = _balance(self.test_data.n[rows].tolist(), self.workers)
-        jobs = [(index_stack(stack, torch.tensor(pos)), rows[torch.tensor(pos)]) for pos in shards]
+        jobs = [(_rows(stack, slice(a, b)), rows[a:b]) for a, b in shards]
         parts: list[tuple[Tensor, Tensor]] = self._pool.map(_evaluate_shard, jobs)
-        cat = _concat_in_order(shards)
-        return cat([p[0] for p in parts]), cat([p[1] for p in parts])
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
     def dense_gradients(self, stack: Mapping[str, Tensor], rows: Tensor, batch_size: int,
                         gens: Sequence[torch.Generator]) -> Stack:
@@ -135,11 +147,10 @@ class Trainer:
         if self._pool is None or len(rows) < 2:
             return dense_gradients(self.model, stack, self.data, rows, batch_size, gens)
         shards = _balance([1] * len(rows), self.workers)
-        jobs = [(index_stack(stack, torch.tensor(pos)), rows[torch.tensor(pos)], batch_size,
-                 [gens[i].get_state() for i in pos]) for pos in shards]
+        jobs = [(_rows(stack, slice(a, b)), rows[a:b], batch_size, [gens[i].get_state() for i in range(a, b)])
+                for a, b in shards]
         parts: list[Stack] = self._pool.map(_grads_shard, jobs)
-        cat = _concat_in_order(shards)
-        return {k: cat([p[k] for p in parts]) for k in parts[0]}
+        return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
     def close(self) -> None:
         if self._pool is not None:
@@ -154,24 +165,28 @@ class Trainer:
         self.close()
 
 
-def _concat_in_order(shards: list[list[int]]) -> Any:
-    """A function that concatenates per-shard results back into the callers' order."""
-    order = torch.tensor([i for pos in shards for i in pos], dtype=torch.int64)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(len(order))
-
-    def cat(ts: list[Tensor]) -> Tensor:
-        return torch.cat(ts)[inverse]
-
-    return cat
+def _rows(stack: Mapping[str, Tensor], sel: slice) -> Stack:
+    """Rows ``sel`` of a stack as views (a worker's shard; pickling sends just those rows, and one model seen in
+    every row, ``arrays.broadcast_rows``, as one model)."""
+    return {k: v[sel] for k, v in stack.items()}
 
 
-def _balance(sizes: list[int], workers: int) -> list[list[int]]:
-    """Positions split into at most ``workers`` non-empty shards of about equal total size (greedy LPT)."""
-    loads = [0] * min(workers, len(sizes))
-    shards: list[list[int]] = [[] for _ in loads]
-    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-        j = loads.index(min(loads))
-        shards[j].append(i)
-        loads[j] += sizes[i]
-    return [sorted(s) for s in shards]
+def _shared_empty(shape: torch.Size, dtype: torch.dtype) -> Tensor:
+    return torch.empty(shape, dtype=dtype).share_memory_()
+
+
+def _balance(sizes: list[int], workers: int) -> list[tuple[int, int]]:
+    """Positions split into at most ``workers`` non-empty runs ``[a, b)`` of about equal total size: the j-th
+    boundary is the prefix whose total is nearest j/k of the whole. Runs, not arbitrary sets, so that a shard's
+    rows of a stack are a view."""
+    k = min(workers, len(sizes))
+    prefix = [0]
+    for n in sizes:
+        prefix.append(prefix[-1] + n)
+    bounds = [0]
+    for j in range(1, k):
+        target = prefix[-1] * j / k
+        lo, hi = bounds[-1] + 1, len(sizes) - (k - j)  # each run keeps at least one row
+        bounds.append(min(range(lo, hi + 1), key=lambda b: (abs(prefix[b] - target), b)))
+    bounds.append(len(sizes))
+    return list(zip(bounds[:-1], bounds[1:], strict=True))

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value, vmap
 
-from .arrays import Stack, stack_states, unstack
+from .arrays import Stack, is_broadcast, stack_states, unstack
 from .errors import ConfigError
 from .sgd import TrainConfig, TrainResult, epoch_batches
 
@@ -66,7 +66,8 @@ class ClientTensors:
 
 
 def index_stack(stack: Mapping[str, Tensor], rows: Tensor) -> Stack:
-    return {k: v[rows] for k, v in stack.items()}
+    """Rows ``rows`` of every tensor; one model seen in every row (``arrays.broadcast_rows``) stays a view."""
+    return {k: v[:1].expand(len(rows), *v.shape[1:]) if is_broadcast(v) else v[rows] for k, v in stack.items()}
 
 
 def batch_schedule(n: Tensor, epochs: int, batch_size: int,
@@ -106,14 +107,16 @@ def train(
     masks: Mapping[str, Tensor] | None = None,
     anchor: Mapping[str, Tensor] | None = None,
     engine: Engine = "auto",
+    out: Mapping[str, Tensor] | None = None,
 ) -> TrainResult:
     """Train client ``rows[c]`` of ``data`` from state ``stack[*][c]`` for ``cfg.epochs`` epochs.
 
     ``trainable``: parameter names to update (default: all parameters); the rest stay fixed. ``masks``: 0/1
     tensors stacked like ``stack`` for some parameters; gradients are masked and the mask is re-applied after
     every step, so masked-out weights stay zero. ``anchor``: tensors stacked like ``stack`` that the proximal
-    term ``cfg.prox`` pulls the trained weights towards (ignored when ``cfg.prox`` is 0). Returns a new stack;
-    the input is not modified.
+    term ``cfg.prox`` pulls the trained weights towards (ignored when ``cfg.prox`` is 0). Returns a new stack
+    (``out``: written into those tensors, shaped like ``stack``, e.g. shared memory a caller reads); the input is
+    not modified, and may be read-only (``arrays.broadcast_rows``).
     """
     if len(rows) != len(gens):
         raise ConfigError(f"{len(rows)} clients but {len(gens)} generators")
@@ -126,7 +129,16 @@ def train(
     idx, w = batch_schedule(data.n[rows], cfg.epochs, cfg.batch_size, gens)
     chosen = _engine(model, engine)
     fn = _train_vmap if chosen == "vmap" else _train_loop
-    return fn(model, stack, data, rows, cfg, idx, w, names, masks or {}, pull)
+    return fn(model, stack, data, rows, cfg, idx, w, names, masks or {}, pull, _output(stack, out))
+
+
+def _output(stack: Mapping[str, Tensor], out: Mapping[str, Tensor] | None) -> dict[str, Tensor]:
+    """Where a training writes its result: ``out`` (checked against the stack), else new tensors."""
+    if out is None:
+        return {k: torch.empty(v.shape, dtype=v.dtype) for k, v in stack.items()}
+    if out.keys() != stack.keys() or any(out[k].shape != v.shape for k, v in stack.items()):
+        raise ConfigError("the output stack must have the input stack's keys and shapes")
+    return dict(out)
 
 
 def _anchor(anchor: Mapping[str, Tensor] | None, names: Sequence[str], stack: Mapping[str, Tensor],
@@ -150,8 +162,9 @@ def _pull(grads: dict[str, Tensor], params: Mapping[str, Tensor], anchor: Mappin
 
 def _train_vmap(model: nn.Module, stack: Mapping[str, Tensor], data: ClientTensors, rows: Tensor,
                 cfg: TrainConfig, idx: Tensor, w: Tensor, names: list[str],
-                masks: Mapping[str, Tensor], anchor: Mapping[str, Tensor]) -> TrainResult:
-    out = {k: v.detach().clone() for k, v in stack.items()}
+                masks: Mapping[str, Tensor], anchor: Mapping[str, Tensor], out: dict[str, Tensor]) -> TrainResult:
+    for k, v in stack.items():
+        out[k].copy_(v.detach())
     fixed = {k: v for k, v in out.items() if k not in set(names)}
     params = {k: out[k] for k in names}
     for k, m in masks.items():
@@ -184,7 +197,6 @@ def _train_vmap(model: nn.Module, stack: Mapping[str, Tensor], data: ClientTenso
                 _sgd_step(params, grads, bufs, masks, active, cfg)
     finally:
         model.train(was_training)
-    out.update(params)
     n = data.n[rows]
     return TrainResult(out, loss_sum / steps.clamp_min(1), steps, n * cfg.epochs)
 
@@ -227,29 +239,30 @@ def _clip(grads: dict[str, Tensor], clip_norm: float | None) -> None:
 
 def _train_loop(model: nn.Module, stack: Mapping[str, Tensor], data: ClientTensors, rows: Tensor,
                 cfg: TrainConfig, idx: Tensor, w: Tensor, names: list[str],
-                masks: Mapping[str, Tensor], anchor: Mapping[str, Tensor]) -> TrainResult:
-    out = {k: v.detach().clone() for k, v in stack.items()}
+                masks: Mapping[str, Tensor], anchor: Mapping[str, Tensor], out: dict[str, Tensor]) -> TrainResult:
     n_clients = len(rows)
     loss_sum = torch.zeros(n_clients)
     steps = torch.zeros(n_clients, dtype=torch.int64)
     named = dict(model.named_parameters())
     was_training = model.training
     model.train()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    train_params = [named[k] for k in names]
+    for p in train_params:
+        p.requires_grad_(True)
+    # one optimizer for every client, its momentum buffers dropped between clients: the same steps as a fresh
+    # torch.optim.SGD per client, without its set-up per client (which dominates for clients of a few batches)
+    opt = torch.optim.SGD(train_params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     try:
         for c in range(n_clients):
-            model.load_state_dict(unstack(out, c))
-            for p in model.parameters():
-                p.requires_grad_(False)
-            train_params = [named[k] for k in names]
-            for p in train_params:
-                p.requires_grad_(True)
+            model.load_state_dict(unstack(stack, c))
+            opt.state.clear()
             cmask = {k: m[c] for k, m in masks.items()}
             canchor = {k: a[c] for k, a in anchor.items()}
             with torch.no_grad():
                 for k, m in cmask.items():
                     named[k].mul_(m)
-            opt = torch.optim.SGD(train_params, lr=cfg.lr, momentum=cfg.momentum,
-                                  weight_decay=cfg.weight_decay)
             r = int(rows[c])
             for s in range(idx.shape[0]):
                 valid = w[s, c] > 0

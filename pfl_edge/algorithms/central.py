@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from ..arrays import Array as Tensor
-from ..arrays import Stack, copy, expand_rows, stack_states, unstack
+from ..arrays import Stack, broadcast_rows, copy, unstack
 from ..seeding import Stream
 from ..sgd import TrainResult
 from ..split import Split, take
@@ -24,15 +24,14 @@ __all__ = ["Central", "FedAvg", "FedAvgFT", "FedPer", "FedPerFT", "Local", "aggr
 
 
 def with_base(state: Mapping[str, Tensor], base: Mapping[str, Tensor] | None, split: Split) -> Stack:
-    """A new stack: the clients' own tensors (copied) under ``base`` (one model, broadcast to every row) for the
-    keys of ``split.base``; without a base, the clients' own."""
-    out = {k: copy(v) for k, v in state.items()}
+    """A new stack: the clients' own tensors (copied) under ``base`` for the keys of ``split.base``, as one model
+    seen in every row (``broadcast_rows``: held once, read-only; whoever trains from it writes elsewhere); without
+    a base, the clients' own."""
     if base is None:
-        return out
+        return {k: copy(v) for k, v in state.items()}
+    shared = set(split.base)
     rows = len(next(iter(state.values())))
-    for k in split.base:
-        out[k] = expand_rows(base[k], rows)
-    return out
+    return {k: broadcast_rows(base[k], rows) if k in shared else copy(v) for k, v in state.items()}
 
 
 def personal_finetune(cl: Clients, state: Stack, split: Split, t: int) -> Stack:
@@ -96,8 +95,9 @@ class Central(Algorithm):
             self.program_mode,)
 
     def init_clients(self, cl: Clients, init: Mapping[str, Tensor]) -> Stack:
-        """Every client's state before round 1, stacked, from the federation's initial model."""
-        return stack_states([dict(init)] * len(cl))
+        """Every client's state before round 1, stacked, from the federation's initial model (one model seen in
+        every row until a client's own part is copied out of it)."""
+        return {k: broadcast_rows(v, len(cl)) for k, v in init.items()}
 
     def local_round(self, cl: Clients, state: Stack, t: int) -> TrainResult:
         """The clients' training of round ``t`` from ``state`` (the base received): local SGD over every block."""

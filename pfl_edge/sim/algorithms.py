@@ -119,8 +119,10 @@ class CentralPFL(Runner):
         part = everyone.subset(participants)
         start = central.with_base(index_stack(self.clients, participants), self.base, algo.split)
         res = algo.local_round(part, start, t)
+        shared = set(algo.split.base) if self.base is not None else set()
         for k, v in res.stack.items():
-            self.clients[k][participants] = v
+            if k not in shared:  # the trained base goes to the average; every client takes the new one below
+                self.clients[k][participants] = v
         base_bytes = payload_bytes(self.base) if self.base else 0
         if self.base is not None:
             self.base = algo.aggregate(self.base, ((central.upload(unstack(res.stack, j), algo.split), float(n))

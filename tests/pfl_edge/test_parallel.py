@@ -12,10 +12,11 @@ from pfl_edge.train import ClientTensors, TrainConfig, evaluate, stack_states, t
 def test_balance_covers_every_client_once_and_evens_the_load() -> None:
     sizes = [100, 10, 60, 50, 40, 5]
     shards = _balance(sizes, 2)
-    assert sorted(i for s in shards for i in s) == list(range(6))
-    loads = [sum(sizes[i] for i in s) for s in shards]
-    assert sorted(loads) == [125, 140]  # LPT by hand: 100+40 | 60+50+10+5
-    assert _balance([3], 4) == [[0]]
+    assert [i for a, b in shards for i in range(a, b)] == list(range(6))  # runs, in order, each row once
+    assert [sum(sizes[a:b]) for a, b in shards] == [110, 155]  # by hand: 265 / 2 = 132.5, nearest prefix 110
+    assert _balance([3], 4) == [(0, 1)]
+    assert _balance([1] * 5, 3) == [(0, 2), (2, 3), (3, 5)]  # 5/3 -> prefix 2, 10/3 -> 3
+    assert _balance([100, 1, 1], 3) == [(0, 1), (1, 2), (2, 3)]  # every run keeps a row
 
 
 def test_sharded_training_and_evaluation_equal_in_process() -> None:
