@@ -8,6 +8,7 @@ their generators' states. Results are identical to ``train`` in this process, up
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing as mp
 import os
 from collections.abc import Collection, Mapping, Sequence
@@ -28,7 +29,7 @@ from .train import (
     train,
 )
 
-__all__ = ["Trainer", "default_workers"]
+__all__ = ["Trainer", "balanced_runs", "default_workers"]
 
 _WORKER: dict[str, Any] = {}
 
@@ -114,7 +115,7 @@ class Trainer:
         if self._pool is None or len(rows) < 2:
             return train(self.model, stack, self.data, rows, cfg, gens, trainable=trainable, masks=masks,
                          anchor=anchor, engine=self.engine)
-        shards = _balance(self.data.n[rows].tolist(), self.workers)
+        shards = balanced_runs(self.data.n[rows].tolist(), self.workers)
         # the result lives in shared memory that each worker writes its rows of: no copy of a trained stack is
         # pickled back, concatenated and reordered; a shard is a run of rows, so its part of ``out`` is a view
         out = {k: _shared_empty(v.shape, v.dtype) for k, v in stack.items()}
@@ -136,7 +137,7 @@ class Trainer:
             raise ConfigError("this Trainer has no test data")
         if self._pool is None or len(rows) < 2:
             return evaluate(self.model, stack, self.test_data, rows)
-        shards = _balance(self.test_data.n[rows].tolist(), self.workers)
+        shards = balanced_runs(self.test_data.n[rows].tolist(), self.workers)
         jobs = [(_rows(stack, slice(a, b)), rows[a:b]) for a, b in shards]
         parts: list[tuple[Tensor, Tensor]] = self._pool.map(_evaluate_shard, jobs)
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
@@ -146,7 +147,7 @@ class Trainer:
         """``pfl_edge.train.dense_gradients``, sharded over the workers."""
         if self._pool is None or len(rows) < 2:
             return dense_gradients(self.model, stack, self.data, rows, batch_size, gens)
-        shards = _balance([1] * len(rows), self.workers)
+        shards = balanced_runs([1] * len(rows), self.workers)
         jobs = [(_rows(stack, slice(a, b)), rows[a:b], batch_size, [gens[i].get_state() for i in range(a, b)])
                 for a, b in shards]
         parts: list[Stack] = self._pool.map(_grads_shard, jobs)
@@ -175,18 +176,18 @@ def _shared_empty(shape: torch.Size, dtype: torch.dtype) -> Tensor:
     return torch.empty(shape, dtype=dtype).share_memory_()
 
 
-def _balance(sizes: list[int], workers: int) -> list[tuple[int, int]]:
+def balanced_runs(sizes: Sequence[int], workers: int) -> list[tuple[int, int]]:
     """Positions split into at most ``workers`` non-empty runs ``[a, b)`` of about equal total size: the j-th
     boundary is the prefix whose total is nearest j/k of the whole. Runs, not arbitrary sets, so that a shard's
     rows of a stack are a view."""
     k = min(workers, len(sizes))
     prefix = [0]
     for n in sizes:
-        prefix.append(prefix[-1] + n)
+        prefix.append(prefix[-1] + int(n))
     bounds = [0]
     for j in range(1, k):
         target = prefix[-1] * j / k
         lo, hi = bounds[-1] + 1, len(sizes) - (k - j)  # each run keeps at least one row
         bounds.append(min(range(lo, hi + 1), key=lambda b: (abs(prefix[b] - target), b)))
     bounds.append(len(sizes))
-    return list(zip(bounds[:-1], bounds[1:], strict=True))
+    return list(itertools.pairwise(bounds))

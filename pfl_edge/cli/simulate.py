@@ -110,7 +110,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     cfg = _sim_config(args)
     out = args.out or Path("runs") / f"{cfg.algorithm}.json"
     _check_writable(out, args.save_dir)
-    result = simulate(cfg, save_dir=args.save_dir, progress=False if args.no_progress else None)
+    result = simulate(cfg, save_dir=args.save_dir, progress=False if args.no_progress else None,
+                      backend=args.backend, ray_address=args.ray_address)
     write_result(result, out)
     print(client_table(result))
     print(f"results: {out}  plot: {Path(out).with_suffix('.png')}"
@@ -123,4 +124,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     _add_sim_flags(p)
     p.add_argument("--out", type=Path, help="results JSON (a PNG is written beside it); default runs/ALG.json")
     p.add_argument("--save-dir", type=Path, help="write each client's final model and the base (safetensors)")
+    # not argparse choices: simulate checks the name against pfl_edge.sim.BACKENDS (the parser imports no torch)
+    p.add_argument("--backend", default="fork",
+                   help="where clients train: fork (worker processes here; default) or ray (actors on a Ray "
+                        "cluster, pip install 'pfl-edge[ray]'); the same numbers either way")
+    p.add_argument("--ray-address", metavar="HOST:PORT",
+                   help="--backend ray: the cluster to join (ray start --head's address); default: a cluster "
+                        "started on this machine, else a local one")
     p.set_defaults(func=_cmd_simulate)

@@ -5,25 +5,44 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from tqdm import tqdm
 
 from ..algorithms import get_algorithm, sample_participants
 from ..checkpoint import ModelSpec, build_model, save_checkpoint
+from ..errors import ConfigError
 from ..federation import FederationConfig, deal, init_state
 from ..flops import forward_flops
 from ..parallel import Trainer
 from ..seeding import seed_everything
 from ..train import ClientTensors, unstack
 from .algorithms import Context, RoundStats
+from .ray_backend import RayTrainer, TrainerLike, import_ray
 from .runners import make_algorithm
 
-__all__ = ["build_context", "sample_participants", "simulate"]
+__all__ = ["BACKENDS", "build_context", "sample_participants", "simulate"]
+
+# where the clients train: forked worker processes on this machine (pfl_edge.parallel), or Ray actors
+# (sim.ray_backend). Not part of the FederationConfig: the results do not depend on it.
+BACKENDS = ("fork", "ray")
 
 
-def build_context(cfg: FederationConfig) -> tuple[Context, ModelSpec]:
+def _check_backend(backend: str, ray_address: str | None) -> None:
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
+    if ray_address is not None and backend != "ray":
+        raise ConfigError("a Ray address needs the ray backend (--backend ray)")
+    if backend == "ray":
+        import_ray()  # before the data is dealt: a missing Ray says what to install at once
+
+
+def build_context(cfg: FederationConfig, *, backend: str = "fork",
+                  ray_address: str | None = None) -> tuple[Context, ModelSpec]:
+    """What a run shares (``Context``), its clients trained by ``backend`` (``BACKENDS``); ``ray_address``: the
+    Ray cluster to join (``sim.ray_backend.RayTrainer``). Close ``ctx.trainer`` when done."""
+    _check_backend(backend, ray_address)
     seed_everything(cfg.seed)
     ds, part, spec = deal(cfg)
     init = init_state(cfg, spec)
@@ -34,8 +53,15 @@ def build_context(cfg: FederationConfig) -> tuple[Context, ModelSpec]:
     test_data = ClientTensors.build(ds.test_x, [c.test_idx for c in part.clients],
                                     [c.test_y for c in part.clients])
     flops = forward_flops(model, (ds.in_channels, ds.image_size, ds.image_size))
-    trainer = Trainer(model, train_data, test_data, workers=cfg.workers, engine=cfg.engine)  # last: forks
-    return Context(cfg, model, split, train_data, test_data, init, trainer, flops, part.num_classes), spec
+    trainer: TrainerLike  # last: forks, or starts actors
+    if backend == "ray":
+        trainer = RayTrainer(model, train_data, test_data, workers=cfg.workers, engine=cfg.engine,
+                             address=ray_address)
+    else:
+        trainer = Trainer(model, train_data, test_data, workers=cfg.workers, engine=cfg.engine)
+    # Context.trainer is annotated as parallel.Trainer; any TrainerLike serves (the runners call its methods)
+    return Context(cfg, model, split, train_data, test_data, init, cast(Trainer, trainer), flops,
+                   part.num_classes), spec
 
 
 def _pstd(xs: list[float]) -> float:
@@ -43,22 +69,25 @@ def _pstd(xs: list[float]) -> float:
     return math.sqrt(sum((x - mean) ** 2 for x in xs) / len(xs))
 
 
-def simulate(cfg: FederationConfig, *, save_dir: str | Path | None = None,
-             progress: bool | None = None) -> dict[str, Any]:
+def simulate(cfg: FederationConfig, *, save_dir: str | Path | None = None, progress: bool | None = None,
+             backend: str = "fork", ray_address: str | None = None) -> dict[str, Any]:
     """Run ``cfg`` and return the result: ``config``, ``rounds`` (one dict per round), ``final``, ``meta``.
 
-    ``progress``: a bar on stderr; ``None`` shows it only on a terminal.
+    ``progress``: a bar on stderr; ``None`` shows it only on a terminal. ``backend``: where the clients train,
+    ``fork`` (worker processes on this machine) or ``ray`` (actors on the Ray cluster at ``ray_address``; see
+    ``sim.ray_backend.RayTrainer``); the same config gives the same numbers on either (bit for bit where the
+    arithmetic is the same: docs/simulation.md).
     """
     t0 = time.perf_counter()
-    ctx, spec = build_context(cfg)
+    ctx, spec = build_context(cfg, backend=backend, ray_address=ray_address)
     try:
-        return _run(cfg, ctx, spec, t0, save_dir, progress)
+        return _run(cfg, ctx, spec, t0, save_dir, progress, backend)
     finally:
         ctx.trainer.close()
 
 
 def _run(cfg: FederationConfig, ctx: Context, spec: ModelSpec, t0: float, save_dir: str | Path | None,
-         progress: bool | None) -> dict[str, Any]:
+         progress: bool | None, backend: str) -> dict[str, Any]:
     algo = make_algorithm(ctx)
     setup_s = time.perf_counter() - t0
     rounds: list[dict[str, Any]] = []
@@ -82,7 +111,9 @@ def _run(cfg: FederationConfig, ctx: Context, spec: ModelSpec, t0: float, save_d
             "pfl_edge_version": _version(),
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
+            "backend": backend,
             "workers": ctx.trainer.workers,
+            **_nodes(ctx.trainer),
             "num_classes": spec.num_classes,
             "blocks": ctx.model.block_names,
             "base_keys": list(ctx.split.base),
@@ -99,6 +130,13 @@ def _run(cfg: FederationConfig, ctx: Context, spec: ModelSpec, t0: float, save_d
     if save_dir is not None:
         _save(Path(save_dir), cfg, spec, algo.deployed(), algo.shared())
     return result
+
+
+def _nodes(trainer: object) -> dict[str, int]:
+    """For the ray backend, how many nodes its actors ran on."""
+    if isinstance(trainer, RayTrainer):
+        return {"ray_nodes": len(set(trainer.node_ids()))}
+    return {}
 
 
 def _record(t: int, st: RoundStats, wall: float) -> dict[str, Any]:

@@ -3,7 +3,7 @@ import torch
 
 from pfl_edge.data import get_dataset, partition
 from pfl_edge.models import get_model
-from pfl_edge.parallel import Trainer, _balance
+from pfl_edge.parallel import Trainer, balanced_runs
 from pfl_edge.seeding import generator, numpy_rng
 from pfl_edge.sim import SimConfig, simulate
 from pfl_edge.train import ClientTensors, TrainConfig, evaluate, stack_states, train
@@ -11,12 +11,12 @@ from pfl_edge.train import ClientTensors, TrainConfig, evaluate, stack_states, t
 
 def test_balance_covers_every_client_once_and_evens_the_load() -> None:
     sizes = [100, 10, 60, 50, 40, 5]
-    shards = _balance(sizes, 2)
+    shards = balanced_runs(sizes, 2)
     assert [i for a, b in shards for i in range(a, b)] == list(range(6))  # runs, in order, each row once
     assert [sum(sizes[a:b]) for a, b in shards] == [110, 155]  # by hand: 265 / 2 = 132.5, nearest prefix 110
-    assert _balance([3], 4) == [(0, 1)]
-    assert _balance([1] * 5, 3) == [(0, 2), (2, 3), (3, 5)]  # 5/3 -> prefix 2, 10/3 -> 3
-    assert _balance([100, 1, 1], 3) == [(0, 1), (1, 2), (2, 3)]  # every run keeps a row
+    assert balanced_runs([3], 4) == [(0, 1)]
+    assert balanced_runs([1] * 5, 3) == [(0, 2), (2, 3), (3, 5)]  # 5/3 -> prefix 2, 10/3 -> 3
+    assert balanced_runs([100, 1, 1], 3) == [(0, 1), (1, 2), (2, 3)]  # every run keeps a row
 
 
 def test_sharded_training_and_evaluation_equal_in_process() -> None:
