@@ -1,12 +1,14 @@
 """Partitioners: how a data set's train split is dealt out to clients, and how each client's test set is drawn.
 
 Specs are ``name`` or ``name:ARG``: ``iid``, ``pathological:K``, ``dirichlet:ALPHA`` (class-wise, FedML's),
+``pathological-random:K`` (K random classes per client, the DisPFL reference's ``n_cls``),
 ``dirichlet-client:ALPHA`` (client-wise with equal sizes, the DisPFL reference's), ``groups:G``, ``preference`` (or
 ``preference:P``, the probability that a user re-draws a class's rating; 0.1 by default). Register a new one with
 ``@register_partitioner``.
 
 Every client's test set follows the label distribution of its training set, is drawn from the test split, and
-no sample (train or test) goes to two clients.
+no sample (train or test) goes to two clients, except a training sample of ``pathological-random``'s where a class
+runs out (the reference deals it again).
 
 The deal is numpy's (``partition_arrays``, no torch needed); ``partition`` is the same deal with the indices and
 labels as tensors sharing its arrays' memory.
@@ -285,30 +287,81 @@ def _dirichlet_once(y: np.ndarray, n: int, alpha: float, num_classes: int,
 def _dirichlet_client(y: np.ndarray, n: int, arg: str | None, num_classes: int,
                       rng: np.random.Generator) -> tuple[list[np.ndarray], None]:
     """Client-wise Dir(alpha), the DisPFL reference's split: every client gets the same number of samples
-    (len(train) // clients) and its own class prior p_i ~ Dir(alpha); its class counts are drawn from p_i and
-    its samples without replacement from each class's pool. Where a pool runs out, the shortfall is drawn again
-    from p_i restricted to the classes that still have samples (uniform if p_i puts nothing there)."""
+    (len(train) // clients) and its own class prior p_i ~ Dir(alpha). Samples are dealt one at a time, as the
+    reference deals them: the next sample goes to a random client that still has room, its class drawn from
+    p_i restricted to the classes that still have samples (uniform over those if p_i puts nothing there), without
+    replacement. Interleaved, so the classes that run out late in the deal fall on random clients, not on the
+    last ones dealt (a client's skew does not depend on its index)."""
     alpha = _float_arg(arg, "dirichlet-client:ALPHA")
     if not alpha > 0:
         raise ConfigError(f"dirichlet-client:ALPHA needs ALPHA > 0, got {arg!r}")
     size = len(y) // n
     if size < 1:
         raise DataError(f"dirichlet-client: {len(y)} samples cannot give each of {n} clients one")
+    priors = rng.dirichlet(np.full(num_classes, alpha), size=n)
+    order = rng.permutation(np.repeat(np.arange(n), size))  # which client each dealt sample goes to
+    left = np.array([int((y == c).sum()) for c in range(num_classes)], dtype=np.int64)
+    counts = np.zeros((n, num_classes), dtype=np.int64)
+    # runs of draws while no class is exhausted are drawn at once (inverse CDF of each client's prior); a draw
+    # that hits an exhausted class, and everything after it, waits for the next run
+    pos = 0
+    open_ = left > 0
+    while pos < len(order):
+        q = np.where(open_, priors, 0.0)
+        mass = q.sum(axis=1, keepdims=True)
+        q = np.where(mass > 0, q / np.where(mass > 0, mass, 1.0), open_ / open_.sum())
+        clients = order[pos:]
+        u = rng.random(len(clients))
+        cls = (u[:, None] >= np.cumsum(q[clients], axis=1)).sum(axis=1).clip(max=num_classes - 1)
+        # keep the longest prefix of draws that no class runs out within
+        onehot = np.zeros((len(cls), num_classes), dtype=np.int64)
+        onehot[np.arange(len(cls)), cls] = 1
+        over = (np.cumsum(onehot, axis=0) > left).any(axis=1)
+        stop = int(np.argmax(over)) if over.any() else len(cls)
+        stop = max(stop, 1) if not over[0] else stop
+        if stop == 0:  # the first draw's class is exhausted only by float rounding of q: close it
+            open_[cls[0]] = False
+            continue
+        np.add.at(counts, (clients[:stop], cls[:stop]), 1)
+        left -= onehot[:stop].sum(axis=0)
+        open_ = left > 0
+        pos += stop
     pools = [rng.permutation(np.flatnonzero(y == c)) for c in range(num_classes)]
-    used = np.zeros(num_classes, dtype=np.int64)
-    avail = np.array([len(q) for q in pools], dtype=np.int64)
-    parts = []
-    for _ in range(n):
-        prior = rng.dirichlet(np.full(num_classes, alpha))
-        take = np.minimum(rng.multinomial(size, prior), avail - used)
-        while (short := size - int(take.sum())) > 0:
-            room = avail - used - take
-            q = np.where(room > 0, prior, 0.0)
-            q = q / q.sum() if q.sum() > 0 else (room > 0) / (room > 0).sum()
-            take += np.minimum(rng.multinomial(short, q), room)
-        parts.append(np.concatenate([pools[c][used[c]: used[c] + take[c]] for c in range(num_classes)]))
-        used += take
-    return parts, None
+    ends = np.cumsum(counts, axis=0)
+    return [np.concatenate([pools[c][ends[i, c] - counts[i, c]: ends[i, c]] for c in range(num_classes)])
+            for i in range(n)], None
+
+
+@register_partitioner("pathological-random")
+def _pathological_random(y: np.ndarray, n: int, arg: str | None, num_classes: int,
+                         rng: np.random.Generator) -> tuple[list[np.ndarray], None]:
+    """K random classes per client, the DisPFL reference's ``n_cls`` split: each client draws its own K distinct
+    classes (so two clients may share one, both, or none), gets len(train) // clients samples, dealt one at a time
+    to random clients, each from a class drawn uniformly among the client's K. A class's samples are dealt in a
+    random order and, once they run out, again in the same order (as the reference refills an exhausted class):
+    unlike the other splits, two clients may hold the same training sample where classes are over-subscribed.
+    ``pathological:K`` is the cyclic deal (every class held by exactly n*K/C clients, no sample shared)."""
+    if arg is None or not arg.isdigit() or not 1 <= int(arg) <= num_classes:
+        raise ConfigError(f"pathological-random:K needs an integer K in [1, {num_classes}], got {arg!r}")
+    k = int(arg)
+    size = len(y) // n
+    if size < 1:
+        raise DataError(f"pathological-random: {len(y)} samples cannot give each of {n} clients one")
+    classes = np.stack([rng.choice(num_classes, k, replace=False) for _ in range(n)])
+    order = rng.permutation(np.repeat(np.arange(n), size))
+    cls = classes[order, rng.integers(0, k, len(order))]
+    parts: list[list[np.ndarray]] = [[] for _ in range(n)]
+    for c in range(num_classes):
+        hit = np.flatnonzero(cls == c)  # the deal's draws of class c, in order
+        pool = rng.permutation(np.flatnonzero(y == c))
+        if not len(hit):
+            continue
+        if not len(pool):
+            raise DataError(f"pathological-random: class {c} has no training samples")
+        taken = pool[np.arange(len(hit)) % len(pool)]
+        for i in range(n):
+            parts[i].append(taken[order[hit] == i])
+    return [np.concatenate(p) for p in parts], None
 
 
 @register_partitioner("groups")

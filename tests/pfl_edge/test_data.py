@@ -224,8 +224,63 @@ def test_dirichlet_client_split_gives_equal_sizes_and_skewed_priors() -> None:
         assert len(every) == len(set(every.tolist()))  # no sample twice
         return float(np.mean([torch.bincount(c.train_y, minlength=10).max() / c.n_train for c in part.clients]))
 
-    assert top_share(0.1) > 0.6  # most of a client's data from one class
+    # every sample dealt (20 x 300 of 6,000), so classes run out late in the deal and the last draws go to
+    # whatever is left: at alpha 0.1 about half of a client's data is one class (0.50 with this seed)
+    assert top_share(0.1) > 0.4 > top_share(1.0) > 0.2
     assert top_share(100.0) < 0.2  # close to uniform (1/10)
+
+
+def test_dirichlet_client_deals_interleaved_so_skew_does_not_follow_the_index() -> None:
+    """Classes run out late in the deal; dealt one sample at a time to random clients (the reference's order),
+    that falls on random clients. Dealt client after client, the last ones got the leftovers: over these seeds the
+    correlation of label entropy with the client index was -0.33 on average and the last 20 clients' mean top-class
+    share 0.59 against 0.47 for the first 50."""
+    y = torch.arange(10).repeat_interleave(6000)
+    yte = torch.arange(10).repeat_interleave(1000)
+    corr, gap = [], []
+    for seed in range(5):
+        p = partition("dirichlet-client:0.3", y, yte, 100, 10, np.random.default_rng(seed))
+        q = torch.stack([torch.bincount(c.train_y, minlength=10).double() / c.n_train for c in p.clients])
+        ent = -(q * q.clamp_min(1e-12).log()).sum(1)
+        corr.append(float(np.corrcoef(np.arange(100), ent.numpy())[0, 1]))
+        top = q.max(1).values
+        gap.append(float(top[80:].mean() - top[:50].mean()))
+    assert abs(float(np.mean(corr))) < 0.15, corr
+    assert abs(float(np.mean(gap))) < 0.05, gap
+
+
+def test_pathological_random_draws_k_classes_per_client_as_the_reference() -> None:
+    """Each client its own K random classes (45 possible pairs of 10 for K = 2; two clients share a class with
+    p = 1 - C(8,2)/C(10,2) = 0.378), equal sizes, every class of a client about half its samples; the cyclic
+    ``pathological:2`` gives 5 disjoint pairs only."""
+    y = torch.arange(10).repeat_interleave(600)
+    yte = torch.arange(10).repeat_interleave(100)
+    p = partition("pathological-random:2", y, yte, 100, 10, np.random.default_rng(0))
+    sets = [frozenset(torch.unique(c.train_y).tolist()) for c in p.clients]
+    assert all(len(s) == 2 for s in sets) and {c.n_train for c in p.clients} == {60}
+    assert len(set(sets)) > 20  # the cyclic deal: 5
+    share = np.mean([bool(a & b) for i, a in enumerate(sets) for b in sets[i + 1:]])
+    assert abs(share - (1 - 28 / 45)) < 0.06, share
+    halves = [float(torch.bincount(c.train_y, minlength=10).max()) / c.n_train for c in p.clients]
+    assert 0.5 <= float(np.mean(halves)) < 0.65  # each of its two classes about half (binomial spread)
+    for c in p.clients:
+        assert set(torch.unique(c.test_y).tolist()) <= set(torch.unique(c.train_y).tolist())
+    cyclic = partition("pathological:2", y, yte, 100, 10, np.random.default_rng(0))
+    assert len({frozenset(torch.unique(c.train_y).tolist()) for c in cyclic.clients}) == 5
+
+
+def test_pathological_random_deals_a_class_that_runs_out_again() -> None:
+    """Class 0 has 10 samples, class 1 190; 10 clients of 20 samples, one class each: the clients that drew class
+    0 need more than it holds, and get its samples again (the reference refills an exhausted class) instead of
+    fewer samples."""
+    y = torch.cat([torch.zeros(10), torch.ones(190)]).long()
+    p = partition("pathological-random:1", y, torch.arange(2).repeat_interleave(50), 10, 2,
+                  np.random.default_rng(0))
+    assert {c.n_train for c in p.clients} == {20}
+    zero = [c for c in p.clients if int(c.train_y[0]) == 0]
+    assert len(zero) >= 1 and all(bool((c.train_y == 0).all()) for c in zero)
+    drawn = torch.cat([c.train_idx for c in zero])
+    assert len(drawn) > 10 and set(drawn.tolist()) == set(range(10))  # all ten, each dealt more than once
 
 
 def _header_only_images(d: Path) -> None:

@@ -53,7 +53,8 @@ def test_normalise_is_torchs_bit_for_bit_for_every_pixel_value(mean: list[float]
 def test_partition_arrays_is_partitions_deal() -> None:
     rng = np.random.default_rng(7)
     ytr, yte = rng.integers(0, 10, 6000), rng.integers(0, 10, 2000)
-    specs = {"iid": "iid", "pathological": "pathological:2", "dirichlet": "dirichlet:0.3",
+    specs = {"iid": "iid", "pathological": "pathological:2", "pathological-random": "pathological-random:2",
+             "dirichlet": "dirichlet:0.3",
              "dirichlet-client": "dirichlet-client:0.3", "groups": "groups:3", "preference": "preference"}
     assert set(specs) == set(list_partitioners())  # a new partitioner: add it here
     for spec in specs.values():
