@@ -316,9 +316,8 @@ def _dirichlet_client(y: np.ndarray, n: int, arg: str | None, num_classes: int,
         # keep the longest prefix of draws that no class runs out within
         onehot = np.zeros((len(cls), num_classes), dtype=np.int64)
         onehot[np.arange(len(cls)), cls] = 1
-        over = (np.cumsum(onehot, axis=0) > left).any(axis=1)
+        over: NDArray[np.bool_] = np.asarray((np.cumsum(onehot, axis=0) > left).any(axis=1))
         stop = int(np.argmax(over)) if over.any() else len(cls)
-        stop = max(stop, 1) if not over[0] else stop
         if stop == 0:  # the first draw's class is exhausted only by float rounding of q: close it
             open_[cls[0]] = False
             continue
