@@ -1,8 +1,9 @@
 """FLOP counts as docs/algorithms.md defines them (DisPFL's accounting).
 
-Per sample, forward: a convolution costs (2 * nnz(W) + C_out) * H_out * W_out, a linear layer
-2 * nnz(W) + nnz(b); norms, activations and pooling are not counted. Exactly as docs/algorithms.md (and the DisPFL
-reference) write it: C_out for every convolution, with or without a bias. Training a sample costs 3 forwards.
+Per sample, forward: a convolution costs (2 * nnz(W) + C_out) * H_out * W_out where it has a bias and
+2 * nnz(W) * H_out * W_out where it has none (the DisPFL reference's count: the bias adds C_out per output
+position), a linear layer 2 * nnz(W) + nnz(b); norms, activations and pooling are not counted (docs/algorithms.md).
+Training a sample costs 3 forwards.
 """
 
 from __future__ import annotations
