@@ -246,11 +246,9 @@ def _train_loop(model: nn.Module, stack: Mapping[str, Tensor], data: ClientTenso
     named = dict(model.named_parameters())
     was_training = model.training
     model.train()
-    for p in model.parameters():
-        p.requires_grad_(False)
     train_params = [named[k] for k in names]
-    for p in train_params:
-        p.requires_grad_(True)
+    for k, p in named.items():
+        p.requires_grad_(k in names)
     # one optimizer for every client, its momentum buffers dropped between clients: the same steps as a fresh
     # torch.optim.SGD per client, without its set-up per client (which dominates for clients of a few batches)
     opt = torch.optim.SGD(train_params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)

@@ -33,7 +33,8 @@ NEVER = {
     "pfl_edge": ("pfl_edge.local",),
 }
 # the core's third-party libraries ("never web, broker or database libraries"); the rest is the standard library
-CORE_LIBRARIES = {"torch", "numpy", "pydantic", "matplotlib", "tqdm", "rich", "safetensors", "PIL"}
+CORE_LIBRARIES = {"torch", "numpy", "pydantic", "matplotlib", "tqdm", "rich", "safetensors", "PIL",
+                  "ray"}  # ray: the optional extra, pfl_edge/sim/ray_backend.py alone, imported lazily
 ALLOWED = {"pfl_edge/cli"}  # the CLI imports the other packages (lazily, per subcommand)
 
 

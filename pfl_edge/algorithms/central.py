@@ -16,7 +16,7 @@ from ..arrays import Stack, broadcast_rows, copy, unstack
 from ..seeding import Stream
 from ..sgd import TrainResult
 from ..split import Split, take
-from .algorithm import Algorithm, DeviceRound, register_algorithm
+from .algorithm import Algorithm, DeviceRound, FinetuneOptions, register_algorithm
 from .base import Clients, Metrics, Received, Upload, one_row
 
 __all__ = ["Central", "FedAvg", "FedAvgFT", "FedPer", "FedPerFT", "Local", "aggregate_bases", "deploy",
@@ -109,14 +109,19 @@ class Central(Algorithm):
 
     def deploy(self, cl: Clients, state: Stack, t: int) -> Stack:
         """What the clients deploy after round ``t`` (and are evaluated on)."""
-        return deploy(cl, self.deployed_view(state), t, finetuned=self.deploys_finetuned)
+        return deploy(cl, self.deployed_view(state), t, finetuned=self.finetunes_deployed(t))
 
-    def train_epochs(self, participated: bool) -> int:
-        """Epochs over its data a client spends in a round (for the FLOPs count): its local training if it took
-        part, plus fine-tuning where the algorithm fine-tunes every round."""
+    def finetunes_deployed(self, t: int) -> bool:
+        """Does what the clients deploy after round ``t`` get fine-tuned (FedAvg-FT, on its cadence)?"""
+        return self.deploys_finetuned and (not isinstance(self.options, FinetuneOptions)
+                                           or self.options.due(t, self.cfg.rounds))
+
+    def train_epochs(self, participated: bool, t: int | None = None) -> int:
+        """Epochs over its data a client spends in round ``t`` (for the FLOPs count): its local training if it
+        took part, plus fine-tuning where the algorithm fine-tunes (in every round, or ``t``'s on its cadence)."""
         cfg = self.cfg
         personal = set(self.split.personal)
-        ft = self.deploys_finetuned or (self.finetunes_personal
+        ft = (self.finetunes_deployed(t) if t is not None else self.deploys_finetuned) or (self.finetunes_personal
                                         and any(k in personal for k, _ in self.model.named_parameters()))
         return (cfg.local_epochs if participated else 0) + (cfg.ft_epochs if ft else 0)
 
@@ -175,8 +180,10 @@ class FedAvg(Central):
 
 @register_algorithm("fedavg-ft")
 class FedAvgFT(FedAvg):
-    """FedAvg, each client deploying the global model fine-tuned on its own data (simulator only)."""
+    """FedAvg, each client deploying the global model fine-tuned on its own data (simulator only); when:
+    ``FinetuneOptions.ft_every`` (every round by default; the reference's: ``ft_every = 0``, the last round)."""
 
+    Options = FinetuneOptions
     on_devices = False
     deploys_finetuned = True
 

@@ -83,7 +83,7 @@ class Ditto(FedAvg):
     def deployed_view(self, state: Stack) -> Stack:
         return personal_part(state)
 
-    def train_epochs(self, participated: bool) -> int:
+    def train_epochs(self, participated: bool, t: int | None = None) -> int:
         opts: DittoOptions = self.options
         personal = self.cfg.local_epochs if opts.personal_epochs is None else opts.personal_epochs
         return self.cfg.local_epochs + personal if participated else 0

@@ -5,25 +5,27 @@ its consensus model; ``dpsgd-ft`` first fine-tunes it on its own data for ``ft_e
 from __future__ import annotations
 
 from ..arrays import Array as Tensor
-from ..arrays import Stack
+from ..arrays import Stack, ones_like
 from ..neighbourhood import neighbourhood_average
 from ..seeding import Stream
 from ..sgd import TrainResult
-from .algorithm import Decentralised, register_algorithm
+from .algorithm import Decentralised, FinetuneOptions, register_algorithm
 from .base import Clients
 
 __all__ = ["DPSGD", "DPSGDFT", "round_step"]
 
 
-def round_step(cl: Clients, weights: Stack, mixing: Tensor, t: int, *,
-               finetuned: bool = False) -> tuple[Stack, TrainResult, Stack]:
+def round_step(cl: Clients, weights: Stack, mixing: Tensor, t: int, *, finetuned: bool = False,
+               from_all: bool = False) -> tuple[Stack, TrainResult, Stack]:
     """Train, average over each row of ``mixing``; returns the averages, the training result and what each
-    client deploys (``finetuned``: D-PSGD-FT's, the average fine-tuned for ``ft_epochs``, not kept)."""
+    client deploys (``finetuned``: D-PSGD-FT's, the average fine-tuned for ``ft_epochs``, not kept; ``from_all``:
+    every client fine-tunes the average of all clients' models instead of its neighbourhood's)."""
     res = cl.trainer.train(weights, cl.slots, cl.cfg.train_config(t), cl.gens(Stream.TRAIN, t))
     avg = neighbourhood_average(res.stack, mixing)
     deployed = avg
     if finetuned and cl.cfg.ft_epochs:
-        deployed = cl.trainer.train(avg, cl.slots, cl.cfg.train_config(t, cl.cfg.ft_epochs),
+        start = neighbourhood_average(avg, ones_like(mixing)) if from_all else avg
+        deployed = cl.trainer.train(start, cl.slots, cl.cfg.train_config(t, cl.cfg.ft_epochs),
                                     cl.gens(Stream.FINETUNE, t)).stack
     return avg, res, deployed
 
@@ -33,16 +35,25 @@ class DPSGD(Decentralised):
     """Registered for the simulator; D-PSGD does not run on devices."""
 
     def round(self, cl: Clients, weights: Stack, mixing: Tensor, t: int) -> tuple[Stack, TrainResult, Stack]:
-        """``round_step`` as this variant deploys (D-PSGD-FT: fine-tuned)."""
-        return round_step(cl, weights, mixing, t, finetuned=self.deploys_finetuned)
+        """``round_step`` as this variant deploys (D-PSGD-FT: fine-tuned, on its cadence)."""
+        opts = self.options
+        from_all = isinstance(opts, FinetuneOptions) and opts.ft_from == "all"
+        return round_step(cl, weights, mixing, t, finetuned=self.finetunes_deployed(t), from_all=from_all)
 
-    def train_epochs(self) -> int:
-        """Epochs over its data a client spends in a round (for the FLOPs count)."""
-        return self.cfg.local_epochs + (self.cfg.ft_epochs if self.deploys_finetuned else 0)
+    def finetunes_deployed(self, t: int) -> bool:
+        return self.deploys_finetuned and (not isinstance(self.options, FinetuneOptions)
+                                           or self.options.due(t, self.cfg.rounds))
+
+    def train_epochs(self, t: int | None = None) -> int:
+        """Epochs over its data a client spends in round ``t`` (for the FLOPs count)."""
+        ft = self.finetunes_deployed(t) if t is not None else self.deploys_finetuned
+        return self.cfg.local_epochs + (self.cfg.ft_epochs if ft else 0)
 
 
 @register_algorithm("dpsgd-ft")
 class DPSGDFT(DPSGD):
-    """D-PSGD whose clients deploy their neighbourhood average fine-tuned on their own data."""
+    """D-PSGD whose clients deploy their neighbourhood average fine-tuned on their own data (``FinetuneOptions``:
+    every round by default; the reference's: ``ft_every = 100, ft_from = "all"``)."""
 
+    Options = FinetuneOptions
     deploys_finetuned = True

@@ -304,8 +304,7 @@ def _dirichlet_client(y: np.ndarray, n: int, arg: str | None, num_classes: int,
     counts = np.zeros((n, num_classes), dtype=np.int64)
     # runs of draws while no class is exhausted are drawn at once (inverse CDF of each client's prior); a draw
     # that hits an exhausted class, and everything after it, waits for the next run
-    pos = 0
-    open_ = left > 0
+    pos, open_ = 0, left > 0
     while pos < len(order):
         q = np.where(open_, priors, 0.0)
         mass = q.sum(axis=1, keepdims=True)
@@ -334,12 +333,10 @@ def _dirichlet_client(y: np.ndarray, n: int, arg: str | None, num_classes: int,
 @register_partitioner("pathological-random")
 def _pathological_random(y: np.ndarray, n: int, arg: str | None, num_classes: int,
                          rng: np.random.Generator) -> tuple[list[np.ndarray], None]:
-    """K random classes per client, the DisPFL reference's ``n_cls`` split: each client draws its own K distinct
-    classes (so two clients may share one, both, or none), gets len(train) // clients samples, dealt one at a time
-    to random clients, each from a class drawn uniformly among the client's K. A class's samples are dealt in a
-    random order and, once they run out, again in the same order (as the reference refills an exhausted class):
-    unlike the other splits, two clients may hold the same training sample where classes are over-subscribed.
-    ``pathological:K`` is the cyclic deal (every class held by exactly n*K/C clients, no sample shared)."""
+    """K random classes per client, the DisPFL reference's ``n_cls`` split: each client its own K distinct classes
+    and len(train) // clients samples, dealt one at a time to random clients from a class drawn uniformly among the
+    client's K; an exhausted class is dealt again in the same order (the reference refills it), so two clients may
+    share a sample. ``pathological:K`` is the cyclic deal (each class held by n*K/C clients, no sample shared)."""
     if arg is None or not arg.isdigit() or not 1 <= int(arg) <= num_classes:
         raise ConfigError(f"pathological-random:K needs an integer K in [1, {num_classes}], got {arg!r}")
     k = int(arg)

@@ -137,7 +137,7 @@ class CentralPFL(Runner):
         acc, loss = ctx.trainer.evaluate(deployed, everyone.slots)
         # training a sample costs 3 forwards; fine-tuning counts alike (docs/algorithms.md's accounting)
         took_part = set(participants.tolist())
-        epochs = torch.tensor([algo.train_epochs(i in took_part) for i in range(ctx.num_clients)])
+        epochs = torch.tensor([algo.train_epochs(i in took_part, t) for i in range(ctx.num_clients)])
         flops = (3 * ctx.dense_flops * epochs * ctx.train_data.n).tolist()
         return RoundStats(acc.tolist(), loss.tolist(), weighted_loss(res.loss, part.n_train), up, down,
                           sum(up) + sum(down), sum(up), participants.tolist(), flops, [1.0] * ctx.num_clients)

@@ -113,7 +113,7 @@ class DPSGDRunner(Runner):
                                                nbrs)
         self._deployed = deployed
         acc, loss = ctx.trainer.evaluate(deployed, cl.slots)
-        flops = (3 * ctx.dense_flops * self.dpsgd.train_epochs() * ctx.train_data.n).tolist()
+        flops = (3 * ctx.dense_flops * self.dpsgd.train_epochs(t) * ctx.train_data.n).tolist()
         return RoundStats(acc.tolist(), loss.tolist(), weighted_loss(res.loss, ctx.train_data.n), up, down,
                           busiest, received, cl.slots.tolist(), flops, [1.0] * len(cl))
 

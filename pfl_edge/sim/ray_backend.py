@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from ..errors import ConfigError
+from ..errors import ConfigError, InternalError
 from ..parallel import balanced_runs
 from ..train import ClientTensors, Engine, Stack, TrainConfig, TrainResult, dense_gradients, evaluate, train
 
@@ -99,7 +99,8 @@ class _Shard:
                      anchor=anchor, engine=self.engine)
 
     def evaluate(self, stack: Stack, rows: Tensor) -> tuple[Tensor, Tensor]:
-        assert self.test_data is not None  # the driver checks
+        if self.test_data is None:  # the driver checks first
+            raise InternalError("this actor holds no test data")
         return evaluate(self.model, stack, self.test_data, rows)
 
     def dense_gradients(self, stack: Stack, rows: Tensor, batch_size: int, gen_states: list[Tensor]) -> Stack:

@@ -114,6 +114,35 @@ def test_devices_sample_what_the_simulator_samples() -> None:
         check_device_config(FederationConfig.from_dict({**dev, "algorithm": "fedper-ft"}))
 
 
+def test_finetune_cadence_is_selectable() -> None:
+    """-FT baselines fine-tune on their cadence (``FinetuneOptions``): FedAvg-FT at the end (the reference's) is
+    FedAvg, to the bit, in every round but the last; D-PSGD-FT every 2 rounds fine-tunes in rounds 2 and 3 (the
+    last) only, from the all-client average if asked, and counts FT FLOPs only in those rounds."""
+    from pfl_edge.algorithms import FinetuneOptions
+
+    assert [FinetuneOptions(ft_every=0).due(t, 5) for t in range(1, 6)] == [False] * 4 + [True]
+    assert [FinetuneOptions(ft_every=2).due(t, 5) for t in range(1, 6)] == [False, True, False, True, True]
+    with pytest.raises(ConfigError, match="ft_every"):
+        SimConfig(**{**QUICK, "algorithm": "fedavg-ft", "options": {"ft_every": -1}})
+    with pytest.raises(ConfigError, match="ft_from"):
+        SimConfig(**{**QUICK, "algorithm": "dpsgd-ft", "options": {"ft_from": "some"}})
+    plain = _run(algorithm="fedavg")
+    end = _run(algorithm="fedavg-ft", options={"ft_every": 0})
+    every = _run(algorithm="fedavg-ft")
+    for t in (0, 1):
+        assert end["rounds"][t]["client_acc"] == plain["rounds"][t]["client_acc"]
+    assert end["rounds"][2]["client_acc"] == every["rounds"][2]["client_acc"]  # both fine-tune the same model
+    assert every["rounds"][0]["client_acc"] != plain["rounds"][0]["client_acc"]
+    dec = dict(algorithm="dpsgd-ft", topology="ring")
+    d = _run(**dec, options={"ft_every": 2})
+    base = _run(algorithm="dpsgd", topology="ring")
+    assert d["rounds"][0]["client_acc"] == base["rounds"][0]["client_acc"]
+    assert d["rounds"][1]["client_acc"] != base["rounds"][1]["client_acc"]
+    assert d["rounds"][0]["flops"] < d["rounds"][1]["flops"] == d["rounds"][2]["flops"]
+    every_all = _run(**dec, options={"ft_every": 2, "ft_from": "all"})
+    assert every_all["rounds"][1]["client_acc"] != d["rounds"][1]["client_acc"]  # a ring's neighbourhood is not all
+
+
 def test_checkpoints_round_trip(tmp_path: Path) -> None:
     cfg = SimConfig(**{**QUICK, "algorithm": "fedper"})
     r = simulate(cfg, save_dir=tmp_path, progress=False)
