@@ -62,12 +62,13 @@ class PartialAverage:
             if k in self._meta and v.shape != self._meta[k][0]:
                 raise ConfigError(f"tensor {k!r} has shape {tuple(v.shape)}, expected {tuple(self._meta[k][0])}")
         for k, v in state.items():
-            contrib = v.detach().to(torch.float64) * weight
             if k in self._acc:
-                self._acc[k] += contrib
+                # acc + weight * v in one pass, in float64 (no product tensor made per update); the product of a
+                # float32 value and a sample count is exact in float64, so this is the product-then-sum to the bit
+                self._acc[k].add_(v.detach(), alpha=weight)
                 self._weight[k] += weight
             else:
-                self._acc[k] = contrib
+                self._acc[k] = v.detach().to(torch.float64) * weight
                 self._weight[k] = 0.0 + weight
                 self._meta[k] = (v.shape, v.dtype)
         self.total_weight += weight

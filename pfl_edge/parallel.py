@@ -173,7 +173,16 @@ def _rows(stack: Mapping[str, Tensor], sel: slice) -> Stack:
 
 
 def _shared_empty(shape: torch.Size, dtype: torch.dtype) -> Tensor:
-    return torch.empty(shape, dtype=dtype).share_memory_()
+    """An uninitialised tensor in shared memory, made there (``share_memory_`` would allocate it privately and then
+    copy it over: 6x slower for the 1.8 GB of 1,000 cnn clients)."""
+    new_shared = getattr(torch.UntypedStorage, "_new_shared", None)  # torch's own, for tensors sent to workers
+    if new_shared is None:
+        return torch.empty(shape, dtype=dtype).share_memory_()
+    numel = 1
+    for n in shape:
+        numel *= n
+    storage = new_shared(numel * torch.empty((), dtype=dtype).element_size())
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
 
 
 def balanced_runs(sizes: Sequence[int], workers: int) -> list[tuple[int, int]]:
