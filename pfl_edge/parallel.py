@@ -182,7 +182,11 @@ def _shared_empty(shape: torch.Size, dtype: torch.dtype) -> Tensor:
     for n in shape:
         numel *= n
     storage = new_shared(numel * torch.empty((), dtype=dtype).element_size())
-    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.insert(0, step)
+        step *= n
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape, strides)
 
 
 def balanced_runs(sizes: Sequence[int], workers: int) -> list[tuple[int, int]]:
