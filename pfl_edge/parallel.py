@@ -182,7 +182,8 @@ def _shared_empty(shape: torch.Size, dtype: torch.dtype) -> Tensor:
     for n in shape:
         numel *= n
     storage = new_shared(numel * torch.empty((), dtype=dtype).element_size())
-    strides, step = [], 1
+    strides: list[int] = []
+    step = 1
     for n in reversed(shape):
         strides.insert(0, step)
         step *= n
