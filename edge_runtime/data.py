@@ -43,7 +43,7 @@ class LocalData:
     def xy(self) -> tuple[Tensor, Tensor]:
         """Its training samples and labels, unpadded."""
         n = self.n_train
-        return self.train.x[0, :n], self.train.y[0, :n]
+        return self.train.take(0, slice(0, n)), self.train.y[0, :n]
 
 
 @dataclass(frozen=True, eq=False)

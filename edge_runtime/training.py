@@ -126,7 +126,7 @@ class TorchBackend:
 
         from pfl_edge.train import ClientTensors
 
-        return ClientTensors(x[None], y[None], torch.tensor([len(x)], dtype=torch.int64))
+        return ClientTensors.of(x[None], y[None], torch.tensor([len(x)], dtype=torch.int64))
 
     def train(self, x: Tensor, y: Tensor, cfg: TrainConfig, gen: torch.Generator, *,
               trainable: Collection[str] | None = None, mask: Mapping[str, Tensor] | None = None,

@@ -47,9 +47,12 @@ Engine = Literal["auto", "vmap", "loop"]
 
 @dataclass(frozen=True, eq=False)
 class ClientTensors:
-    """Every client's samples, padded to one length: ``x`` (C, n_max, ...), ``y`` (C, n_max), ``n`` (C,)."""
+    """Every client's samples, padded to one length: ``idx`` (C, n_max) into ``images`` (the data set's own
+    tensor, shared rather than copied: a simulation holds its data set once), ``y`` (C, n_max), ``n`` (C,).
+    ``take(rows, cols)`` gathers samples; ``x`` materialises (C, n_max, ...) for small uses."""
 
-    x: Tensor
+    images: Tensor
+    idx: Tensor
     y: Tensor
     n: Tensor
 
@@ -57,12 +60,36 @@ class ClientTensors:
     def build(images: Tensor, indices: Sequence[Tensor], labels: Sequence[Tensor]) -> ClientTensors:
         n = torch.tensor([len(i) for i in indices], dtype=torch.int64)
         n_max = int(n.max()) if len(n) else 0
-        x = images.new_zeros((len(indices), n_max, *images.shape[1:]))
+        idx = torch.zeros((len(indices), n_max), dtype=torch.int64)  # past a client's n: sample 0, never read
         y = torch.zeros((len(indices), n_max), dtype=torch.int64)
-        for c, (idx, lab) in enumerate(zip(indices, labels, strict=True)):
-            x[c, : len(idx)] = images[idx]
-            y[c, : len(idx)] = lab
-        return ClientTensors(x, y, n)
+        for c, (ix, lab) in enumerate(zip(indices, labels, strict=True)):
+            idx[c, : len(ix)] = torch.as_tensor(ix, dtype=torch.int64)
+            y[c, : len(ix)] = lab
+        return ClientTensors(images, idx, y, n)
+
+    @staticmethod
+    def of(x: Tensor, y: Tensor, n: Tensor) -> ClientTensors:
+        """From padded samples ``x`` (C, n_max, ...)."""
+        c, n_max = x.shape[:2]
+        return ClientTensors(x.reshape(c * n_max, *x.shape[2:]), torch.arange(c * n_max).reshape(c, n_max), y, n)
+
+    def take(self, rows: Tensor | int, cols: Tensor | slice) -> Tensor:
+        """Samples ``[rows, cols]`` of the padded (C, n_max, ...) view, gathered from ``images``."""
+        return self.images[self.idx[rows, cols]]
+
+    @property
+    def x(self) -> Tensor:
+        return self.images[self.idx]
+
+    @property
+    def sample_shape(self) -> tuple[int, ...]:
+        return tuple(self.images.shape[1:])
+
+    def shard(self, a: int, b: int) -> ClientTensors:
+        """Clients ``a..b`` in tensors of their own, holding only their samples (what a remote worker is sent)."""
+        n_max = self.idx.shape[1]
+        return ClientTensors(self.images[self.idx[a:b].reshape(-1)], torch.arange((b - a) * n_max).reshape(-1, n_max),
+                             self.y[a:b].clone(), self.n[a:b].clone())
 
 
 def index_stack(stack: Mapping[str, Tensor], rows: Tensor) -> Stack:
@@ -185,7 +212,7 @@ def _train_vmap(model: nn.Module, stack: Mapping[str, Tensor], data: ClientTenso
     model.train()
     try:
         for s in range(idx.shape[0]):
-            x = data.x[row_col, idx[s]]
+            x = data.take(row_col, idx[s])
             y = data.y[row_col, idx[s]]
             wt = w[s]
             active = wt.sum(dim=1) > 0  # (C,)
@@ -268,7 +295,7 @@ def _train_loop(model: nn.Module, stack: Mapping[str, Tensor], data: ClientTenso
                     break
                 b = idx[s, c][valid]
                 opt.zero_grad(set_to_none=True)
-                loss = F.cross_entropy(model(data.x[r, b]), data.y[r, b])
+                loss = F.cross_entropy(model(data.take(r, b)), data.y[r, b])
                 loss.backward()
                 if canchor:
                     with torch.no_grad():
@@ -316,7 +343,7 @@ def evaluate(model: nn.Module, stack: Mapping[str, Tensor], data: ClientTensors,
             model.load_state_dict(unstack(stack, c))
             r, nc = int(rows[c]), int(n[c])
             for s in range(0, nc, chunk):
-                x, y = data.x[r, s: min(s + chunk, nc)], data.y[r, s: min(s + chunk, nc)]
+                x, y = data.take(r, slice(s, min(s + chunk, nc))), data.y[r, s: min(s + chunk, nc)]
                 logits = model(x)
                 correct[c] += (logits.argmax(-1) == y).sum()
                 loss_sum[c] += F.cross_entropy(logits, y, reduction="sum")
@@ -341,7 +368,7 @@ def dense_gradients(model: nn.Module, stack: Mapping[str, Tensor], data: ClientT
             model.load_state_dict(unstack(stack, c))
             r, n = int(rows[c]), int(data.n[rows[c]])
             b = torch.randperm(n, generator=gens[c])[:batch_size]
-            loss = F.cross_entropy(model(data.x[r, b]), data.y[r, b])
+            loss = F.cross_entropy(model(data.take(r, b)), data.y[r, b])
             grads = torch.autograd.grad(loss, [named[k] for k in names])
             for k, g in zip(names, grads, strict=True):
                 out[k][c] = g

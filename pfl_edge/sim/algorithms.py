@@ -42,7 +42,7 @@ class Context:
 
     @property
     def input_shape(self) -> tuple[int, ...]:
-        return tuple(self.train_data.x.shape[2:])
+        return self.train_data.sample_shape
 
     @property
     def clients(self) -> Clients:

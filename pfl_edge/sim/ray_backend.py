@@ -233,4 +233,4 @@ class RayTrainer:
 def _slice(data: ClientTensors, a: int, b: int) -> ClientTensors:
     """Clients ``a..b`` of the data, in tensors of their own: pickling a view sends its whole storage, which
     would carry every client's data to every actor."""
-    return ClientTensors(data.x[a:b].clone(), data.y[a:b].clone(), data.n[a:b].clone())
+    return data.shard(a, b)

@@ -53,7 +53,7 @@ def test_vmap_engine_matches_torch_optim_loop(data: ClientTensors, cfg: TrainCon
     # the kernel chosen and on memory alignment) would otherwise be all this compares
     model = get_model("cnn", num_classes=10, in_channels=1).double()
     start = {k: v.double() for k, v in _start(model).items()}
-    data = ClientTensors(data.x.double(), data.y, data.n)
+    data = ClientTensors.of(data.x.double(), data.y, data.n)
     rows = torch.arange(N_CLIENTS)
     a = train(model, start, data, rows, cfg, _gens(), engine="vmap")
     b = train(model, start, data, rows, cfg, _gens(), engine="loop")
