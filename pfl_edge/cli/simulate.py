@@ -15,7 +15,8 @@ _SIM_FLAGS: list[tuple[str, type, str]] = [
     ("model", str, "registered model (pfl-edge list)"),
     ("dataset", str, "registered data set (pfl-edge list)"),
     ("data-dir", str, "folder of the data set's files"),
-    ("partition", str, "iid | pathological:K | dirichlet:ALPHA (class-wise) | dirichlet-client:ALPHA (client-wise, "
+    ("partition", str, "iid | pathological:K (cyclic) | pathological-random:K (K random classes each: the DisPFL "
+                       "reference's n_cls) | dirichlet:ALPHA (class-wise) | dirichlet-client:ALPHA (client-wise, "
                        "equal sizes: the DisPFL reference's) | groups:G | preference[:P]"),
     ("clients", int, "number of clients"),
     ("rounds", int, "communication rounds"),
