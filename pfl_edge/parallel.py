@@ -112,7 +112,7 @@ class Trainer:
     def train(self, stack: Mapping[str, Tensor], rows: Tensor, cfg: TrainConfig, gens: Sequence[torch.Generator],
               *, trainable: Collection[str] | None = None, masks: Mapping[str, Tensor] | None = None,
               anchor: Mapping[str, Tensor] | None = None) -> TrainResult:
-        if self._pool is None or len(rows) < 2:
+        if self._pool is None:  # one client too goes to a worker: the same threads, the same bits, however called
             return train(self.model, stack, self.data, rows, cfg, gens, trainable=trainable, masks=masks,
                          anchor=anchor, engine=self.engine)
         shards = balanced_runs(self.data.n[rows].tolist(), self.workers)
@@ -135,7 +135,7 @@ class Trainer:
         """Accuracy and loss of each client's model on its test data (``pfl_edge.train.evaluate``)."""
         if self.test_data is None:
             raise ConfigError("this Trainer has no test data")
-        if self._pool is None or len(rows) < 2:
+        if self._pool is None:
             return evaluate(self.model, stack, self.test_data, rows)
         shards = balanced_runs(self.test_data.n[rows].tolist(), self.workers)
         jobs = [(_rows(stack, slice(a, b)), rows[a:b]) for a, b in shards]
@@ -145,7 +145,7 @@ class Trainer:
     def dense_gradients(self, stack: Mapping[str, Tensor], rows: Tensor, batch_size: int,
                         gens: Sequence[torch.Generator]) -> Stack:
         """``pfl_edge.train.dense_gradients``, sharded over the workers."""
-        if self._pool is None or len(rows) < 2:
+        if self._pool is None:
             return dense_gradients(self.model, stack, self.data, rows, batch_size, gens)
         shards = balanced_runs([1] * len(rows), self.workers)
         jobs = [(_rows(stack, slice(a, b)), rows[a:b], batch_size, [gens[i].get_state() for i in range(a, b)])

@@ -5,6 +5,7 @@ FLOPs it spends)."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -19,7 +20,10 @@ from ..parallel import Trainer
 from ..split import Split
 from ..train import ClientTensors, Stack, index_stack, unstack
 
-__all__ = ["Algorithm", "CentralPFL", "Context", "RoundStats", "Runner", "weighted_loss"]
+__all__ = ["TRAIN_CHUNK", "Algorithm", "CentralPFL", "Context", "RoundStats", "Runner", "weighted_loss"]
+
+#: clients trained per call in a centralised round (what is held of trained models at once; a cnn client: 1.8 MB)
+TRAIN_CHUNK = 128
 
 
 @dataclass(frozen=True, eq=False)
@@ -116,17 +120,31 @@ class CentralPFL(Runner):
     def run_round(self, t: int, participants: Tensor) -> RoundStats:
         ctx, algo = self.ctx, self.central
         everyone = ctx.clients
-        part = everyone.subset(participants)
-        start = central.with_base(index_stack(self.clients, participants), self.base, algo.split)
-        res = algo.local_round(part, start, t)
         shared = set(algo.split.base) if self.base is not None else set()
-        for k, v in res.stack.items():
-            if k not in shared:  # the trained base goes to the average; every client takes the new one below
-                self.clients[k][participants] = v
+        losses: list[tuple[Tensor, Tensor]] = []
+
+        def trained() -> Iterator[tuple[dict[str, Tensor], float]]:
+            """The participants' uploads in slot order, trained TRAIN_CHUNK clients at a time as the average asks
+            for them: a round of many small clients never holds every trained model at once, and the average,
+            taken in the same order, is the same to the bit."""
+            for rows in participants.split(TRAIN_CHUNK):
+                part = everyone.subset(rows)
+                res = algo.local_round(part, central.with_base(index_stack(self.clients, rows), self.base, algo.split),
+                                       t)
+                for k, v in res.stack.items():
+                    if k not in shared:  # the trained base goes to the average; every client takes the new one
+                        self.clients[k][rows] = v
+                losses.append((res.loss, part.n_train))
+                for j, n in enumerate(part.n_train):
+                    yield central.upload(unstack(res.stack, j), algo.split), float(n)
+
         base_bytes = payload_bytes(self.base) if self.base else 0
+        uploads = trained()
         if self.base is not None:
-            self.base = algo.aggregate(self.base, ((central.upload(unstack(res.stack, j), algo.split), float(n))
-                                                   for j, n in enumerate(part.n_train)))
+            self.base = algo.aggregate(self.base, uploads)
+        for _ in uploads:  # nothing shared (local): train all the same
+            pass
+        loss_n = (torch.cat([a for a, _ in losses]), torch.cat([b for _, b in losses]))
         up = [0] * ctx.num_clients
         down = [0] * ctx.num_clients
         for i in participants.tolist():
@@ -139,7 +157,7 @@ class CentralPFL(Runner):
         took_part = set(participants.tolist())
         epochs = torch.tensor([algo.train_epochs(i in took_part, t) for i in range(ctx.num_clients)])
         flops = (3 * ctx.dense_flops * epochs * ctx.train_data.n).tolist()
-        return RoundStats(acc.tolist(), loss.tolist(), weighted_loss(res.loss, part.n_train), up, down,
+        return RoundStats(acc.tolist(), loss.tolist(), weighted_loss(*loss_n), up, down,
                           sum(up) + sum(down), sum(up), participants.tolist(), flops, [1.0] * ctx.num_clients)
 
     def deployed(self) -> Stack:

@@ -143,6 +143,25 @@ def test_finetune_cadence_is_selectable() -> None:
     assert every_all["rounds"][1]["client_acc"] != d["rounds"][1]["client_acc"]  # a ring's neighbourhood is not all
 
 
+@pytest.mark.parametrize("alg", ["fedper", "ditto", "local"])
+def test_training_in_chunks_changes_nothing(alg: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A centralised round trains TRAIN_CHUNK clients at a time as the average asks for them; with chunks of one
+    client or of all, the round's results and every client's model are the same to the bit."""
+    from pfl_edge.sim import algorithms as sim_algorithms
+
+    opts = {"lam": 0.5} if alg == "ditto" else None
+    whole = simulate(SimConfig(**{**QUICK, "algorithm": alg, "options": opts}), save_dir=tmp_path / "a",
+                     progress=False)
+    monkeypatch.setattr(sim_algorithms, "TRAIN_CHUNK", 1)
+    chunked = simulate(SimConfig(**{**QUICK, "algorithm": alg, "options": opts}), save_dir=tmp_path / "b",
+                       progress=False)
+    for a, b in zip(whole["rounds"], chunked["rounds"], strict=True):
+        assert {k: v for k, v in a.items() if k != "wall_s"} == {k: v for k, v in b.items() if k != "wall_s"}
+    for f in sorted((tmp_path / "a").glob("*.safetensors")):
+        x, y = load_checkpoint(f)[0], load_checkpoint(tmp_path / "b" / f.name)[0]
+        assert all(torch.equal(x[k], y[k]) for k in x), f.name
+
+
 def test_checkpoints_round_trip(tmp_path: Path) -> None:
     cfg = SimConfig(**{**QUICK, "algorithm": "fedper"})
     r = simulate(cfg, save_dir=tmp_path, progress=False)
