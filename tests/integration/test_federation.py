@@ -25,7 +25,7 @@ from edge_runtime.fleet import Federation, free_port, start_server
 from pfl_edge.algorithms import get_algorithm
 from pfl_edge.codec import decode
 from pfl_edge.protocol import API_PREFIX
-from pfl_edge.sim import SimConfig
+from pfl_edge.sim import SimConfig, simulate
 
 MOSQUITTO = shutil.which("mosquitto") or ("/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None)
 
@@ -184,6 +184,37 @@ def test_fedper_devices_end_with_the_simulators_models(tmp_path: Path, broker: s
     for digest, _ in rows:
         sent = decode(next(p for p in blobs if p.name == digest).read_bytes())
         assert set(sent.tensors) == set(split.base) and not set(sent.tensors) & set(split.personal)
+
+
+def test_sampled_fedper_devices_end_with_the_simulators_models(tmp_path: Path) -> None:
+    """participation 0.5 on four device processes over three rounds: the server tasks the simulator's draw only,
+    each device works in the rounds that draw it and reports on the base it receives; every device ends with the
+    simulator's model, each round took exactly its draw's updates, and every metric a device reported is the
+    simulator's for that client and round (the agent labels it with the base's round, not its own last one)."""
+    from pfl_edge.algorithms import sample_participants
+
+    cfg = SimConfig(algorithm="fedper", clients=4, kp=2, participation=0.5, **{**BASE, "rounds": 3})
+    fed = _run(tmp_path / "run", cfg.to_dict(), ["phone-mid"] * 4, broker="embedded")
+    try:
+        rounds = fed.get(f"{API_PREFIX}/federations/{fed.fed}/metrics")["rounds"]
+        slots = {d["device_id"]: d["index"] for d in fed.get(f"{API_PREFIX}/federations/{fed.fed}/devices")}
+    finally:
+        fed.close()
+    assert_simulator_models(cfg, tmp_path)
+    sim = simulate(cfg, progress=False)
+    assert [r["updates"] for r in rounds if r["round"] >= 1] == [2, 2, 2]
+    assert all(r["active"] == 2 for r in rounds if r["round"] >= 1)
+    reported = set()
+    for r in rounds:
+        for dev, m in r.get("devices", {}).items():
+            assert m["accuracy"] == pytest.approx(sim["rounds"][r["round"] - 1]["client_acc"][slots[dev]], abs=1e-4)
+            reported.add((r["round"], slots[dev]))
+    # a device reports on round t-1's base when round t draws it, once it has trained; every device that trained
+    # reports on the last base at the final step
+    drawn = {t: set(sample_participants(cfg.seed, t, 4, 0.5).tolist()) for t in (1, 2, 3)}
+    trained_by = {t: set().union(*(drawn[u] for u in range(1, t + 1))) for t in (1, 2, 3)}
+    want = {(t - 1, i) for t in (2, 3) for i in drawn[t] & trained_by[t - 1]} | {(3, i) for i in trained_by[3]}
+    assert reported == want, rounds
 
 
 def test_dispfl_devices_end_with_the_simulators_models(tmp_path: Path, broker: str) -> None:
