@@ -96,7 +96,14 @@ class BlobGC:
             with self.store.write() as s:
                 # an update accepted since the read above names its digest: that one stays
                 used = set(s.scalars(select(Update.digest).where(Update.federation == fed_id, Update.round >= lo)))
-                drop = [(d, u) for d, u in drop if d not in used]
+                # and a device's upload stored since (its update not yet posted) is fresh: the read above may have
+                # seen its reference but not its blob's row (separate statements; on PostgreSQL, another replica
+                # or thread commits between them); under the lock no store is in flight, so this read is whole
+                new: set[str] = set()
+                for uploads in _chunks(sorted({d for d, u in drop if u != SERVER})):
+                    new |= set(s.scalars(select(Blob.digest).where(Blob.digest.in_(uploads),
+                                                                   Blob.created_at >= since)))
+                drop = [(d, u) for d, u in drop if d not in used and (u == SERVER or d not in new)]
                 for part in _chunks(drop):
                     s.execute(delete(BlobRef).where(BlobRef.federation == fed_id,
                                                     tuple_(BlobRef.digest, BlobRef.uploader).in_(part)))
