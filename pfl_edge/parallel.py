@@ -29,7 +29,7 @@ from .train import (
     train,
 )
 
-__all__ = ["Trainer", "balanced_runs", "default_workers"]
+__all__ = ["Trainer", "balanced_runs", "default_workers", "generators"]
 
 _WORKER: dict[str, Any] = {}
 
@@ -50,7 +50,9 @@ def _init_worker(model: nn.Module, data: ClientTensors, test_data: ClientTensors
     _WORKER["model"], _WORKER["data"], _WORKER["test_data"] = model, data, test_data
 
 
-def _gens(states: list[Tensor]) -> list[torch.Generator]:
+def generators(states: list[Tensor]) -> list[torch.Generator]:
+    """Generators from their states (``Generator.get_state()``): how a client's random stream reaches the worker or
+    actor that trains it."""
     gens = []
     for s in states:
         g = torch.Generator()
@@ -61,7 +63,7 @@ def _gens(states: list[Tensor]) -> list[torch.Generator]:
 
 def _grads_shard(args: tuple[Any, ...]) -> Stack:
     stack, rows, batch_size, gen_states = args
-    return dense_gradients(_WORKER["model"], stack, _WORKER["data"], rows, batch_size, _gens(gen_states))
+    return dense_gradients(_WORKER["model"], stack, _WORKER["data"], rows, batch_size, generators(gen_states))
 
 
 def _evaluate_shard(args: tuple[Any, ...]) -> tuple[Tensor, Tensor]:
@@ -72,7 +74,7 @@ def _evaluate_shard(args: tuple[Any, ...]) -> tuple[Tensor, Tensor]:
 def _train_shard(args: tuple[Any, ...]) -> tuple[Tensor, Tensor, Tensor]:
     stack, rows, cfg, gen_states, trainable, masks, anchor, engine, out = args
     # ``out``: this shard's rows of the caller's shared-memory result, written in place (nothing sent back)
-    res = train(_WORKER["model"], stack, _WORKER["data"], rows, cfg, _gens(gen_states), trainable=trainable,
+    res = train(_WORKER["model"], stack, _WORKER["data"], rows, cfg, generators(gen_states), trainable=trainable,
                 masks=masks, anchor=anchor, engine=engine, out=out)
     return res.loss, res.steps, res.samples
 

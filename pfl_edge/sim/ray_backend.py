@@ -20,8 +20,10 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from ..algorithms.base import Trainer
+from ..arrays import is_broadcast
 from ..errors import ConfigError, InternalError
-from ..parallel import balanced_runs
+from ..parallel import balanced_runs, generators
 from ..train import ClientTensors, Engine, Stack, TrainConfig, TrainResult, dense_gradients, evaluate, train
 
 __all__ = ["RAY_MISSING", "RayTrainer", "TrainerLike", "import_ray"]
@@ -29,21 +31,13 @@ __all__ = ["RAY_MISSING", "RayTrainer", "TrainerLike", "import_ray"]
 RAY_MISSING = "the ray backend needs Ray: pip install 'pfl-edge[ray]'"
 
 
-class TrainerLike(Protocol):
-    """What the simulator needs of a trainer: ``pfl_edge.parallel.Trainer`` (forked workers) and ``RayTrainer``.
-    ``workers``: the processes (or actors) it trains on; ``engine``: the training engine it resolved."""
+class TrainerLike(Trainer, Protocol):
+    """What the simulator needs of a trainer: the algorithms' ``Trainer`` (train, evaluate, dense_gradients), its
+    ``workers`` (the processes or actors it trains on), the ``engine`` it resolved, and ``close``.
+    ``pfl_edge.parallel.Trainer`` (forked workers) and ``RayTrainer`` are two."""
 
     workers: int
     engine: Engine
-
-    def train(self, stack: Mapping[str, Tensor], rows: Tensor, cfg: TrainConfig, gens: Sequence[torch.Generator],
-              *, trainable: Collection[str] | None = None, masks: Mapping[str, Tensor] | None = None,
-              anchor: Mapping[str, Tensor] | None = None) -> TrainResult: ...
-
-    def evaluate(self, stack: Mapping[str, Tensor], rows: Tensor) -> tuple[Tensor, Tensor]: ...
-
-    def dense_gradients(self, stack: Mapping[str, Tensor], rows: Tensor, batch_size: int,
-                        gens: Sequence[torch.Generator]) -> Stack: ...
 
     def close(self) -> None: ...
 
@@ -62,20 +56,11 @@ def _rows(stack: Mapping[str, Tensor], pos: Tensor) -> Stack:
     stride-0 view, ``arrays.broadcast_rows``) is sent as that one model."""
     out = {}
     for k, v in stack.items():
-        if v.dim() > 0 and v.shape[0] > 1 and v.stride(0) == 0:
+        if is_broadcast(v):
             out[k] = v[0].clone().expand(len(pos), *v.shape[1:])
         else:
             out[k] = v[pos]  # indexing by a tensor copies just these rows
     return out
-
-
-def _gens(states: list[Tensor]) -> list[torch.Generator]:
-    gens = []
-    for s in states:
-        g = torch.Generator()
-        g.set_state(s)
-        gens.append(g)
-    return gens
 
 
 class _Shard:
@@ -95,7 +80,7 @@ class _Shard:
 
     def train(self, stack: Stack, rows: Tensor, cfg: TrainConfig, gen_states: list[Tensor],
               trainable: list[str] | None, masks: Stack | None, anchor: Stack | None) -> TrainResult:
-        return train(self.model, stack, self.data, rows, cfg, _gens(gen_states), trainable=trainable, masks=masks,
+        return train(self.model, stack, self.data, rows, cfg, generators(gen_states), trainable=trainable, masks=masks,
                      anchor=anchor, engine=self.engine)
 
     def evaluate(self, stack: Stack, rows: Tensor) -> tuple[Tensor, Tensor]:
@@ -104,7 +89,7 @@ class _Shard:
         return evaluate(self.model, stack, self.test_data, rows)
 
     def dense_gradients(self, stack: Stack, rows: Tensor, batch_size: int, gen_states: list[Tensor]) -> Stack:
-        return dense_gradients(self.model, stack, self.data, rows, batch_size, _gens(gen_states))
+        return dense_gradients(self.model, stack, self.data, rows, batch_size, generators(gen_states))
 
 
 class RayTrainer:
@@ -144,7 +129,7 @@ class RayTrainer:
             self._actors = [
                 # SPREAD: actors over every node before doubling up on one (the default packs a node first)
                 actor.options(scheduling_strategy="SPREAD").remote(
-                    model, _slice(data, a, b), None if test_data is None else _slice(test_data, a, b), self.engine)
+                    model, data.shard(a, b), None if test_data is None else test_data.shard(a, b), self.engine)
                 for a, b in self.bounds]
             # a client's owner: the run its index falls in
             self._starts = torch.tensor([a for a, _ in self.bounds], dtype=torch.int64)
@@ -229,8 +214,3 @@ class RayTrainer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def _slice(data: ClientTensors, a: int, b: int) -> ClientTensors:
-    """Clients ``a..b`` of the data, in tensors of their own: pickling a view sends its whole storage, which
-    would carry every client's data to every actor."""
-    return data.shard(a, b)
