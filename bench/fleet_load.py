@@ -82,6 +82,7 @@ class Calls:
         self.errors[kind] += 1
         if len(self.samples) < 20:
             self.samples.append(f"{kind}: {what}"[:300])
+            print(f"  [{time.strftime('%H:%M:%S')}] error: {kind}: {what}"[:300], flush=True)  # as it happens
 
     def export(self) -> dict[str, Any]:
         return {"lat": dict(self.lat), "retries": dict(self.retries), "why": {k: dict(v) for k, v in self.why.items()},
@@ -305,9 +306,12 @@ def client_process(url: str, rounds: int, payloads: Payloads, lo: int, hi: int, 
 
 
 async def kill_leaders(reps: Any, n: int, delay_s: float, log: list[dict[str, Any]], stop: asyncio.Event,
-                       admin: dict[str, str], client: httpx.AsyncClient) -> list[dict[str, Any]]:
+                       admin: dict[str, str], client: httpx.AsyncClient, *,
+                       follower: bool = False) -> list[dict[str, Any]]:
     """In each of rounds 1..n, ``delay_s`` after it starts collecting: SIGKILL the federation's leader (uploads
-    stream into it too: the balancer spreads them), time until another replica leads, restart the dead one."""
+    stream into it too: the balancer spreads them), time until another replica leads, restart the dead one.
+    ``follower``: SIGKILL a replica that does not lead instead (uploads stream into it; the devices' calls in
+    flight there fail and are retried through the balancer), and record that the leader stayed."""
     kills: list[dict[str, Any]] = []
     restarts = []
     for t in range(1, n + 1):
@@ -326,6 +330,14 @@ async def kill_leaders(reps: Any, n: int, delay_s: float, log: list[dict[str, An
             leader = await asyncio.to_thread(reps.leader_of, FED)
         if leader is None:
             kills.append({"round": t, "error": "no replica said it led the federation (finished meanwhile?)"})
+            continue
+        if follower:
+            victim = next(i for i in range(len(reps.servers)) if i != leader and reps.servers[i] is not None)
+            reps.kill(victim)
+            print(f"  round {t}: killed replica {victim} (leader {leader} kept)", flush=True)
+            restarts.append(asyncio.create_task(asyncio.to_thread(reps.start, victim)))
+            kills.append({"round": t, "killed": victim, "leader": leader, "follower": True,
+                          "leader_after": await asyncio.to_thread(reps.leader_of, FED)})
             continue
         t0 = time.time()
         reps.kill(leader)
@@ -366,8 +378,10 @@ async def run_fleet(url: str, admin_token: str, args: argparse.Namespace, calls:
         log: list[dict[str, Any]] = []
         stop = asyncio.Event()
         watcher = asyncio.create_task(watch(client, admin, args.rounds, stop, log))
-        killer = (asyncio.create_task(kill_leaders(reps, args.kill_leader, args.kill_delay_s, log, stop, admin, client))
-                  if args.kill_leader else None)
+        kills_n = args.kill_leader or args.kill_follower
+        killer = (asyncio.create_task(kill_leaders(reps, kills_n, args.kill_delay_s, log, stop, admin, client,
+                                                   follower=bool(args.kill_follower)))
+                  if kills_n else None)
         parts = [await asyncio.to_thread(q.get) for _ in procs]
         with contextlib.suppress(TimeoutError):  # the last round closes after its last update
             await asyncio.wait_for(asyncio.shield(watcher), 300)
@@ -513,6 +527,8 @@ def main() -> None:
     ap.add_argument("--broker-nodes", type=int, default=2, help="--broker rabbitmq: the cluster's nodes")
     ap.add_argument("--kill-leader", type=int, default=0, metavar="N",
                     help="SIGKILL the federation's leader in rounds 1..N (needs --replicas >= 2), restart it")
+    ap.add_argument("--kill-follower", type=int, default=0, metavar="N",
+                    help="SIGKILL a replica that does not lead in rounds 1..N while uploads stream in, restart it")
     ap.add_argument("--kill-delay-s", type=float, default=3.0, help="how long into a round's collecting")
     ap.add_argument("--replicas", type=int, default=0,
                     help="N >= 1: N server processes behind HAProxy (PostgreSQL); 0: one server, no balancer")

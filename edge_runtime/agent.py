@@ -31,6 +31,7 @@ from pfl_edge.protocol import (
     Enrolment,
     EnrolRequest,
     MetricsReport,
+    RoundAnnouncement,
     Task,
     UpdateRequest,
     round_topic,
@@ -213,14 +214,15 @@ class Agent:
         self._stop.set()
 
     def _handle(self, batch: list[tuple[str, bytes]]) -> None:
-        """MQTT rings the bell (module ``edge_runtime.tasks``): any task or round message of ours makes the device
-        ask the server for its task and act on that; the broker's last task is only compared, to log a mismatch."""
+        """MQTT rings the bell (module ``edge_runtime.tasks``): a task or round message of ours (not a sampled round
+        ours is not drawn in) makes the device ask the server for its task and act on that; the broker's last task
+        is only compared, to log a mismatch."""
         mine = (round_topic(self.enr.federation), task_topic(self.enr.federation, self.enr.device_id))
         rang, hint = False, None
         for topic, payload in batch:
             if topic not in mine:
                 continue  # some brokers echo other topics of ours (our own status)
-            rang = True
+            rang = rang or topic == mine[1] or not self._not_drawn(payload)  # a task of ours rings its own topic
             if topic == mine[1]:
                 try:
                     hint = Task.model_validate(json.loads(payload))
@@ -228,6 +230,17 @@ class Agent:
                     log.error("ignored a malformed message on %s: %s", topic, e)
         if rang:
             self._wake(hint)
+
+    def _not_drawn(self, payload: bytes) -> bool:
+        """A round announcement of a sampled round this slot is not drawn in (``Algorithm.sampled``, the server's
+        draw): not worth a request (at 100,000 devices and 2,000 drawn, 98,000 would ask for nothing). An empty
+        bell (a (re)connect), an unreadable one and a finished federation are asked about."""
+        try:
+            ann = RoundAnnouncement.model_validate_json(payload) if payload else None
+        except ValueError:
+            ann = None
+        drawn = None if ann is None or ann.state == "finished" or ann.round < 1 else self.algo.sampled(ann.round)
+        return drawn is not None and self.enr.index not in drawn
 
     def _wake(self, hint: Task | None = None) -> None:
         """Act on the server's current task (a stale or forged message on the broker never moves the device);

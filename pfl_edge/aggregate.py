@@ -15,6 +15,7 @@ import math
 import statistics
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,6 +41,10 @@ __all__ = [
 ]
 
 RULES = ("mean", "clipped-mean", "median", "trimmed-mean")
+# the dtypes a model's tensors come in, by name (a partial sum names them when it is stored)
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
+           "int64": torch.int64, "int32": torch.int32}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
 
 class PartialAverage:
@@ -73,6 +78,51 @@ class PartialAverage:
                 self._meta[k] = (v.shape, v.dtype)
         self.total_weight += weight
         self.count += 1
+
+    def merge(self, other: PartialAverage) -> None:
+        """Fold ``other``'s updates into this sum (a replica's partial sum, at a round's close): per tensor the
+        sums and weights add, so the result averages both sets of updates, up to float64 rounding in the order
+        of the additions."""
+        for k in other._acc:
+            if k in self._meta and other._meta[k] != self._meta[k]:
+                raise ConfigError(f"tensor {k!r}: {tuple(other._meta[k][0])} {other._meta[k][1]} does not merge "
+                                  f"with {tuple(self._meta[k][0])} {self._meta[k][1]}")
+        for k, acc in other._acc.items():
+            if k in self._acc:
+                self._acc[k].add_(acc)
+                self._weight[k] += other._weight[k]
+            else:
+                self._acc[k] = acc.clone()
+                self._weight[k] = other._weight[k]
+                self._meta[k] = other._meta[k]
+        self.total_weight += other.total_weight
+        self.count += other.count
+
+    def state(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        """The float64 sums, and what else ``from_state`` needs (per tensor its weight and dtype; the count)."""
+        meta = {"count": self.count, "total_weight": self.total_weight,
+                "tensors": {k: {"weight": self._weight[k], "dtype": _DTYPE_NAMES[self._meta[k][1]]}
+                            for k in self._acc}}
+        return dict(self._acc), meta
+
+    @classmethod
+    def from_state(cls, sums: Mapping[str, Tensor], meta: Mapping[str, Any]) -> PartialAverage:
+        """The partial sum ``state`` described; ConfigError for anything that does not describe one."""
+        out = cls()
+        tensors = meta.get("tensors")
+        count, total = meta.get("count"), meta.get("total_weight")
+        if not isinstance(tensors, dict) or set(tensors) != set(sums) or not isinstance(count, int) or count < 1 \
+                or isinstance(count, bool) or not isinstance(total, float) or not (math.isfinite(total) and total > 0):
+            raise ConfigError("a partial sum's description does not match its tensors")
+        for k, v in sums.items():
+            d = tensors[k]
+            w, dtype = (d.get("weight"), _DTYPES.get(d.get("dtype", ""))) if isinstance(d, dict) else (None, None)
+            if not isinstance(w, float) or not (math.isfinite(w) and 0 < w <= total) or dtype is None \
+                    or v.dtype != torch.float64 or not bool(torch.isfinite(v).all()):
+                raise ConfigError(f"partial sum: tensor {k!r} has no valid weight, dtype or float64 sums")
+            out._acc[k], out._weight[k], out._meta[k] = v, w, (v.shape, dtype)
+        out.count, out.total_weight = count, total
+        return out
 
     def result(self, prev: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:
         """The averages (in ``prev``'s key order, its value where nobody sent a tensor; else in first-seen order)."""

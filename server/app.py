@@ -115,7 +115,8 @@ def _start_guarded(settings: Settings, guard: IO[bytes] | None) -> AppState:
         device_mqtt_password=settings.device_mqtt_password.get_secret_value() if settings.device_mqtt_password
         else "", max_blob_bytes=settings.max_blob_bytes, tick_s=settings.tick_s, token_ttl_s=settings.token_ttl_s,
         gate=enrol_gate(settings, sessions), upload_quota=settings.upload_quota_pending,
-        gc_keep_rounds=settings.gc_keep_rounds, leadership=leadership_for(engine))
+        gc_keep_rounds=settings.gc_keep_rounds, leadership=leadership_for(engine),
+        partial_sums=settings.partial_sums, partial_flush_s=settings.partial_flush_s)
     holder.append(coordinator)
     _uploads(coordinator, settings)
     link.start()

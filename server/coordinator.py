@@ -24,6 +24,7 @@ from .services import (
 from .services.broker_access import BrokerAccess, Mode
 from .services.gc import BlobGC
 from .services.leadership import Leadership
+from .services.partials import Partials
 
 __all__ = ["Coordinator"]
 
@@ -34,7 +35,8 @@ class Coordinator:
                  tick_s: float = 1.0, token_ttl_s: float = 30 * 86400.0, gate: EnrolGate | None = None,
                  upload_quota: int = 4, gc_keep_rounds: int = 2, broker_mode: Mode = "shared",
                  embedded_broker: EmbeddedBroker | None = None, server_mqtt: tuple[str, str] = ("", ""),
-                 leadership: Leadership | None = None) -> None:
+                 leadership: Leadership | None = None, partial_sums: bool = False,
+                 partial_flush_s: float = 1.0) -> None:
         self.blobs = blobs
         self.store = Store(sessions, max_blob_bytes)
         self.blob_access = BlobAccess(self.store, blobs)
@@ -56,6 +58,11 @@ class Coordinator:
                                           shared_password=device_mqtt_password)
         self.enrolment.mqtt_password = self.broker_access.fresh_password
         self.enrolment.provision = self.broker_access.provision
+        # each accepted update folded into this process's partial sum, merged by the leader at close
+        self.partials = Partials(self.store, self.blob_access, flush_s=partial_flush_s) if partial_sums else None
+        if self.partials is not None:
+            self.updates.on_stored = self.partials.accepted
+            self.rounds.partial_sums = True
         self.gc = BlobGC(self.store, self.blob_access, blobs, keep_rounds=gc_keep_rounds)
         self.worker.after_step = self.gc.after_step
 
@@ -68,8 +75,12 @@ class Coordinator:
     def start(self) -> None:
         self.publisher.start()
         self.worker.start()
+        if self.partials is not None:
+            self.partials.start()
 
     def stop(self) -> None:
+        if self.partials is not None:
+            self.partials.stop()
         self.worker.stop()
         self.publisher.stop()
 

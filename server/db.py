@@ -25,6 +25,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     String,
     UniqueConstraint,
     create_engine,
@@ -42,6 +43,7 @@ __all__ = [
     "Device",
     "Federation",
     "Metric",
+    "PartialSum",
     "RateBucket",
     "Round",
     "SchemaVersion",
@@ -174,6 +176,22 @@ class SchemaVersion(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)  # always 1
     version: Mapped[int] = mapped_column(Integer)
     updated_at: Mapped[float] = mapped_column(Float, default=now)
+
+
+class PartialSum(Base):
+    """A replica's running sum of the updates it accepted in a round (``server.services.partials``): rewritten
+    in place as it folds more in; the leader merges the round's rows at close, then deletes them."""
+
+    __tablename__ = "pfl_partial_sums"
+    __table_args__ = (Index("ix_pfl_partial_sums_round", "federation", "round"),)
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)  # one per replica process and round
+    federation: Mapped[str] = mapped_column(ForeignKey("pfl_federations.id"))
+    round: Mapped[int] = mapped_column(Integer)
+    updates: Mapped[list[int]] = mapped_column(JSON)  # the ids of the Update rows it sums
+    max_norm: Mapped[float | None] = mapped_column(Float, nullable=True)  # the largest of their norms
+    data: Mapped[bytes] = mapped_column(LargeBinary)  # safetensors: the float64 sums, their weights and dtypes
+    written_at: Mapped[float] = mapped_column(Float, default=now)
 
 
 class RateBucket(Base):

@@ -81,6 +81,8 @@ STEPS: tuple[Step, ...] = (
             "federations' aggregation rule, updates' norms", _trust),
     Step(5, "pfl_rate_buckets: enrolment rate limits that server replicas share (a new table: created whole)",
          lambda conn: None),
+    Step(6, "pfl_partial_sums: replicas' running sums of a round's updates (a new table: created whole)",
+         lambda conn: None),
 )
 SCHEMA_VERSION = STEPS[-1].version
 

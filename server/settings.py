@@ -82,6 +82,11 @@ class Settings(BaseSettings):
     # disk: uploads a device holds that no update of it names yet (a round's upload waits for its update)
     upload_quota_pending: int = Field(default=4, ge=1, le=1000)
     gc_keep_rounds: int = Field(default=2, ge=1, le=1_000_000)  # blobs of the current and last K rounds are kept
+    # replicas fold the updates they accept into partial sums that the leader merges at close (the mean rule;
+    # server.services.partials): the close reads a sum per replica instead of every update, and the base equals
+    # the one-by-one mean up to float64 rounding in the order of the sums (off: in slot order, to the bit)
+    partial_sums: bool = False
+    partial_flush_s: float = Field(default=1.0, gt=0, le=3600)  # how often a replica writes its sums
     # HTTPS (both or neither) and the HTTP server's limits (uvicorn)
     tls_cert: Path | None = None
     tls_key: Path | None = None

@@ -381,6 +381,7 @@ def test_the_replicated_set_shares_one_database_blob_store_and_broker(monkeypatc
         s = Settings()
         assert s.resolved_database_url.startswith("postgresql+psycopg://pfl:")
         assert str(s.resolved_blob_dir).startswith("/shared/") and str(s.programs_dir).startswith("/shared/")
+        assert s.partial_sums  # the leader merges the replicas' sums at close
         mqtt = start_mqtt(s, lambda *_: None)
         assert mqtt.mode == "hook" and mqtt.url == "mqtt://rabbitmq:1883"
         for secret in REPLICATED_SECRETS:

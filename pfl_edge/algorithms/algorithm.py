@@ -131,6 +131,8 @@ class Algorithm:
     #: the server ends the federation with a final task on which every device evaluates (FedPer: its personal
     #: blocks on the last base); otherwise a device's last round is its last evaluation
     final_evaluation: ClassVar[bool] = False
+    #: ``aggregate`` is ``pfl_edge.aggregate.PartialAverage``'s weighted mean (``merges_partial_sums``)
+    mean_aggregate: ClassVar[bool] = False
     #: the on-device training program a device of this algorithm runs (``export.TRAINING_MODES``): the whole model
     #: (its personal blocks alone for -FT's fine-tuning), or DisPFL's masked program with the dense gradient
     program_mode: ClassVar[str] = "fedper"
@@ -248,6 +250,11 @@ class Algorithm:
     def neighbours(self, t: int) -> list[list[int]] | None:
         """Decentralised algorithms: each slot's in-neighbours in round ``t``; None where a server averages."""
         return None
+
+    def merges_partial_sums(self) -> bool:
+        """Do sums of disjoint sets of a round's updates merge into ``aggregate``'s result (server replicas'
+        partial sums, ``server.services.partials``)?"""
+        return self.mean_aggregate
 
     def aggregate(self, prev: Mapping[str, Tensor],
                   updates: Iterable[tuple[Mapping[str, Tensor], float]]) -> dict[str, Tensor] | None:

@@ -84,6 +84,7 @@ class Central(Algorithm):
     model) says so in ``init_clients``, ``local_round`` and ``deployed_view``."""
 
     final_evaluation = True
+    mean_aggregate = True  # aggregate_bases: PartialAverage's mean
 
     def aggregate(self, prev: Mapping[str, Tensor],
                   updates: Iterable[tuple[Mapping[str, Tensor], float]]) -> dict[str, Tensor] | None:

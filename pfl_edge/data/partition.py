@@ -346,7 +346,7 @@ def _pathological_random(y: np.ndarray, n: int, arg: str | None, num_classes: in
     classes = np.stack([rng.choice(num_classes, k, replace=False) for _ in range(n)])
     order = rng.permutation(np.repeat(np.arange(n), size))
     cls = classes[order, rng.integers(0, k, len(order))]
-    parts: list[list[np.ndarray]] = [[] for _ in range(n)]
+    owners, samples = [], []
     for c in range(num_classes):
         hit = np.flatnonzero(cls == c)  # the deal's draws of class c, in order
         pool = rng.permutation(np.flatnonzero(y == c))
@@ -354,10 +354,10 @@ def _pathological_random(y: np.ndarray, n: int, arg: str | None, num_classes: in
             continue
         if not len(pool):
             raise DataError(f"pathological-random: class {c} has no training samples")
-        taken = pool[np.arange(len(hit)) % len(pool)]
-        for i in range(n):
-            parts[i].append(taken[order[hit] == i])
-    return [np.concatenate(p) for p in parts], None
+        owners.append(order[hit])
+        samples.append(pool[np.arange(len(hit)) % len(pool)])
+    own, got = np.concatenate(owners), np.concatenate(samples)  # a stable sort by owner: class by class, in order
+    return np.split(got[np.argsort(own, kind="stable")], np.cumsum(np.bincount(own, minlength=n))[:-1]), None
 
 
 @register_partitioner("groups")

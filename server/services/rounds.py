@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 from torch import Tensor
 
@@ -22,10 +22,11 @@ from pfl_edge.aggregate import AggregationRule, clip_update, robust_aggregate, u
 from pfl_edge.codec import encode
 from pfl_edge.errors import InternalError
 
-from ..db import Device, Federation, Round, Update, inputs_digest, now
+from ..db import Device, Federation, PartialSum, Round, Update, inputs_digest, now
 from ..fedmodel import FedModel
 from ..states import ENROLMENT_ROUND, RoundState, Transition, next_state
 from .blob_access import BlobAccess
+from .partials import Partials, Sum, merge_sums
 from .planning import Planner
 from .publishing import Publisher
 from .store import Store
@@ -48,6 +49,9 @@ class RoundMachine:
         self.publisher = publisher
         self.clock = clock
         self._step_lock = threading.Lock()  # transitions: one at a time
+        self.partial_sums = False  # merge the replicas' partial sums at close (server.services.partials)
+        self.last_merge = (0, 0)  # the last average's (updates taken from partial sums, sums merged)
+        self.merged: dict[tuple[str, int], tuple[int, int]] = {}  # (federation, round) -> its close's last_merge
         S = RoundState  # short: the table reads as the state diagram
         self._handlers: dict[tuple[RoundState, RoundState], Handler] = {
             (S.OPEN, S.OPEN): self._open,  # enrolment is over: round 1 opens
@@ -147,24 +151,30 @@ class RoundMachine:
             taken = list(s.execute(select(Update, Device.kp).join(Device, Device.id == Update.device)
                                    .where(Update.federation == fed_id, Update.round == t).order_by(Device.slot)))
             ups = [(u.digest, u.n_samples, kp, u.delta_norm) for u, kp in taken]
+            ids = [u.id for u, _ in taken]
             took = inputs_digest((u.device, u.digest) for u, _ in taken)
+            sums = Partials.stored(s, fed_id, t) if self.partial_sums else []
         result: str | None = None
         if start is not None:  # a server model to aggregate into (none where devices exchange models)
-            new = self.average(fm, start, ups, rule)
+            self.last_merge = (0, 0)
+            new = self.average(fm, start, ups, rule, sums=sums, ids=ids)
+            self.merged[fed_id, t] = self.last_merge
             result = self.blobs.store_server_blob(fed_id, encode(new, model_id=fm.model_id, round=t))
         with self.store.write() as s:
             fed = self._advance(s, fed_id, tr)
             if fed is None:
                 return
+            s.execute(delete(PartialSum).where(PartialSum.federation == fed_id, PartialSum.round <= t))
             r = self.store.round(s, fed_id, t)
             r.state, r.closed_at, r.base_digest = RoundState.PUBLISHED.value, now(), result
             r.inputs, r.inputs_digest = len(ups), took
             if result is not None:
                 fed.base_digest = result
-        log.info("federation %s: round %d closed with %d updates", fed_id, t, len(ups))
+        log.info("federation %s: round %d closed with %d updates (%d of them in %d partial sums)", fed_id, t,
+                 len(ups), *self.merged.get((fed_id, t), (0, 0)))
 
-    def average(self, fm: FedModel, start: str, ups: Sequence[_Upload], rule: AggregationRule | None = None
-                ) -> dict[str, Tensor]:
+    def average(self, fm: FedModel, start: str, ups: Sequence[_Upload], rule: AggregationRule | None = None, *,
+                sums: Sequence[Sum] = (), ids: Sequence[int] = ()) -> dict[str, Tensor]:
         """The aggregation of the uploads ``(digest, n_samples, kp[, norm])`` into the model ``start`` under ``rule``
         (default: the weighted mean, each update clipped to 3x the round's median update norm), in slot order
         (so the result does not depend on which device finished first). ``mean`` is the algorithm's own
@@ -182,8 +192,17 @@ class RoundMachine:
         # each update's norm as the server computed it on accepting it; a pass over the blobs for any without
         norms = [norm if norm is not None else update_norm(prev, load(d, kp)) for d, _, kp, norm in rows]
         bound = rule.bound(norms if rule.relative else [])
-        new = fm.algorithm().aggregate(prev, ((clip_update(prev, load(d, kp), bound, norm), float(n))
-                                              for (d, n, kp, _), norm in zip(rows, norms, strict=True)))
+        algo = fm.algorithm()
+        merged, covered, k = (merge_sums(sums, ids, bound, fm.shapes) if sums and algo.merges_partial_sums()
+                              else (None, set[int](), 0))
+        if merged is not None:  # the replicas' sums, then each update no sum holds (server.services.partials)
+            self.last_merge = (len(covered), k)
+            for (d, n, kp, _), norm, uid in zip(rows, norms, ids, strict=True):
+                if uid not in covered:
+                    merged.add(clip_update(prev, load(d, kp), bound, norm), float(n))
+            return merged.result(prev)
+        new = algo.aggregate(prev, ((clip_update(prev, load(d, kp), bound, norm), float(n))
+                                    for (d, n, kp, _), norm in zip(rows, norms, strict=True)))
         if new is None:
             raise InternalError(f"algorithm {fm.cfg.algorithm!r} has a server model but aggregates nothing")
         return new

@@ -80,6 +80,7 @@ class Updates:
         self.store = store
         self.blobs = blobs
         self.on_accepted = on_accepted  # wakes the round worker: the update may close the round
+        self.on_stored: Callable[[str, int, int], None] | None = None  # (federation, round, update id) committed
 
     def submit(self, dev: Device, t: int, req: UpdateRequest) -> UpdateAccepted:
         with self.store.read() as s:
@@ -102,14 +103,17 @@ class Updates:
             if dup is not None:  # a concurrent retry won the race
                 return self._duplicate(s, dup, t, req)
             self._check_round(s, fed, fm, dev, t)  # the round may have closed meanwhile
-            s.add(Update(federation=fed.id, round=t, device=dev.id, digest=req.digest, n_samples=counted,
+            upd = Update(federation=fed.id, round=t, device=dev.id, digest=req.digest, n_samples=counted,
                          train_loss=req.train_loss, train_s=req.train_s, bytes_down=req.bytes_down,
-                         delta_norm=norm))
+                         delta_norm=norm)
+            s.add(upd)
             row = s.get(Device, dev.id)
             if row is not None and row.declared_samples is None:  # undeclared at enrolment: its first word binds
                 row.declared_samples = counted
             s.flush()
-            n = self.store.count_updates(s, fed.id, t)
+            n, uid = self.store.count_updates(s, fed.id, t), upd.id
+        if self.on_stored is not None and t != ENROLMENT_ROUND:
+            self.on_stored(fed.id, t, uid)  # committed: this process's partial sum may fold it
         self.on_accepted()
         return UpdateAccepted(round=t, accepted=True, updates=n)
 

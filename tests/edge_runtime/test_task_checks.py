@@ -177,3 +177,38 @@ def test_downloads_refuse_nan_and_mismatch_logs_only_forgeries() -> None:
     assert mismatch(real.model_copy(update={"round": 2}), real) is None  # stale, not forged
     assert "base" in str(mismatch(real.model_copy(update={"base": FORGED}), real))
     assert "no task" in str(mismatch(real, None))
+
+
+def test_only_drawn_devices_ask_on_a_sampled_rounds_bell() -> None:
+    """A sampled round's announcement makes exactly the devices the simulator's draw picks ask the server for a
+    task (``sample_participants``); a (re)connect's empty bell, an unreadable one, a finished federation, an
+    unsampled federation and a device's own task topic always make it ask."""
+    from types import SimpleNamespace
+
+    from pfl_edge.algorithms import get_algorithm
+    from pfl_edge.federation import FederationConfig
+    from pfl_edge.protocol import RoundAnnouncement
+    from pfl_edge.sim import build_context, sample_participants
+
+    def asks(cfg: FederationConfig, slot: int, batch: list[tuple[str, bytes]]) -> bool:
+        woke: list[Task | None] = []
+        algo = get_algorithm(cfg, build_model(build_context(cfg)[1]), cfg.kp)
+        dev = SimpleNamespace(algo=algo, enr=SimpleNamespace(federation="tc", device_id=f"d{slot}", index=slot),
+                              _wake=woke.append)
+        dev._not_drawn = lambda p: Agent._not_drawn(dev, p)  # type: ignore[arg-type]
+        Agent._handle(dev, batch)  # type: ignore[arg-type]
+        return bool(woke)
+
+    def bell(t: int, state: str = "collecting") -> tuple[str, bytes]:
+        return round_topic("tc"), RoundAnnouncement(federation="tc", round=t, state=state).model_dump_json().encode()  # type: ignore[arg-type]
+
+    cfg = FederationConfig.from_dict({**CONFIG, "clients": 10, "participation": 0.3})
+    for t in (1, 2, 3):
+        drawn = set(sample_participants(cfg.seed, t, 10, 0.3).tolist())
+        assert {i for i in range(10) if asks(cfg, i, [bell(t)])} == drawn and len(drawn) == 3
+        idle = next(i for i in range(10) if i not in drawn)
+        assert asks(cfg, idle, [bell(t, "finished")]) and asks(cfg, idle, [(round_topic("tc"), b"")])
+        assert asks(cfg, idle, [(round_topic("tc"), b"{not json")])
+        assert asks(cfg, idle, [bell(t), (task_topic("tc", f"d{idle}"), b"{}")])  # its own task topic rang
+    everyone = FederationConfig.from_dict(CONFIG)
+    assert asks(everyone, 1, [bell(1)]) and asks(everyone, 0, [bell(2)])

@@ -1,0 +1,137 @@
+"""Partial sums (server.services.partials): replicas fold the updates they accept into sums that the leader merges
+at close. The merge equals a float64 reference over every update; a sum that names an update not of the round,
+one another sum holds, more or fewer updates than it counts, a tensor of another shape, or an update the norm
+bound clips is left out and its updates read one by one. Two server processes on one PostgreSQL database, each
+accepting half of a FedPer round's updates, close it from their sums, and the base is the weighted mean."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from server_testkit import FEDPER, Dev, create, perturbed, wait_for
+from sqlalchemy import select
+
+from pfl_edge.aggregate import PartialAverage
+from pfl_edge.codec import encode
+from pfl_edge.split import take
+from server.db import PartialSum, Round, make_engine
+from server.launch import BackgroundServer, start_background
+from server.migrations import make_sessionmaker
+from server.services.partials import Sum, merge_sums, pack, unpack
+from server.settings import Settings
+
+ADMIN = "admin-token-for-partial-sums"
+SHAPES = {"w": (4, 3), "b": (3,)}
+
+
+def _updates(n: int, seed: int = 0) -> list[tuple[dict[str, torch.Tensor], float]]:
+    g = torch.Generator().manual_seed(seed)
+    return [({k: torch.randn(s, generator=g) for k, s in SHAPES.items()}, float(3 + 5 * i)) for i in range(n)]
+
+
+def _reference(ups: list[tuple[dict[str, torch.Tensor], float]]) -> dict[str, torch.Tensor]:
+    """sum_j n_j x_j / sum_j n_j in float64, one update at a time (independent of PartialAverage)."""
+    total = sum(n for _, n in ups)
+    return {k: sum((x[k].double() * n for x, n in ups), torch.zeros(s, dtype=torch.float64)) / total
+            for k, s in SHAPES.items()}
+
+
+def _sum(ups: list[tuple[dict[str, torch.Tensor], float]], ids: list[int], max_norm: float | None = 1.0) -> Sum:
+    avg = PartialAverage()
+    for i in ids:
+        avg.add(*ups[i])
+    return Sum(frozenset(ids), max_norm, pack(avg))
+
+
+def _merged(sums: list[Sum], ups: list[tuple[dict[str, torch.Tensor], float]], bound: float | None = None
+            ) -> tuple[dict[str, torch.Tensor], set[int], int]:
+    """What the leader does: merge the usable sums, then add every update no sum holds."""
+    merged, covered, k = merge_sums(sums, list(range(len(ups))), bound, SHAPES)
+    avg = merged if merged is not None else PartialAverage()
+    for i, (x, n) in enumerate(ups):
+        if i not in covered:
+            avg.add(x, n)
+    return {k2: v.double() for k2, v in avg.result().items()}, covered, k
+
+
+def test_merged_sums_equal_the_reference_and_bad_sums_are_left_out() -> None:
+    ups = _updates(8)
+    want = _reference(ups)
+
+    def check(sums: list[Sum], covered: set[int], k: int, bound: float | None = None) -> None:
+        got, cov, n = _merged(sums, ups, bound)
+        assert (cov, n) == (covered, k)
+        for name in SHAPES:
+            torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-6)
+
+    check([_sum(ups, [0, 1, 2]), _sum(ups, [5, 3])], {0, 1, 2, 3, 5}, 2)
+    assert unpack(pack(unpack(_sum(ups, [0, 1]).data))).count == 2
+    # an update that is not the round's; one a used sum already holds; a sum counting 2 that names 3
+    foreign = _sum(ups, [0, 1])
+    check([Sum(frozenset({0, 9}), 1.0, foreign.data)], set(), 0)
+    check([_sum(ups, [0, 1]), _sum(ups, [1, 2])], {0, 1}, 1)
+    short = _sum(ups, [4, 6])
+    check([Sum(frozenset({4, 6, 7}), 1.0, short.data)], set(), 0)
+    # an update the bound clips (or a norm unknown) with a bound; no bound: both used
+    check([_sum(ups, [0, 1], max_norm=5.0), _sum(ups, [2], max_norm=None)], set(), 0, bound=4.0)
+    check([_sum(ups, [0, 1], max_norm=5.0), _sum(ups, [2], max_norm=None)], {0, 1, 2}, 2)
+    # another model's tensor shapes, and bytes that are no sum at all
+    odd = PartialAverage()
+    odd.add({"w": torch.ones(2, 2), "b": torch.ones(3)}, 1.0)
+    check([Sum(frozenset({3}), 1.0, pack(odd)), Sum(frozenset({4}), 1.0, b"\x08" + b"\0" * 7 + b"{}"),
+           Sum(frozenset({5}), 1.0, b"nonsense")], set(), 0)
+
+
+@pytest.fixture
+def replicas(tmp_path: Path, pg_url: str, broker_url: str) -> Iterator[list[BackgroundServer]]:
+    """Two server processes' worth (in threads) on one database and blob store, folding partial sums."""
+    out: list[BackgroundServer] = []
+    try:
+        for i in range(2):
+            out.append(start_background(Settings(
+                data_dir=tmp_path / f"r{i}", blob_dir=tmp_path / "blobs", database_url=pg_url,  # type: ignore[arg-type]
+                broker_url=broker_url, admin_token=ADMIN, tick_s=0.05, partial_sums=True, partial_flush_s=0.05)))
+        yield out
+    finally:
+        for s in out:
+            s.stop()
+
+
+def test_two_replicas_close_a_round_from_their_sums(replicas: list[BackgroundServer], pg_url: str) -> None:
+    a, b = (httpx.Client(base_url=s.url, timeout=30) for s in replicas)
+    create(a, ADMIN, "ps", {**FEDPER, "clients": 4, "rounds": 1})
+    devs = [Dev(a, "ps", index=0), Dev(b, "ps", index=1), Dev(a, "ps", index=2), Dev(b, "ps", index=3)]
+    base_keys = devs[0].fm.base_keys(FEDPER["kp"])
+    init = devs[0].fm.init_state()
+    wait_for(lambda: a.get("/v1/rounds/current/task", headers=devs[0].h).status_code == 200, what="round 1")
+    ups = [(take(perturbed(init, i), base_keys), float(10 + 7 * i)) for i in range(len(devs))]
+    sessions = make_sessionmaker(make_engine(Settings(database_url=pg_url).resolved_database_url))
+
+    def summed() -> set[int]:
+        with sessions() as s:
+            return {u for p in s.scalars(select(PartialSum)) for u in p.updates}
+
+    for d, (x, n) in zip(devs[:3], ups[:3], strict=True):  # each through its own replica
+        dg = d.put(encode(x, model_id=d.fm.model_id, round=1))
+        assert d.update(1, dg, int(n)).json()["accepted"]
+    wait_for(lambda: len(summed()) == 3, what="both replicas' sums of the first three updates")
+    dg = devs[3].put(encode(ups[3][0], model_id=devs[3].fm.model_id, round=1))
+    assert devs[3].update(1, dg, int(ups[3][1])).json()["accepted"]  # the last: it may close before a sum has it
+    wait_for(lambda: a.get("/v1/federations/ps", headers={"Authorization": f"Bearer {ADMIN}"}).json()["state"]
+             == "finished", what="the round's close")
+    merged = [s.app_state.coordinator.rounds.merged.get(("ps", 1)) for s in replicas if s.app_state is not None]
+    took, sums = next(m for m in merged if m is not None)  # the leader's close
+    assert took >= 3 and sums >= 2, (took, sums)  # updates through both replicas came from their sums
+    assert summed() == set()  # the close deleted the round's sums
+    with sessions() as s:
+        base_digest = s.scalar(select(Round.base_digest).where(Round.federation == "ps", Round.round == 1))
+    assert base_digest is not None
+    got = devs[0].get(base_digest).tensors
+    total = sum(n for _, n in ups)
+    for k in base_keys:
+        want = sum(x[k].double() * n for x, n in ups) / total
+        torch.testing.assert_close(got[k].double(), want, rtol=0, atol=1e-6)
