@@ -466,6 +466,11 @@ def _report(args: argparse.Namespace, calls: Calls, parts: list[dict[str, Any]],
             "rounds": rounds, "states": [{**e, "t": e["t"] - t0} for e in log]}
 
 
+def _extra(args: argparse.Namespace) -> dict[str, str]:
+    """Server settings the arguments choose."""
+    return {"PFL_PARTIAL_SUMS": "true"} if args.partial_sums else {}
+
+
 def _servers(args: argparse.Namespace, stack: ExitStack, tmp: Path, db: str | None,
              token: str) -> tuple[str, dict[str, int], Any]:
     """Start the broker and the server(s) the arguments ask for; (the URL devices use, the pids to sample)."""
@@ -488,7 +493,7 @@ def _servers(args: argparse.Namespace, stack: ExitStack, tmp: Path, db: str | No
         stack.callback(lb.stop)
         pids.update({f"broker{i}": p.pid for i, p in enumerate(cluster.procs)})
         env = server_env(tmp / "server", database_url=db, broker_url=None, admin_token=token, extra={
-            "PFL_BROKER_URL": cluster.mqtt_urls[0], "PFL_BROKER_HOOK_TOKEN": hook,
+            **_extra(args), "PFL_BROKER_URL": cluster.mqtt_urls[0], "PFL_BROKER_HOOK_TOKEN": hook,
             "PFL_MQTT_USERNAME": ADMIN[0], "PFL_MQTT_PASSWORD": ADMIN[1],
             "PFL_PUBLIC_BROKER_URL": f"mqtt://127.0.0.1:{mqtt_lb}"})
         reps = start_replicas(tmp / "replicas", args.replicas, env, port=lb_port)
@@ -498,7 +503,8 @@ def _servers(args: argparse.Namespace, stack: ExitStack, tmp: Path, db: str | No
         if broker_pid:
             pids["broker"] = broker_pid
         if args.replicas < 1:
-            srv = server(tmp / "server", database_url=db, broker_url=broker_url, admin_token=token)
+            srv = server(tmp / "server", database_url=db, broker_url=broker_url, admin_token=token,
+                         extra=_extra(args))
             stack.callback(srv.stop)
             pids["server"] = srv.proc.pid
             print(f"server {srv.url}, broker {broker_url or 'embedded'}, database {args.database}", flush=True)
@@ -506,7 +512,8 @@ def _servers(args: argparse.Namespace, stack: ExitStack, tmp: Path, db: str | No
         if db is None or broker_url is None:
             raise SystemExit("--replicas needs PostgreSQL and an external broker")
         reps = start_replicas(tmp / "replicas", args.replicas,
-                              server_env(tmp / "server", database_url=db, broker_url=broker_url, admin_token=token))
+                              server_env(tmp / "server", database_url=db, broker_url=broker_url, admin_token=token,
+                                         extra=_extra(args)))
     stack.callback(reps.stop)
     for i, r in enumerate(reps.servers):
         assert r is not None
@@ -529,6 +536,7 @@ def main() -> None:
                     help="SIGKILL the federation's leader in rounds 1..N (needs --replicas >= 2), restart it")
     ap.add_argument("--kill-follower", type=int, default=0, metavar="N",
                     help="SIGKILL a replica that does not lead in rounds 1..N while uploads stream in, restart it")
+    ap.add_argument("--partial-sums", action="store_true", help="the servers fold partial sums (PFL_PARTIAL_SUMS)")
     ap.add_argument("--kill-delay-s", type=float, default=3.0, help="how long into a round's collecting")
     ap.add_argument("--replicas", type=int, default=0,
                     help="N >= 1: N server processes behind HAProxy (PostgreSQL); 0: one server, no balancer")
