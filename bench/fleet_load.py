@@ -175,7 +175,8 @@ class Fleet:
     async def enrol(self, client: httpx.AsyncClient, i: int) -> Enrolment:
         body = {"federation": FED, "enrol_secret": ENROL_SECRET, "profile": "raspberry-pi-4", "name": f"v{i}",
                 "index": i, "nonce": secrets.token_hex(16), "n_samples": 4}
-        r = await call(client, self.calls, "enrol", "POST", f"{API_PREFIX}/devices", json=body)
+        # a device keeps enrolling while the server says "try again" (503: a broker's provisioning was slow)
+        r = await call(client, self.calls, "enrol", "POST", f"{API_PREFIX}/devices", json=body, attempts=30)
         self.enrolled.append(time.time())
         return Enrolment.model_validate_json(r.content)
 
