@@ -36,7 +36,8 @@ def closes(r: dict[str, Any]) -> list[float | None]:
     out: list[float | None] = []
     for t in range(1, int(r["args"]["rounds"]) + 1):
         at = {e["state"]: e["t"] for e in r["states"] if e["round"] == t}
-        out.append(at["published"] - at["closing"] if "closing" in at and "published" in at else None)
+        end = at.get("published", at.get("finished"))  # the last round goes straight to finished
+        out.append(end - at["closing"] if "closing" in at and end is not None else None)
     return out
 
 
