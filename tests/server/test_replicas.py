@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -92,6 +93,13 @@ def test_one_leader_per_federation_and_a_takeover_when_its_session_dies(pg_url: 
         pid = one._conn.execute(text("SELECT pg_backend_pid()")).scalar()
         with e2.connect() as c:
             c.execute(text("SELECT pg_terminate_backend(:p)"), {"p": pid})
+        # pg_terminate_backend only signals: wait until the backend is gone, and its locks with it
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with e2.connect() as c:
+                if not c.execute(text("SELECT 1 FROM pg_stat_activity WHERE pid = :p"), {"p": pid}).first():
+                    break
+            time.sleep(0.05)
         assert two.claim({"fa", "fb", "fc"}) == ({"fa", "fb", "fc"}, {"fb"})
         assert one.claim({"fa", "fb", "fc"}) == (set(), set())  # it finds out it leads nothing, reconnects
         assert one.claim({"fa", "fb", "fc"}) == (set(), set())  # and finds every federation led elsewhere
