@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 from ..arrays import Array as Tensor
 from ..errors import ConfigError, UnknownNameError
 from ..protocol import MAX_NEIGHBOURS
-from ..seeding import Stream, stream
+from ..seeding import Stream, mt_stream, stream
 from ..split import Split, split_keys
 from ..topology import in_degree, neighbours
 from .base import Clients, Metrics, Received, Upload
@@ -72,8 +72,12 @@ def sample_participants(seed: int, t: int, num_clients: int, fraction: float) ->
 
 @functools.lru_cache(maxsize=256)
 def _sampled_slots(seed: int, t: int, num_clients: int, fraction: float) -> frozenset[int] | None:
-    slots = sample_participants(seed, t, num_clients, fraction)
-    return None if len(slots) == num_clients else frozenset(int(i) for i in slots.tolist())
+    """``sample_participants``'s draw with numpy alone (``mt_stream``: torch's numbers), so that a device without
+    torch knows it too; None when every client takes part."""
+    m = max(1, min(num_clients, int(fraction * num_clients + 1e-9)))
+    if m == num_clients:
+        return None
+    return frozenset(int(i) for i in mt_stream(seed, Stream.PARTICIPANTS, t).randperm(num_clients)[:m].tolist())
 
 
 @dataclass(frozen=True)
