@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 from ..arrays import Array as Tensor
 from ..errors import ConfigError, UnknownNameError
 from ..protocol import MAX_NEIGHBOURS
-from ..seeding import Stream, mt_stream, stream
+from ..seeding import Stream, mt_stream
 from ..split import Split, split_keys
 from ..topology import in_degree, neighbours
 from .base import Clients, Metrics, Received, Upload
@@ -60,20 +60,19 @@ class DeviceRound:
 
 
 def sample_participants(seed: int, t: int, num_clients: int, fraction: float) -> Tensor:
-    """The clients (slots) of round ``t``: ``max(1, floor(fraction * N))`` drawn from the round's own stream;
-    everyone when the fraction is 1."""
+    """The clients (slots) of round ``t``, sorted: ``max(1, floor(fraction * N))`` drawn from the round's own
+    stream; everyone when the fraction is 1 (the simulator's view of ``_sampled_slots``)."""
     import torch  # the coordinator's side: a server or the simulator
 
-    m = max(1, min(num_clients, int(fraction * num_clients + 1e-9)))
-    if m == num_clients:
-        return torch.arange(num_clients)
-    return torch.randperm(num_clients, generator=stream(seed, Stream.PARTICIPANTS, t))[:m].sort().values
+    drawn = _sampled_slots(seed, t, num_clients, fraction)
+    return torch.arange(num_clients) if drawn is None else torch.tensor(sorted(drawn), dtype=torch.int64)
 
 
 @functools.lru_cache(maxsize=256)
 def _sampled_slots(seed: int, t: int, num_clients: int, fraction: float) -> frozenset[int] | None:
-    """``sample_participants``'s draw with numpy alone (``mt_stream``: torch's numbers), so that a device without
-    torch knows it too; None when every client takes part."""
+    """The one definition of a round's draw, in numpy alone (``mt_stream`` draws torch's ``randperm`` numbers,
+    tests/pfl_edge/test_seeding.py), so that simulator, server and a device without torch draw alike; None when
+    every client takes part."""
     m = max(1, min(num_clients, int(fraction * num_clients + 1e-9)))
     if m == num_clients:
         return None
