@@ -42,16 +42,16 @@ def command(budget: Mapping[str, Any], row: Row, seed: int) -> str:
 
 
 def run_all(tables: list[Table], budget: Mapping[str, Any], seeds: list[int], out: Path, *,
-            interleave: bool = False) -> None:
+            interleave: bool = False, only: set[str] | None = None) -> None:
     """Every row of ``tables`` for every seed (cached). ``interleave``: the first row of every table, then the
-    second of every table, ... (so a run cut short has the head of each table)."""
+    second of every table, ... (so a run cut short has the head of each table). ``only``: these rows' names."""
     runs = out / "runs"
     runs.mkdir(parents=True, exist_ok=True)
     if interleave:
         order = [t.rows[i] for i in range(max(len(t.rows) for t in tables)) for t in tables if i < len(t.rows)]
     else:
         order = [row for t in tables for row in t.rows]
-    todo = {(row.name, seed): row for row in order for seed in seeds}
+    todo = {(row.name, seed): row for row in order for seed in seeds if only is None or row.name in only}
     for i, ((name, seed), row) in enumerate(todo.items(), 1):
         path = runs / f"{name}-s{seed}.json"
         if path.exists():
@@ -151,10 +151,14 @@ def main(doc: str | None, tables: list[Table], budget: Mapping[str, Any], name: 
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / name)
     ap.add_argument("--summary-only", action="store_true")
+    # two workers of one thread each (OMP_NUM_THREADS=1) finish a table sooner than one of two threads: a small
+    # model's step does not scale over threads
+    ap.add_argument("--rows", default="", help="run only these rows (comma-separated names)")
     args = ap.parse_args()
     if not args.summary_only:
         chosen = [t for t in tables if t.key in args.tables.split(",")]
-        run_all(chosen, budget, [int(s) for s in args.seeds.split(",")], args.out, interleave=interleave)
+        run_all(chosen, budget, [int(s) for s in args.seeds.split(",")], args.out, interleave=interleave,
+                only=set(args.rows.split(",")) if args.rows else None)
     summarise(sorted(tables, key=lambda t: t.key), budget, args.out, f"bench/results/{name}")
     if after is not None:
         after(args.out)
