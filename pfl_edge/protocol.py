@@ -258,7 +258,7 @@ class Enrolment(_Msg):
     kp: int = Field(ge=0, le=_MAX_KP, description="FedPer: its personal blocks, counted from the output end")
     broker_url: str = Field(max_length=2_048, description="mqtt://host:port or mqtts://host:port")
     mqtt_username: str = Field(max_length=_NAME, description="MQTT username (its device id)")
-    mqtt_password: str = Field(max_length=_NAME, description="MQTT password, fresh at every enrolment")
+    mqtt_password: str = Field(max_length=_NAME, description="MQTT password; the same at each enrolment with one nonce")
     round: int = Field(ge=0, le=MAX_ROUND, description=(
         "the federation's round now; a device enrolling in round r > 0 takes part from round r + 1"))
     init_digest: Digest = Field(description=(

@@ -86,6 +86,9 @@ class Federation(Base):
     created_at: Mapped[float] = mapped_column(Float, default=now)
     # how updates are combined and bounded (robust aggregation); None: the plain weighted mean, default bounds
     aggregation: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    # the key a device's MQTT password is derived from when it enrols with a nonce (with the nonce and the enrol
+    # secret: server.services.broker_access.device_password); made at the first such enrolment
+    mqtt_key: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
 class Device(Base):

@@ -83,6 +83,8 @@ STEPS: tuple[Step, ...] = (
          lambda conn: None),
     Step(6, "pfl_partial_sums: replicas' running sums of a round's updates (a new table: created whole)",
          lambda conn: None),
+    Step(7, "pfl_federations.mqtt_key: a retried enrolment's MQTT password the same on every replica",
+         _add_column("pfl_federations", "mqtt_key", "VARCHAR(64)")),
 )
 SCHEMA_VERSION = STEPS[-1].version
 

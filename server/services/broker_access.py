@@ -1,8 +1,12 @@
 """Who may use the MQTT broker and for what: every device its own credentials and topics, the server its own
 identity.
 
-A device's MQTT username is its device id and its client id ``pfl-<device id>``; its password is random, fresh at
-every enrolment (a re-enrolment by nonce gets a new one), and only its sha256 is kept (``Device.mqtt_hash``).
+A device's MQTT username is its device id and its client id ``pfl-<device id>``; its password has 256 bits of
+entropy and only its sha256 is kept (``Device.mqtt_hash``). Without a nonce it is random; a device that enrols with
+a nonce gets one derived from the nonce, its enrol secret and a per-federation key (:func:`device_password`), so
+that its retried enrolment, answered by two replicas at once, tells it, the database and the broker the same
+password whatever order their writes land in (a random one per answer left the device holding one password and
+Mosquitto or the database another: refused at CONNACK).
 It may subscribe to its federation's round topic and its own task topic and publish only its own status (its
 last will is there too). Three modes, by the server's settings:
 
@@ -23,6 +27,7 @@ last will is there too). Three modes, by the server's settings:
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import json
@@ -42,7 +47,8 @@ from ..db import Device
 from ..errors import ApiError
 from .store import Store
 
-__all__ = ["DYNSEC_TOPIC", "BrokerAccess", "BrokerUnavailable", "Mode", "device_identity", "mqtt_hash"]
+__all__ = ["DYNSEC_TOPIC", "BrokerAccess", "BrokerUnavailable", "Mode", "device_identity", "device_password",
+           "mqtt_hash"]
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +79,14 @@ def mqtt_hash(password: str | bytes) -> str:
     return hashlib.sha256(password.encode() if isinstance(password, str) else password).hexdigest()
 
 
+def device_password(key: str, nonce: str, enrol_secret: str) -> str:
+    """The MQTT password of the device that enrols with ``nonce``: the same for each of its enrolments. The enrol
+    secret is in it so that the database alone (which holds the key and the nonce, and of the secret only a slow
+    hash) does not give the password; whoever knows the secret and the nonce can enrol again anyway."""
+    msg = b"\0".join((b"pfl-mqtt", nonce.encode(), enrol_secret.encode()))
+    return base64.urlsafe_b64encode(hmac.new(bytes.fromhex(key), msg, hashlib.sha256).digest()).rstrip(b"=").decode()
+
+
 def device_identity(fed_id: str, device_id: str) -> Identity:
     """The one definition of what a device may do on the broker (the embedded broker's rules and Mosquitto's
     role are both built from it)."""
@@ -98,12 +112,13 @@ class BrokerAccess:
             link.listen(DYNSEC_TOPIC + "/response", self._on_response)
 
     # ------------------------------------------------------------------------------------------- devices
-    def fresh_password(self) -> tuple[str, str | None]:
+    def fresh_password(self, derive: tuple[str, str, str] | None = None) -> tuple[str, str | None]:
         """A device's MQTT password for an enrolment and what the server keeps of it (``Device.mqtt_hash``, set
-        in the enrolment's transaction); in ``shared`` mode the shared password, of which nothing is kept."""
+        in the enrolment's transaction): :func:`device_password` of ``derive`` (key, nonce, enrol secret), else
+        random; in ``shared`` mode the shared password, of which nothing is kept."""
         if self.mode == "shared":
             return self.shared_password, None
-        password = secrets.token_urlsafe(32)
+        password = secrets.token_urlsafe(32) if derive is None else device_password(*derive)
         return password, mqtt_hash(password)
 
     def provision(self, fed_id: str, device_id: str, password: str) -> None:

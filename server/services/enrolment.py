@@ -57,7 +57,8 @@ class EnrolmentService:
         self.device_mqtt_password = device_mqtt_password
         # a device's MQTT password and its hash to keep (None: keep nothing), and the broker told of it where it
         # keeps accounts of its own; the coordinator sets them from BrokerAccess
-        self.mqtt_password: Callable[[], tuple[str, str | None]] = lambda: (device_mqtt_password, None)
+        self.mqtt_password: Callable[[tuple[str, str, str] | None], tuple[str, str | None]] = (
+            lambda derive: (device_mqtt_password, None))
         self.provision: Callable[[str, str, str], None] = lambda fed_id, dev_id, password: None
         self.on_enrolled = on_enrolled  # wakes the round worker: enrolment may open round 1
         self.on_created = on_created  # announces a new federation
@@ -128,9 +129,11 @@ class EnrolmentService:
         federation's locked row."""
         profile = self._admit(req, address)
         token = secrets.token_urlsafe(32)
-        password, keep = self.mqtt_password()  # fresh at every enrolment
         with self.store.write() as s:
             fed = self.store.locked(s, req.federation)
+            # with a nonce, the same password for every enrolment of this device (broker_access's docstring)
+            password, keep = self.mqtt_password(None if req.nonce is None else
+                                                (self._mqtt_key(fed), req.nonce, req.enrol_secret))
             got = self._again(s, fed, req, token, keep)
             again = got is not None
             if got is None:
@@ -177,6 +180,13 @@ class EnrolmentService:
             again.mqtt_hash = mqtt
         return _Enrolled(again.id, again.slot, again.density, again.kp, again.joined_round, fed.init_digest,
                          fed.config)
+
+    @staticmethod
+    def _mqtt_key(fed: Federation) -> str:
+        """The federation's key for derived MQTT passwords, made at its first use (its row is locked)."""
+        if fed.mqtt_key is None:
+            fed.mqtt_key = secrets.token_hex(32)
+        return fed.mqtt_key
 
     @staticmethod
     def _check_open(fed: Federation) -> None:
