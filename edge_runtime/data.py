@@ -68,6 +68,9 @@ class ArrayData:
 
 
 def _check_index(cfg: FederationConfig, index: int) -> None:
+    if cfg.own_data:
+        raise ConfigError("this federation's devices bring their own data (partition 'device'): start the client "
+                          "with --data-dir FOLDER, one sub-folder of images per class")
     if not 0 <= index < cfg.clients:
         raise ConfigError(f"partition index {index} out of range for {cfg.clients} partitions")
 
@@ -100,11 +103,11 @@ def load_image_folder(root: str, cfg: FederationConfig, *, seed: int, test_fract
     import torch
 
     from pfl_edge.checkpoint import build_model
-    from pfl_edge.data import get_dataset
+    from pfl_edge.data import get_labels
     from pfl_edge.data.folder import read_image_folder
     from pfl_edge.train import ClientTensors
 
-    ds = get_dataset(cfg.dataset, data_dir=cfg.data_dir)  # the federation's model shape and classes
+    ds = get_labels(cfg.dataset, data_dir=cfg.data_dir)  # the federation's model shape and classes
     x, y = read_image_folder(root, ds.in_channels, ds.image_size, ds.num_classes)
     gen = torch.Generator().manual_seed(seed)
     test_idx: list[Tensor] = []

@@ -8,7 +8,6 @@ import dataclasses
 import json
 import math
 import tomllib
-import types
 import typing
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -18,11 +17,22 @@ import numpy as np
 
 from .algorithms.algorithm import algorithm_class, device_algorithms, list_algorithms
 from .checkpoint import ModelSpec, build_model
-from .data import ClientArrays, Dataset, Labels, Partition, client_arrays, get_dataset, get_labels, partition
+from .data import (
+    ClientArrays,
+    Dataset,
+    Labels,
+    Partition,
+    client_arrays,
+    get_dataset,
+    get_labels,
+    list_partitioners,
+    partition,
+)
 from .errors import ConfigError
 from .protocol import MAX_CLIENTS, MAX_ROUND
 from .seeding import Stream, derive_seed, numpy_rng, stream
 from .sgd import TrainConfig
+from .typecheck import coerce, describe
 
 if TYPE_CHECKING:  # torch is imported where a model is built (init_state): the config, the deal as numpy
     # (deal_arrays), the model spec and id import without it
@@ -31,6 +41,7 @@ if TYPE_CHECKING:  # torch is imported where a model is built (init_state): the 
 __all__ = [
     "ALGORITHMS",
     "DEVICE_ALGORITHMS",
+    "OWN_DATA",
     "FederationConfig",
     "SimConfig",
     "Stream",
@@ -41,6 +52,7 @@ __all__ = [
     "deal_labels",
     "device_capacity",
     "init_state",
+    "input_spec",
     "load_config_file",
     "model_id",
     "model_spec",
@@ -58,6 +70,9 @@ class FederationConfig:
     model: str = "cnn"
     dataset: str = "fashion-mnist"
     data_dir: str | None = None
+    # how the data set is dealt to clients (pfl_edge.data.list_partitioners), or OWN_DATA ("device"): each device
+    # brings its own data (pfl-edge client --data-dir) and nothing is dealt; ``dataset`` then names only the
+    # model's input (channels, size, classes) and ``samples_per_client`` the most samples a device's update counts
     partition: str = "pathological:4"
     clients: int = 10
     rounds: int = 30
@@ -131,6 +146,11 @@ class FederationConfig:
         self.train_config(1)  # lr, momentum, weight decay, clipping: TrainConfig's rules, so a bad file fails at once
 
     @property
+    def own_data(self) -> bool:
+        """Each device brings its own data: nothing is dealt (``partition = "device"``)."""
+        return self.partition == OWN_DATA
+
+    @property
     def effective_kp(self) -> int | None:
         """K_P as the algorithm uses it (``Algorithm.personal_blocks``): 0 for FedAvg and the decentralised ones,
         every block for local (None), else kp."""
@@ -175,6 +195,22 @@ SimConfig = FederationConfig  # the name the simulator's users know
 # ------------------------------------------------------------------------------------------- data and model
 
 
+OWN_DATA = "device"
+
+
+def input_spec(cfg: FederationConfig, *, data_dir: str | None = None) -> tuple[ModelSpec, int]:
+    """The model spec a coordinator builds and the most training samples one client may count (``largest
+    share``), from the data set's labels alone: the deal's for a dealt federation; for one whose devices bring
+    their own data the data set's shape and classes, and ``samples_per_client`` (default: the size of the data
+    set's training split)."""
+    lab = get_labels(cfg.dataset, data_dir=data_dir or cfg.data_dir)
+    if cfg.own_data:
+        share = cfg.samples_per_client if cfg.samples_per_client is not None else len(lab.train_y)
+        return model_spec(cfg, lab.num_classes, lab.in_channels, lab.image_size), share
+    part, spec = _deal(cfg, lab)
+    return spec, max(len(c.train_idx) for c in part.clients)
+
+
 def deal(cfg: FederationConfig, *, data_dir: str | None = None) -> tuple[Dataset, Partition, ModelSpec]:
     """``cfg``'s data set, dealt to its clients, and the model spec it implies: the one place the simulator,
     the server and every device deal a federation's data (so they deal it identically)."""
@@ -203,6 +239,10 @@ def _partition_rng(cfg: FederationConfig) -> np.random.Generator:
 
 
 def _deal(cfg: FederationConfig, lab: Labels) -> tuple[Partition, ModelSpec]:
+    if cfg.own_data:
+        raise ConfigError(f"partition {OWN_DATA!r}: every device brings its own data (pfl-edge client --data-dir), "
+                          "so there is nothing to deal; the simulator, and a device without its own data, need a "
+                          f"dealt partition ({', '.join(list_partitioners())})")
     part = partition(cfg.partition, lab.train_y, lab.test_y, cfg.clients, lab.num_classes, _partition_rng(cfg),
                      samples_per_client=cfg.samples_per_client, test_per_client=cfg.test_per_client)
     return part, model_spec(cfg, part.num_classes, lab.in_channels, lab.image_size)
@@ -300,55 +340,11 @@ def _check_types(cfg: FederationConfig) -> None:
     hints = typing.get_type_hints(FederationConfig)
     for f in fields(cfg):
         value = getattr(cfg, f.name)
-        ok, converted = _coerce(value, hints[f.name])
+        ok, converted = coerce(value, hints[f.name])
         if not ok:
-            raise ConfigError(f"{f.name} must be {_describe(hints[f.name])}, got {value!r}")
+            raise ConfigError(f"{f.name} must be {describe(hints[f.name])}, got {value!r}")
         if converted is not value:
             object.__setattr__(cfg, f.name, converted)
-
-
-def _coerce(value: Any, hint: Any) -> tuple[bool, Any]:
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        for option in typing.get_args(hint):
-            ok, v = _coerce(value, option)
-            if ok:
-                return True, v
-        return False, value
-    if hint is type(None):
-        return value is None, value
-    if origin is Literal:
-        return value in typing.get_args(hint), value
-    if origin is dict:  # a table of plain values (an algorithm's options)
-        ok = isinstance(value, dict) and all(
-            isinstance(k, str) and (v is None or isinstance(v, int | float | str | bool)) for k, v in value.items())
-        return ok, value
-    if origin is tuple:
-        if not isinstance(value, list | tuple):
-            return False, value
-        items = [_coerce(v, typing.get_args(hint)[0]) for v in value]
-        return all(ok for ok, _ in items), tuple(v for _, v in items)
-    if hint is float:
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-        return ok, float(value) if ok else value
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool), value
-    return isinstance(value, hint), value
-
-
-def _describe(hint: Any) -> str:
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(h) for h in typing.get_args(hint))
-    if hint is type(None):
-        return "null"
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
-    if origin is tuple:
-        return f"a list of ({_describe(typing.get_args(hint)[0])})"
-    if origin is dict:
-        return "a table of names to numbers, strings or booleans"
-    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(hint, str(hint))
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """What the server knows about a federation's model: its spec and id, every tensor's shape, which tensors a
 device of a given K_P sends (its base), and the initial model. Built once per config and cached: the server
-builds the model's skeleton and deals the data set from its labels alone (``deal_labels``: the partition decides
-the number of classes, exactly as every device's dealing does); it never loads an image."""
+builds the model's skeleton and deals the data set from its labels alone (``input_spec``: the partition decides
+the number of classes, exactly as every device's dealing does; a federation whose devices bring their own data is
+not dealt, its data set names only the model's input); it never loads an image."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from torch import Tensor
 from pfl_edge.algorithms import Algorithm, get_algorithm
 from pfl_edge.checkpoint import ModelSpec, build_model
 from pfl_edge.errors import ConfigError
-from pfl_edge.federation import FederationConfig, check_device_config, deal_labels, init_state, model_id
+from pfl_edge.federation import FederationConfig, check_device_config, init_state, input_spec, model_id
 from pfl_edge.models import BlockModel
 
 __all__ = ["FedModel", "fed_model"]
@@ -28,7 +29,7 @@ class FedModel:
     model: BlockModel
     model_id: str
     shapes: dict[str, tuple[int, ...]]
-    largest_share: int  # the most training samples the federation's deal gives one client
+    largest_share: int  # the most training samples the federation's deal gives one client (input_spec)
     _algos: dict[int, Algorithm] = field(default_factory=dict)
 
     def algorithm(self, kp: int | None = None) -> Algorithm:
@@ -70,10 +71,10 @@ def fed_model(config: dict[str, Any]) -> FedModel:
         except TypeError as e:  # e.g. a list where a table was expected
             raise ConfigError(f"invalid config: {e}") from e
         check_device_config(cfg)
-        part, spec = deal_labels(cfg)
+        spec, largest = input_spec(cfg)
         model = build_model(spec)
         shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-        fm = FedModel(cfg, spec, model, model_id(spec), shapes, max(len(c.train_idx) for c in part.clients))
+        fm = FedModel(cfg, spec, model, model_id(spec), shapes, largest)
         fm.base_keys(cfg.kp)  # a kp the model cannot split is an error now, not at the first upload
         _CACHE[key] = fm
         return fm
