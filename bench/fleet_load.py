@@ -141,10 +141,10 @@ async def call(client: httpx.AsyncClient, calls: Calls, kind: str, method: str, 
 Payloads = dict[int, list[tuple[bytes, str]]]
 
 
-def make_payloads(devices: int, rounds: int, variants: int) -> Payloads:
+def make_payloads(cfg: dict[str, Any], variants: int) -> Payloads:
     """(payload, digest) of each variant for each round: the cnn base (K_P = 2) perturbed, its header naming the
     round, as a device uploads it."""
-    cfg = config_for(devices, rounds)
+    rounds = cfg["rounds"]
     fm = fed_model(cfg)
     base = take(fm.init_state(), fm.base_keys(cfg["kp"]))
     g = torch.Generator().manual_seed(0)
@@ -160,8 +160,10 @@ def make_payloads(devices: int, rounds: int, variants: int) -> Payloads:
 class Fleet:
     """Devices of one client process; times are unix times (comparable across processes)."""
 
-    def __init__(self, payloads: Payloads, rounds: int, calls: Calls) -> None:
+    def __init__(self, payloads: Payloads, rounds: int, calls: Calls,
+                 drawn: dict[int, frozenset[int] | None] | None = None) -> None:
         self.rounds = rounds
+        self.drawn = drawn or {}  # round -> the slots the server samples (None: all), as the agent asks
         self.calls = calls
         self.payloads = payloads
         self.payload_bytes = len(payloads[1][0][0])
@@ -210,6 +212,9 @@ class Fleet:
         m = await self.session(enr)
         auth = {"Authorization": f"Bearer {enr.token}"}
         for t in range(1, self.rounds + 1):
+            drawn = self.drawn.get(t)
+            if drawn is not None and i not in drawn:  # not drawn: nothing to ask or send this round
+                continue
             task, asked = await self.wait_task(m, t, client, auth)
             self.tasks_at[t].append(time.time())
             async with gate:  # as an agent does: the server's word on its task before acting on it, then the base
@@ -273,10 +278,10 @@ async def watch(client: httpx.AsyncClient, admin: dict[str, str], rounds: int, s
 
 
 async def run_slice(url: str, rounds: int, payloads: Payloads, lo: int, hi: int, connections: int,
-                    download: bool) -> dict[str, Any]:
+                    download: bool, drawn: dict[int, frozenset[int] | None]) -> dict[str, Any]:
     """Devices ``lo``..``hi - 1`` in this process; what they measured."""
     calls = Calls()
-    (fleet := Fleet(payloads, rounds, calls)).download = download
+    (fleet := Fleet(payloads, rounds, calls, drawn)).download = download
     k = max(1, connections // 50)  # pools of 50: httpcore's pool costs O(requests x connections) per response
     limits = httpx.Limits(max_connections=connections // k, max_keepalive_connections=connections // k)
     async with contextlib.AsyncExitStack() as stack:
@@ -295,12 +300,12 @@ async def run_slice(url: str, rounds: int, payloads: Payloads, lo: int, hi: int,
 
 
 def client_process(url: str, rounds: int, payloads: Payloads, lo: int, hi: int, connections: int, nice: int,
-                   download: bool, q: Any) -> None:
+                   download: bool, drawn: dict[int, frozenset[int] | None], q: Any) -> None:
     raise_nofile()
     if nice:
         os.nice(nice)
     try:
-        q.put(asyncio.run(run_slice(url, rounds, payloads, lo, hi, connections, download)))
+        q.put(asyncio.run(run_slice(url, rounds, payloads, lo, hi, connections, download, drawn)))
     except BaseException as e:
         q.put({"crashed": repr(e)[:500]})
         raise
@@ -358,12 +363,14 @@ async def kill_leaders(reps: Any, n: int, delay_s: float, log: list[dict[str, An
 
 async def run_fleet(url: str, admin_token: str, args: argparse.Namespace, calls: Calls,
                     reps: Any = None) -> dict[str, Any]:
-    payloads = make_payloads(args.devices, args.rounds, args.variants)
+    cfg = config_for(args.devices, args.rounds, own_data=args.own_data, participation=args.participation)
+    payloads = make_payloads(cfg, args.variants)
+    algo = fed_model(cfg).algorithm()
+    drawn = {t: algo.sampled(t) for t in range(1, args.rounds + 1)}  # the server's draw, the same code
     admin = {"Authorization": f"Bearer {admin_token}"}
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(120)) as client:
         r = await client.post(f"{API_PREFIX}/federations", headers=admin, json={
-            "id": FED, "enrol_secret": ENROL_SECRET, "config": config_for(args.devices, args.rounds),
-            "quorum": 1.0, "deadline_s": args.deadline_s})
+            "id": FED, "enrol_secret": ENROL_SECRET, "config": cfg, "quorum": 1.0, "deadline_s": args.deadline_s})
         r.raise_for_status()
         ctx = multiprocessing.get_context("spawn")
         q = ctx.Queue()
@@ -372,7 +379,7 @@ async def run_fleet(url: str, admin_token: str, args: argparse.Namespace, calls:
         t0 = time.time()
         procs = [ctx.Process(target=client_process, args=(url, args.rounds, payloads, cuts[j], cuts[j + 1],
                                                           max(1, args.connections // k), args.client_nice,
-                                                          not args.no_download, q))
+                                                          not args.no_download, drawn, q))
                  for j in range(k)]
         for p in procs:
             p.start()
@@ -543,6 +550,9 @@ def main() -> None:
                     help="N >= 1: N server processes behind HAProxy (PostgreSQL); 0: one server, no balancer")
     ap.add_argument("--procs", type=int, default=2, help="client processes the devices are spread over")
     ap.add_argument("--no-download", action="store_true", help="devices skip the GET of their task's base")
+    ap.add_argument("--own-data", action="store_true",
+                    help="devices bring their own data (partition 'device'): nothing dealt, up to 100,000 devices")
+    ap.add_argument("--participation", type=float, default=1.0, help="the fraction the server samples per round")
     ap.add_argument("--client-nice", type=int, default=0, help="niceness of the devices' processes")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()

@@ -36,13 +36,18 @@ def raise_nofile() -> int:
     return hard
 
 
-def config_for(devices: int, rounds: int) -> dict[str, Any]:
+def config_for(devices: int, rounds: int, *, own_data: bool = False, participation: float = 1.0) -> dict[str, Any]:
     """The demo's FedPer cnn federation sized for ``devices`` clients: one class per client and a few samples
-    each, so that Fashion-MNIST can be dealt to 10,000 (the model, and so the payloads, are the demo's)."""
+    each, so that Fashion-MNIST can be dealt to 10,000 (the model, and so the payloads, are the demo's).
+    ``own_data``: the devices bring their own data (partition "device", nothing dealt: up to 100,000 slots);
+    ``participation``: the fraction of slots the server samples each round."""
     from edge_runtime.fleet import DemoConfig
 
-    return DemoConfig(devices=devices, rounds=rounds, partition="pathological:1", samples_per_client=4,
-                      profile_capacity=False, extra={"test_per_client": 1}).federation_config()
+    extra: dict[str, Any] = {} if own_data else {"test_per_client": 1}
+    if participation != 1.0:
+        extra["participation"] = participation
+    return DemoConfig(devices=devices, rounds=rounds, partition="device" if own_data else "pathological:1",
+                      samples_per_client=4, profile_capacity=False, extra=extra).federation_config()
 
 
 @contextmanager

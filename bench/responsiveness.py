@@ -73,7 +73,7 @@ async def _wait_state(client: httpx.AsyncClient, admin: dict[str, str], want: tu
 
 
 async def run(url: str, admin_token: str, args: argparse.Namespace, calls: Calls, rss: RssSampler) -> dict[str, Any]:
-    payloads = make_payloads(args.devices, 1, args.variants)
+    payloads = make_payloads(config_for(args.devices, 1), args.variants)
     fleet = Fleet(payloads, 1, calls)
     admin = {"Authorization": f"Bearer {admin_token}"}
     limits = httpx.Limits(max_connections=args.devices, max_keepalive_connections=args.devices)

@@ -82,10 +82,21 @@ class RabbitCluster:
         out = self._eval("rabbit_nodes:all_running().")
         return sorted(n for n in self.names if n in out)
 
-    def nodes_with_mqtt_clients(self) -> list[str]:
-        """The nodes that hold at least one MQTT connection now (the MQTT plugin's cluster-wide client list)."""
-        out = self._eval("lists:usort([node(P) || {_, P} <- rabbit_mqtt_collector:list()]).")
-        return sorted(n for n in self.names if n in out)
+    def nodes_that_accepted(self, client_prefix: str) -> list[str]:
+        """The nodes whose log records an MQTT connection accepted from a client id starting ``client_prefix``
+        since they started: every connection counts, however short (a sample of the cluster's client list, each
+        question seconds long under load, missed those of a federation over in seconds)."""
+        mark = f"client id: {client_prefix}"
+        found = []
+        for i, name in enumerate(self.names):
+            log = self.folder / f"node-{i}" / "log" / f"{name}.log"
+            try:
+                text = log.read_text(errors="replace")
+            except OSError:
+                continue
+            if any("accepting MQTT connection" in line and mark in line for line in text.splitlines()):
+                found.append(name)
+        return sorted(found)
 
     def stop(self) -> None:
         for p in self.procs:
