@@ -164,6 +164,7 @@ class Fleet:
                  drawn: dict[int, frozenset[int] | None] | None = None) -> None:
         self.rounds = rounds
         self.drawn = drawn or {}  # round -> the slots the server samples (None: all), as the agent asks
+        self.sessions_of_drawn_only = False  # a device never drawn holds no MQTT session
         self.calls = calls
         self.payloads = payloads
         self.payload_bytes = len(payloads[1][0][0])
@@ -185,8 +186,10 @@ class Fleet:
     async def session(self, enr: Enrolment) -> MqttSession:
         u = urlsplit(enr.broker_url)
         status = json.dumps({"device_id": enr.device_id, "state": "offline"}).encode()
-        m = MqttSession(u.hostname or "127.0.0.1", u.port or 1883, mqtt_client_id(enr.device_id), enr.mqtt_username,
-                        enr.mqtt_password, will=(status_topic(FED, enr.device_id), status))
+        host = u.hostname or "127.0.0.1"
+        m = MqttSession(host, u.port or 1883, mqtt_client_id(enr.device_id), enr.mqtt_username,
+                        enr.mqtt_password, will=(status_topic(FED, enr.device_id), status),
+                        local_host=f"127.0.0.{2 + enr.index % 16}" if host.startswith("127.") else None)
         t0 = time.perf_counter()
         for attempt in range(6):
             try:
@@ -209,6 +212,9 @@ class Fleet:
     async def device(self, client: httpx.AsyncClient, i: int, gate: asyncio.Semaphore) -> None:
         async with gate:
             enr = await self.enrol(client, i)
+        if self.sessions_of_drawn_only and all(
+                d is not None and i not in d for d in (self.drawn.get(t) for t in range(1, self.rounds + 1))):
+            return  # never drawn: enrolled, then asleep (no broker session), as a phone that checks in rarely
         m = await self.session(enr)
         auth = {"Authorization": f"Bearer {enr.token}"}
         for t in range(1, self.rounds + 1):
@@ -278,10 +284,11 @@ async def watch(client: httpx.AsyncClient, admin: dict[str, str], rounds: int, s
 
 
 async def run_slice(url: str, rounds: int, payloads: Payloads, lo: int, hi: int, connections: int,
-                    download: bool, drawn: dict[int, frozenset[int] | None]) -> dict[str, Any]:
+                    download: bool, drawn: dict[int, frozenset[int] | None], drawn_only: bool) -> dict[str, Any]:
     """Devices ``lo``..``hi - 1`` in this process; what they measured."""
     calls = Calls()
     (fleet := Fleet(payloads, rounds, calls, drawn)).download = download
+    fleet.sessions_of_drawn_only = drawn_only
     k = max(1, connections // 50)  # pools of 50: httpcore's pool costs O(requests x connections) per response
     limits = httpx.Limits(max_connections=connections // k, max_keepalive_connections=connections // k)
     async with contextlib.AsyncExitStack() as stack:
@@ -300,12 +307,12 @@ async def run_slice(url: str, rounds: int, payloads: Payloads, lo: int, hi: int,
 
 
 def client_process(url: str, rounds: int, payloads: Payloads, lo: int, hi: int, connections: int, nice: int,
-                   download: bool, drawn: dict[int, frozenset[int] | None], q: Any) -> None:
+                   download: bool, drawn: dict[int, frozenset[int] | None], drawn_only: bool, q: Any) -> None:
     raise_nofile()
     if nice:
         os.nice(nice)
     try:
-        q.put(asyncio.run(run_slice(url, rounds, payloads, lo, hi, connections, download, drawn)))
+        q.put(asyncio.run(run_slice(url, rounds, payloads, lo, hi, connections, download, drawn, drawn_only)))
     except BaseException as e:
         q.put({"crashed": repr(e)[:500]})
         raise
@@ -379,7 +386,8 @@ async def run_fleet(url: str, admin_token: str, args: argparse.Namespace, calls:
         t0 = time.time()
         procs = [ctx.Process(target=client_process, args=(url, args.rounds, payloads, cuts[j], cuts[j + 1],
                                                           max(1, args.connections // k), args.client_nice,
-                                                          not args.no_download, drawn, q))
+                                                          not args.no_download, drawn,
+                                                          args.sessions == "drawn", q))
                  for j in range(k)]
         for p in procs:
             p.start()
@@ -553,6 +561,9 @@ def main() -> None:
     ap.add_argument("--own-data", action="store_true",
                     help="devices bring their own data (partition 'device'): nothing dealt, up to 100,000 devices")
     ap.add_argument("--participation", type=float, default=1.0, help="the fraction the server samples per round")
+    ap.add_argument("--sessions", choices=["all", "drawn"], default="all",
+                    help="drawn: only devices drawn in some round hold an MQTT session (a process may hold at most "
+                         "RLIMIT_NOFILE sockets: 20,000 here, so 100,000 connected devices need another machine)")
     ap.add_argument("--client-nice", type=int, default=0, help="niceness of the devices' processes")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()

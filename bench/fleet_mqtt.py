@@ -54,6 +54,9 @@ class MqttSession:
     password: str
     keepalive: int = 60
     will: tuple[str, bytes] | None = None
+    # the address the connection leaves from: one (source, broker) pair has only ~28,000 ephemeral ports, so
+    # fleets of more devices spread over 127.0.0.x
+    local_host: str | None = None
     messages: asyncio.Queue[tuple[str, bytes]] = field(default_factory=asyncio.Queue)
     _w: asyncio.StreamWriter | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -61,7 +64,8 @@ class MqttSession:
     _acks: dict[int, asyncio.Future[bytes]] = field(default_factory=dict)
 
     async def connect(self, timeout: float = 30.0) -> None:
-        r, w = await asyncio.wait_for(asyncio.open_connection(self.host, self.port), timeout)
+        local = None if self.local_host is None else (self.local_host, 0)
+        r, w = await asyncio.wait_for(asyncio.open_connection(self.host, self.port, local_addr=local), timeout)
         self._w = w
         flags = 0x80 | 0x40 | 0x02  # username, password, clean session (a virtual device starts afresh)
         payload = _str(self.client_id)

@@ -29,11 +29,17 @@ ENROL_SECRET = "fleet-enrol-secret"
 DYNSEC = Path("/usr/lib/x86_64-linux-gnu/mosquitto_dynamic_security.so")
 
 
-def raise_nofile() -> int:
-    """RLIMIT_NOFILE raised to its hard limit (children inherit it); the new soft limit."""
+def raise_nofile(want: int = 1 << 20) -> int:
+    """RLIMIT_NOFILE raised to ``want`` where this process may (root: the hard limit too), else to its hard limit
+    (children inherit it); the new soft limit. A broker holds a socket per connected device: where the hard
+    limit cannot be raised (20,000 in this project's containers) one broker process holds at most that many."""
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    return hard
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, max(want, hard)))
+        return want
+    except (ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        return hard
 
 
 def config_for(devices: int, rounds: int, *, own_data: bool = False, participation: float = 1.0) -> dict[str, Any]:
