@@ -64,9 +64,6 @@ class Agent:
         if self.arrays == "numpy" and cfg.training_backend not in (None, "executorch"):
             raise ConfigError(f"a device without torch trains with the ExecuTorch program, not "
                               f"{cfg.training_backend!r}")
-        if self.arrays == "numpy" and cfg.image_dir is not None:
-            raise ConfigError("--data-dir (own images) needs torch on the device (they are standardised in torch); "
-                              "install the torch bundle, or deal a registered data set")
         self.store = StateDir(cfg.state_dir, arrays=self.arrays)
         self.http = Http(cfg.server, cfg.patience_s, ca_file=cfg.ca_file)
         self.inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
@@ -148,7 +145,7 @@ class Agent:
 
     def _load_data(self, data_cfg: FederationConfig, enr: Enrolment) -> LocalData | ArrayData:
         if self.cfg.image_dir is not None:
-            return load_image_folder(self.cfg.image_dir, self.fed, seed=self.fed.seed + enr.index)
+            return load_image_folder(self.cfg.image_dir, self.fed, slot=enr.index, arrays=self.arrays)
         if self.cfg.partition_id is not None and self.cfg.partition_id != enr.index:
             raise ConfigError(f"asked for partition {self.cfg.partition_id} but the server gave slot {enr.index} "
                               f"(that partition's slot is taken); pick a free --partition-id or leave it out")

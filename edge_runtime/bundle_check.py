@@ -32,7 +32,9 @@ def _imports(torch_free: bool) -> str:
 
         if array_kind() != "numpy":
             raise RuntimeError("this bundle is for a device without torch, but torch is importable here")
-        return f"imports (agent, httpx {httpx.__version__}, paho-mqtt; no torch)"
+        import PIL.Image
+
+        return f"imports (agent, httpx {httpx.__version__}, paho-mqtt, pillow {PIL.__version__}; no torch)"
     import PIL.Image
 
     return f"imports (agent, httpx {httpx.__version__}, paho-mqtt, pillow {PIL.__version__})"

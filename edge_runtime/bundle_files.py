@@ -196,9 +196,9 @@ Android phone
 # What a device process imports (pfl-edge client and its import chain: the agent, its HTTP client and MQTT control,
 # its own images, torch training); the runtimes come by profile (device_packages).
 AGENT_PACKAGES = ("numpy", "torch", "safetensors", "pydantic", "httpx", "paho-mqtt", "pillow", "tqdm")
-# A device without torch (pfl-edge client --arrays numpy): the agent's own imports, ONNX Runtime (evaluation) and
-# ExecuTorch's numpy-only runtime (training through the program)
-TORCH_FREE_PACKAGES = ("numpy", "safetensors", "pydantic", "httpx", "paho-mqtt", "onnxruntime",
+# A device without torch (pfl-edge client --arrays numpy): the agent's own imports (pillow: its own images,
+# --data-dir), ONNX Runtime (evaluation) and ExecuTorch's numpy-only runtime (training through the program)
+TORCH_FREE_PACKAGES = ("numpy", "safetensors", "pydantic", "httpx", "paho-mqtt", "pillow", "onnxruntime",
                        "executorch-numpy-runtime")
 # pinned here where it cannot be installed (it has wheels for Python >= 3.12 only): the runtime the programs were
 # checked on (bench/train_step_torchfree.py, tests/integration/test_bundle.py)

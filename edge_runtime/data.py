@@ -96,31 +96,39 @@ def load_local_data(cfg: FederationConfig, index: int, *, data_dir: str | None =
                      ClientTensors.build(ds.test_x, [c.test_idx], [c.test_y]), spec, build_model(spec))
 
 
-def load_image_folder(root: str, cfg: FederationConfig, *, seed: int, test_fraction: float = 0.2) -> LocalData:
+def load_image_folder(root: str, cfg: FederationConfig, *, slot: int, arrays: str = "torch",
+                      test_fraction: float = 0.2) -> LocalData | ArrayData:
     """The user's own labelled images: one sub-folder per class, named by the class index (``0``, ``1``, ...)
     or by the class's position in the sorted folder names. Images are converted to the federation's model
-    input (channels, size) and standardised over the folder; ``test_fraction`` of each class is held out."""
-    import torch
+    input (its data set's registered shape: the data set's files are not needed) and standardised over the
+    folder; ``test_fraction`` of each class is held out (drawn from the config's seed and the device's slot).
+    ``arrays``: "numpy" for a device without torch (``ArrayData``), else ``LocalData``."""
+    from pfl_edge.data import get_shape
+    from pfl_edge.data.folder import read_image_folder_arrays
+    from pfl_edge.seeding import Stream, numpy_rng
 
-    from pfl_edge.checkpoint import build_model
-    from pfl_edge.data import get_labels
-    from pfl_edge.data.folder import read_image_folder
-    from pfl_edge.train import ClientTensors
-
-    ds = get_labels(cfg.dataset, data_dir=cfg.data_dir)  # the federation's model shape and classes
-    x, y = read_image_folder(root, ds.in_channels, ds.image_size, ds.num_classes)
-    gen = torch.Generator().manual_seed(seed)
-    test_idx: list[Tensor] = []
-    train_idx: list[Tensor] = []
-    for c in torch.unique(y).tolist():
-        idx = torch.nonzero(y == c).flatten()
-        idx = idx[torch.randperm(len(idx), generator=gen)]
+    shape = get_shape(cfg.dataset, data_dir=cfg.data_dir)
+    x, y = read_image_folder_arrays(root, shape.in_channels, shape.image_size, shape.num_classes)
+    rng = numpy_rng(cfg.seed, Stream.HOLDOUT.value, slot)
+    test_idx: list[np.ndarray] = []
+    train_idx: list[np.ndarray] = []
+    for c in np.unique(y):
+        idx = rng.permutation(np.flatnonzero(y == c))
         k = round(test_fraction * len(idx))
         test_idx.append(idx[:k])
         train_idx.append(idx[k:])
-    tr, te = torch.cat(train_idx), torch.cat(test_idx)
+    tr, te = np.concatenate(train_idx), np.concatenate(test_idx)
     if len(tr) == 0:
         raise ConfigError(f"{root}: no training images left after holding out {test_fraction:.0%} for testing")
-    spec = model_spec(cfg, ds.num_classes, ds.in_channels, ds.image_size)
-    return LocalData(ClientTensors.build(x, [tr], [y[tr]]), ClientTensors.build(x, [te], [y[te]]), spec,
+    spec = model_spec(cfg, shape.num_classes, shape.in_channels, shape.image_size)
+    if arrays == "numpy":
+        return ArrayData(ClientArrays(x[tr], y[tr], x[te], y[te], shape.num_classes), spec)
+    import torch
+
+    from pfl_edge.checkpoint import build_model
+    from pfl_edge.train import ClientTensors
+
+    xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+    trt, tet = torch.from_numpy(tr), torch.from_numpy(te)
+    return LocalData(ClientTensors.build(xt, [trt], [yt[trt]]), ClientTensors.build(xt, [tet], [yt[tet]]), spec,
                      build_model(spec))

@@ -25,6 +25,7 @@ from .data import (
     client_arrays,
     get_dataset,
     get_labels,
+    get_shape,
     list_partitioners,
     partition,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "ALGORITHMS",
     "DEVICE_ALGORITHMS",
     "OWN_DATA",
+    "OWN_DATA_SAMPLES",
     "FederationConfig",
     "SimConfig",
     "Stream",
@@ -196,18 +198,19 @@ SimConfig = FederationConfig  # the name the simulator's users know
 
 
 OWN_DATA = "device"
+OWN_DATA_SAMPLES = 60_000  # the most samples one update of an own-data federation counts, unless samples_per_client
 
 
 def input_spec(cfg: FederationConfig, *, data_dir: str | None = None) -> tuple[ModelSpec, int]:
     """The model spec a coordinator builds and the most training samples one client may count (``largest
     share``), from the data set's labels alone: the deal's for a dealt federation; for one whose devices bring
-    their own data the data set's shape and classes, and ``samples_per_client`` (default: the size of the data
-    set's training split)."""
-    lab = get_labels(cfg.dataset, data_dir=data_dir or cfg.data_dir)
-    if cfg.own_data:
-        share = cfg.samples_per_client if cfg.samples_per_client is not None else len(lab.train_y)
-        return model_spec(cfg, lab.num_classes, lab.in_channels, lab.image_size), share
-    part, spec = _deal(cfg, lab)
+    their own data the data set's registered shape and classes, and ``samples_per_client`` (default
+    ``OWN_DATA_SAMPLES``)."""
+    if cfg.own_data:  # the data set's registered shape: its files need not be here
+        shape = get_shape(cfg.dataset, data_dir=data_dir or cfg.data_dir)
+        share = cfg.samples_per_client if cfg.samples_per_client is not None else OWN_DATA_SAMPLES
+        return model_spec(cfg, shape.num_classes, shape.in_channels, shape.image_size), share
+    part, spec = _deal(cfg, get_labels(cfg.dataset, data_dir=data_dir or cfg.data_dir))
     return spec, max(len(c.train_idx) for c in part.clients)
 
 

@@ -67,6 +67,7 @@ class Stream(StrEnum):
     REGROW = "regrow"  # (t, slot): the batch of the dense-gradient regrowth screen
     REGROW_RANDOM = "regrow-random"  # (t, slot): random regrowth
     PERSONAL = "personal"  # (t, slot): batches of a second, personal model's training (Ditto)
+    HOLDOUT = "holdout"  # (slot): which of a device's own images it holds out for testing
 
 
 def stream(seed: int, name: Stream, *index: int) -> torch.Generator:

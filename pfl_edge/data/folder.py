@@ -6,22 +6,32 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+from numpy.typing import NDArray
 
 from ..errors import DataError
 
 if TYPE_CHECKING:  # torch is imported where a tensor is made: pfl_edge.data imports without it
     from torch import Tensor
 
-__all__ = ["read_image_folder"]
+__all__ = ["read_image_folder", "read_image_folder_arrays"]
 
 _SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".pgm", ".ppm"}
 
 
 def read_image_folder(root: str | Path, channels: int, size: int, num_classes: int) -> tuple[Tensor, Tensor]:
-    """Images as float32 ``(N, channels, size, size)``, standardised over the folder (zero mean, unit variance
-    per channel), and int64 labels. Class folders named ``0``..``C-1`` are those classes; otherwise the sorted
-    folder names are classes 0, 1, ... Unreadable files are an error naming the file."""
+    """``read_image_folder_arrays`` as tensors (the same memory)."""
     import torch
+
+    x, y = read_image_folder_arrays(root, channels, size, num_classes)
+    return torch.from_numpy(x), torch.from_numpy(y)
+
+
+def read_image_folder_arrays(root: str | Path, channels: int, size: int,
+                             num_classes: int) -> tuple[NDArray[np.float32], NDArray[np.int64]]:
+    """Images as float32 ``(N, channels, size, size)``, standardised over the folder (zero mean, unit variance
+    per channel), and int64 labels; numpy and Pillow only (a device without torch reads its own images too).
+    Class folders named ``0``..``C-1`` are those classes; otherwise the sorted folder names are classes 0, 1, ...
+    Unreadable files are an error naming the file."""
     from PIL import Image, UnidentifiedImageError
 
     base = Path(root)
@@ -51,7 +61,7 @@ def read_image_folder(root: str | Path, channels: int, size: int, num_classes: i
             ys.append(label)
     if not xs:
         raise DataError(f"{base}: no images ({', '.join(sorted(_SUFFIXES))}) in its class folders")
-    x = torch.from_numpy(np.stack(xs))
-    mean = x.mean(dim=(0, 2, 3), keepdim=True)
-    std = x.std(dim=(0, 2, 3), keepdim=True).clamp_min(1e-6)
-    return ((x - mean) / std).contiguous(), torch.tensor(ys, dtype=torch.int64)
+    x = np.stack(xs)
+    mean = x.mean(axis=(0, 2, 3), keepdims=True, dtype=np.float64)
+    std = np.maximum(x.std(axis=(0, 2, 3), keepdims=True, ddof=1 if len(x) > 1 else 0, dtype=np.float64), 1e-6)
+    return np.ascontiguousarray((x - mean) / std, dtype=np.float32), np.asarray(ys, dtype=np.int64)

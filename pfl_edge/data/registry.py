@@ -26,8 +26,8 @@ from ..errors import ConfigError, DataError, UnknownNameError
 if TYPE_CHECKING:  # torch is imported where a tensor is made: pfl_edge.data imports without it
     from torch import Tensor
 
-__all__ = ["Dataset", "DatasetArrays", "DatasetLoader", "Labels", "LabelsLoader", "get_arrays", "get_dataset",
-           "get_labels", "list_datasets", "register_dataset"]
+__all__ = ["Dataset", "DatasetArrays", "DatasetLoader", "InputShape", "Labels", "LabelsLoader", "get_arrays",
+           "get_dataset", "get_labels", "get_shape", "list_datasets", "register_dataset"]
 
 
 class ImageShape:
@@ -121,17 +121,31 @@ class Labels:
         return Labels(ds.name, ds.train_y, ds.test_y, ds.num_classes, ds.in_channels, ds.image_size)
 
 
+@dataclass(frozen=True)
+class InputShape:
+    """What a model trained on a data set takes and predicts: ``(channels, size, size)`` images, ``num_classes``
+    labels. Declared where the data set is registered, so that a federation whose devices bring their own data
+    builds its model without the data set's files (on the server, and on a phone)."""
+
+    in_channels: int
+    image_size: int
+    num_classes: int
+
+
 DatasetLoader = Callable[[Path | None], Dataset | DatasetArrays]
 LabelsLoader = Callable[[Path | None], Labels]
 _DATASETS: dict[str, DatasetLoader] = {}
 _LABELS: dict[str, LabelsLoader] = {}
+_SHAPES: dict[str, InputShape] = {}
 
 
-def register_dataset(name: str, *, labels: LabelsLoader | None = None) -> Callable[[DatasetLoader], DatasetLoader]:
+def register_dataset(name: str, *, labels: LabelsLoader | None = None,
+                     shape: InputShape | None = None) -> Callable[[DatasetLoader], DatasetLoader]:
     """Register ``loader(data_dir: Path | None) -> Dataset | DatasetArrays`` (raise ``DataError`` when files are
     missing; return ``DatasetArrays`` where the data set needs no torch, so that a device without it can load
     it) and, where its files allow, ``labels(data_dir) -> Labels`` reading no image; it must give what the full
-    load gives (tests/pfl_edge/test_data.py holds every data set to it)."""
+    load gives (tests/pfl_edge/test_data.py holds every data set to it). ``shape``: its images' shape and class
+    count, known without its files (``get_shape``); every load is checked against it."""
 
     def deco(loader: DatasetLoader) -> DatasetLoader:
         if name in _DATASETS:
@@ -139,9 +153,28 @@ def register_dataset(name: str, *, labels: LabelsLoader | None = None) -> Callab
         _DATASETS[name] = loader
         if labels is not None:
             _LABELS[name] = labels
+        if shape is not None:
+            _SHAPES[name] = shape
         return loader
 
     return deco
+
+
+def get_shape(name: str, *, data_dir: str | Path | None = None) -> InputShape:
+    """The data set's input shape and class count: as registered (no file read), else from its labels."""
+    key = _key(name, data_dir)
+    if name in _SHAPES:
+        return _SHAPES[name]
+    lab = _load_labels(*key)
+    return InputShape(lab.in_channels, lab.image_size, lab.num_classes)
+
+
+def _declared(name: str, d: Dataset | DatasetArrays | Labels) -> None:
+    """A load against the shape its data set declared: one definition, checked wherever it is read."""
+    want = _SHAPES.get(name)
+    if want is not None and want != InputShape(d.in_channels, d.image_size, d.num_classes):
+        raise DataError(f"{name}: loaded {d.in_channels}x{d.image_size}x{d.image_size} images of {d.num_classes} "
+                        f"classes, but it was registered as {want}")
 
 
 def list_datasets() -> list[str]:
@@ -182,7 +215,9 @@ def get_labels(name: str, *, data_dir: str | Path | None = None) -> Labels:
 
 @functools.lru_cache(maxsize=4)
 def _load(name: str, data_dir: Path | None) -> Dataset | DatasetArrays:
-    return _DATASETS[name](data_dir)
+    got = _DATASETS[name](data_dir)
+    _declared(name, got)
+    return got
 
 
 @functools.lru_cache(maxsize=4)
@@ -194,4 +229,6 @@ def _load_tensors(name: str, data_dir: Path | None) -> Dataset:
 @functools.lru_cache(maxsize=16)
 def _load_labels(name: str, data_dir: Path | None) -> Labels:
     own = _LABELS.get(name)
-    return own(data_dir) if own is not None else Labels.of(_load_tensors(name, data_dir))
+    got = own(data_dir) if own is not None else Labels.of(_load_tensors(name, data_dir))
+    _declared(name, got)
+    return got

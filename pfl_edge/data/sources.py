@@ -13,7 +13,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ..errors import DataError
-from .registry import Dataset, DatasetArrays, Labels, register_dataset
+from .registry import Dataset, DatasetArrays, InputShape, Labels, register_dataset
 
 __all__ = ["FASHION_MNIST_DIRS", "load_idx", "normalise"]
 
@@ -91,7 +91,7 @@ def fashion_mnist_labels(data_dir: Path | None) -> Labels:
     return Labels("fashion-mnist", ys[0], ys[1], num_classes=10, in_channels=1, image_size=dims[1])
 
 
-@register_dataset("fashion-mnist", labels=fashion_mnist_labels)
+@register_dataset("fashion-mnist", labels=fashion_mnist_labels, shape=InputShape(1, 28, 10))
 def fashion_mnist(data_dir: Path | None) -> DatasetArrays:
     d = _fashion_mnist_dir(data_dir)
 
@@ -142,7 +142,7 @@ def _cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     return data.reshape(-1, 3, 32, 32), np.asarray(labels, dtype=np.int64)
 
 
-@register_dataset("cifar10")
+@register_dataset("cifar10", shape=InputShape(3, 32, 10))
 def cifar10(data_dir: Path | None) -> DatasetArrays:
     if data_dir is None:
         raise DataError("cifar10 needs --data-dir: the folder with data_batch_1..5 and test_batch "
@@ -164,7 +164,7 @@ def cifar10(data_dir: Path | None) -> DatasetArrays:
     )
 
 
-@register_dataset("synthetic")
+@register_dataset("synthetic", shape=InputShape(1, 28, 10))
 def synthetic(data_dir: Path | None) -> Dataset:
     """10 classes of 1x28x28 images: a fixed random smooth prototype per class plus noise. Learnable in a few
     hundred steps; for tests and quick runs. Always the same data (its own fixed seed). Drawn with torch's

@@ -15,8 +15,10 @@ from PIL import Image
 from sqlalchemy import select
 
 from edge_runtime.agent import Agent, AgentConfig
+from edge_runtime.data import ArrayData, LocalData, load_image_folder
+from pfl_edge.data import DatasetArrays, InputShape, get_labels, get_shape, register_dataset
 from pfl_edge.errors import ConfigError, DataError
-from pfl_edge.federation import FederationConfig, deal_labels, input_spec
+from pfl_edge.federation import OWN_DATA_SAMPLES, FederationConfig, deal_labels, input_spec
 from pfl_edge.protocol import MAX_CLIENTS
 from server.db import Update
 from server.launch import BackgroundServer, start_background
@@ -43,12 +45,40 @@ def test_the_coordinators_view_of_an_own_data_federation() -> None:
     spec, share = input_spec(cfg)
     _, dealt_spec = deal_labels(FederationConfig.from_dict({**CONFIG, "partition": "iid"}))
     assert spec == dealt_spec and share == 40  # the data set's shape and classes; samples_per_client caps
-    assert input_spec(cfg.replace(samples_per_client=None))[1] == 6000  # default: the training split's size
+    assert input_spec(cfg.replace(samples_per_client=None))[1] == OWN_DATA_SAMPLES
     with pytest.raises(ConfigError, match="bring"):  # the simulator deals: it cannot run one
         deal_labels(cfg)
     # a dealt federation of as many clients is refused: the data set runs out
     with pytest.raises(DataError, match="without training data"):
         input_spec(cfg.replace(partition="iid"))
+
+
+def test_a_device_without_torch_holds_out_the_same_images(tmp_path: Path) -> None:
+    """One definition of the hold-out: a device without torch (numpy arrays) trains and tests on exactly the
+    images a torch device would, and the model's input comes from the data set's registered shape."""
+    folder = _images(tmp_path / "img", {0: 9, 4: 6, 7: 5}, 2)
+    cfg = FederationConfig.from_dict(CONFIG)
+    a = load_image_folder(str(folder), cfg, slot=3, arrays="numpy")
+    t = load_image_folder(str(folder), cfg, slot=3)
+    assert isinstance(a, ArrayData) and isinstance(t, LocalData) and a.spec == t.spec
+    tx, ty = t.xy
+    assert np.array_equal(a.arrays.train_x, tx.numpy()) and np.array_equal(a.arrays.train_y, ty.numpy())
+    assert (a.n_train, a.n_test) == (16, 4)  # 20 % of each class held out: 2 + 1 + 1
+    assert sorted(a.arrays.test_y.tolist()) == [0, 0, 4, 7]
+    other = load_image_folder(str(folder), cfg, slot=4, arrays="numpy")  # another slot holds out others
+    assert not np.array_equal(other.arrays.test_x, a.arrays.test_x)
+
+
+def test_a_data_sets_shape_is_known_without_its_files_and_checked_on_load() -> None:
+    assert get_shape("cifar10", data_dir="/nonexistent") == InputShape(3, 32, 10)  # no file is read
+
+    @register_dataset("wrong-shape-for-test", shape=InputShape(3, 28, 10))
+    def _wrong(data_dir: Path | None) -> DatasetArrays:
+        x = np.zeros((4, 1, 28, 28), np.float32)
+        return DatasetArrays("wrong-shape-for-test", x, np.zeros(4, np.int64), x, np.zeros(4, np.int64), 10)
+
+    with pytest.raises(DataError, match="registered as"):
+        get_labels("wrong-shape-for-test")
 
 
 @pytest.fixture
