@@ -4,7 +4,8 @@ counted exactly once (``UNIQUE(federation, round, device)``; a retry of the same
 A device's sample count is its averaging weight, and a number it reports about itself: the server counts
 ``min(reported, declared at enrolment, the federation's cap)`` (``counted_samples``) and keeps that in
 ``Update.n_samples``. The cap is the federation's ``aggregation.max_samples``, else ``SAMPLE_FACTOR`` times the
-largest training share its data set deals a client (slack for devices with their own data). A device that
+largest training share its data set deals a client (slack for devices with their own images), or, where every
+device brings its own data (``partition = "device"``), ``SAMPLE_FACTOR`` times ``samples_per_client``. A device that
 declared nothing at enrolment (the agent learns its data only once enrolled) is bound by its first accepted
 update's count: it can never weigh more later. Each update's norm from its round's start model is computed here,
 where the upload is decoded anyway, and kept (``Update.delta_norm``) for the round's norm bound at close.
