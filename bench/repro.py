@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -57,7 +58,9 @@ def run_all(tables: list[Table], budget: Mapping[str, Any], seeds: list[int], ou
         if path.exists():
             continue
         start = time.perf_counter()
-        res = simulate(SimConfig(**{**budget, **row.overrides, "seed": seed}), progress=False)
+        # a run of hours shows where it is: the bar written to the log once a minute (tqdm reads TQDM_* defaults)
+        os.environ.setdefault("TQDM_MININTERVAL", "60")
+        res = simulate(SimConfig(**{**budget, **row.overrides, "seed": seed}), progress=True)
         write_result(res, path)
         print(f"[{i}/{len(todo)}] {name} seed {seed}: final {res['final']['mean_acc']:.3f} "
               f"(std {res['final']['std_acc']:.3f}) in {time.perf_counter() - start:.0f}s", flush=True)
