@@ -56,8 +56,34 @@ def _smooth(xs: list[float]) -> list[float]:
     return [statistics.fmean(xs[max(0, i - WINDOW + 1):i + 1]) for i in range(len(xs))]
 
 
+def _plot_zoom(acc: dict[str, list[float]], path: Path, title: str) -> None:
+    """Every method's smoothed curve, the y axis zoomed to where they end (the table's plot spans 0-1, where
+    curves a point apart look alike)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.2), dpi=110)
+    low = 1.0
+    for label, xs in acc.items():
+        ys = _smooth(xs)
+        ax.plot(range(1, len(ys) + 1), ys, label=f"{label} ({xs[-1]:.3f} at {len(xs)})")
+        low = min(low, min(ys[min(len(ys) - 1, 20):]))
+    ax.set_ylim(max(0.0, low - 0.02), 1.0)
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("round")
+    ax.set_ylabel("mean client test accuracy")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def crossings(out: Path) -> None:
-    """Where DisPFL's smoothed curve crosses each baseline's, per split, and who leads at rounds 50/100/200/300."""
+    """Where DisPFL's smoothed curve crosses each baseline's, per split, its lead at rounds 50/100/200/300, and
+    every method's rank there."""
     found: dict[str, Any] = {}
     for part, tag in SPLITS.values():
         path = out / "runs" / f"dispfl-{tag}-s0.json"
@@ -82,7 +108,13 @@ def crossings(out: Path) -> None:
                 "dispfl_minus_baseline": {str(t): round(acc["DisPFL"][t - 1] - xs[t - 1], 4)
                                           for t in (50, 100, 200, 300) if t <= n},
             }
+        # the paper ranks methods by their accuracy at the end; here at each checkpoint, unsmoothed: the -FT
+        # baselines on the reference's cadence fine-tune at rounds 100/200/300 (D-PSGD-FT) or 300 (FedAvg-FT) only
+        split["ranking"] = {str(t): sorted(((label, round(xs[t - 1], 4)) for label, xs in acc.items() if len(xs) >= t),
+                                           key=lambda p: -p[1])
+                            for t in (50, 100, 200, 300)}
         found[part] = split
+        _plot_zoom(acc, out / f"curves-{tag}.png", f"{part}: mean client accuracy, {WINDOW}-round moving average")
     (out / "crossings.json").write_text(json.dumps(found, indent=1))
     print(json.dumps(found, indent=1))
 
