@@ -175,6 +175,7 @@ class Fleet:
         self.done: dict[int, list[float]] = defaultdict(list)  # round -> times its updates were accepted
         self.tasks_at: dict[int, list[float]] = defaultdict(list)  # round -> times tasks arrived
         self.ledger: list[tuple[str, int, str]] = []  # (device, round, digest) the server said it holds
+        self.stage: dict[int, str] = {}  # device -> where it is (enrol, session, rN:task, rN:send, done, failed ...)
 
     async def enrol(self, client: httpx.AsyncClient, i: int) -> Enrolment:
         body = {"federation": FED, "enrol_secret": ENROL_SECRET, "profile": "raspberry-pi-4", "name": f"v{i}",
@@ -211,19 +212,43 @@ class Fleet:
         return m
 
     async def device(self, client: httpx.AsyncClient, i: int, gate: asyncio.Semaphore) -> None:
+        try:
+            await self._device(client, i, gate)
+            self.stage[i] = "done"
+        except BaseException as e:
+            self.stage[i] = f"failed at {self.stage.get(i)}: {type(e).__name__}: {e}"[:200]
+            raise
+
+    def progress(self) -> dict[str, Any]:
+        """Where the devices are now (a run cut short still says which were late, and where)."""
+        counts: dict[str, int] = defaultdict(int)
+        for st in self.stage.values():
+            counts[st if not st.startswith("failed") else st[:80]] += 1
+        late = sorted(((st, i) for i, st in self.stage.items() if st.startswith("r")), reverse=True)
+        return {"t": time.time(), "stages": dict(counts), "enrolled": len(self.enrolled),
+                "done": {t: len(v) for t, v in self.done.items()}, "errors": dict(self.calls.errors),
+                "retries": dict(self.calls.retries), "error_samples": self.calls.samples,
+                "waiting_examples": [f"device {i}: {st}" for st, i in late[-20:]]}
+
+    async def _device(self, client: httpx.AsyncClient, i: int, gate: asyncio.Semaphore) -> None:
+        self.stage[i] = "enrol"
         async with gate:
             enr = await self.enrol(client, i)
         if self.sessions_of_drawn_only and all(
                 d is not None and i not in d for d in (self.drawn.get(t) for t in range(1, self.rounds + 1))):
+            self.stage[i] = "asleep"
             return  # never drawn: enrolled, then asleep (no broker session), as a phone that checks in rarely
+        self.stage[i] = "session"
         m = await self.session(enr)
         auth = {"Authorization": f"Bearer {enr.token}"}
         for t in range(1, self.rounds + 1):
             drawn = self.drawn.get(t)
             if drawn is not None and i not in drawn:  # not drawn: nothing to ask or send this round
                 continue
+            self.stage[i] = f"r{t}:task"
             task, asked = await self.wait_task(m, t, client, auth)
             self.tasks_at[t].append(time.time())
+            self.stage[i] = f"r{t}:send"
             async with gate:  # as an agent does: the server's word on its task before acting on it, then the base
                 if not asked:  # a task from MQTT: asked once over HTTP (one from HTTP already is the server's word)
                     await call(client, self.calls, "get_task", "GET", f"{API_PREFIX}/rounds/current/task",
@@ -274,8 +299,9 @@ class Fleet:
 
 
 async def watch(client: httpx.AsyncClient, admin: dict[str, str], rounds: int, stop: asyncio.Event,
-                log: list[dict[str, Any]]) -> None:
-    """The federation's round and state once a second (admin), each change logged with its time."""
+                log: list[dict[str, Any]], progress: Path | None = None) -> None:
+    """The federation's round and state once a second (admin), each change logged with its time (and written to
+    ``progress/rounds.json``: a run cut short keeps its round log)."""
     last: tuple[int, str] | None = None
     while not stop.is_set():
         try:
@@ -286,6 +312,8 @@ async def watch(client: httpx.AsyncClient, admin: dict[str, str], rounds: int, s
                 log.append({"t": time.time(), "round": now[0], "state": now[1], "devices": info["devices"]})
                 print(f"  [{time.strftime('%H:%M:%S')}] round {now[0]} {now[1]} ({info['devices']} devices)",
                       flush=True)
+                if progress is not None:
+                    (progress / "rounds.json").write_text(json.dumps(log, indent=1))
                 last = now
             if now[0] >= rounds and now[1] in ("published", "finished"):
                 return
@@ -295,9 +323,24 @@ async def watch(client: httpx.AsyncClient, admin: dict[str, str], rounds: int, s
             await asyncio.wait_for(stop.wait(), 1.0)
 
 
+def write_progress(fleet: Fleet, path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(fleet.progress(), indent=1))
+    tmp.replace(path)  # a reader never sees half a file
+
+
+async def report_progress(fleet: Fleet, path: Path, every_s: float = 30.0) -> None:
+    """``fleet.progress()`` written to ``path`` every ``every_s``, until cancelled."""
+    while True:
+        await asyncio.sleep(every_s)
+        write_progress(fleet, path)
+
+
 async def run_slice(url: str, rounds: int, payloads: Payloads, lo: int, hi: int, connections: int,
-                    download: bool, drawn: dict[int, frozenset[int] | None], drawn_only: bool) -> dict[str, Any]:
-    """Devices ``lo``..``hi - 1`` in this process; what they measured."""
+                    download: bool, drawn: dict[int, frozenset[int] | None], drawn_only: bool,
+                    progress: Path | None = None) -> dict[str, Any]:
+    """Devices ``lo``..``hi - 1`` in this process; what they measured (and, with ``progress``, where they are,
+    written to ``progress/devices-LO.json`` every 30 s while they run)."""
     calls = Calls()
     (fleet := Fleet(payloads, rounds, calls, drawn)).download = download
     fleet.sessions_of_drawn_only = drawn_only
@@ -307,8 +350,13 @@ async def run_slice(url: str, rounds: int, payloads: Payloads, lo: int, hi: int,
         clients = [await stack.enter_async_context(httpx.AsyncClient(
             base_url=url, limits=limits, timeout=httpx.Timeout(900, connect=60))) for _ in range(k)]
         gate = asyncio.Semaphore(connections)
+        reporter = (asyncio.create_task(report_progress(fleet, progress / f"devices-{lo}.json"))
+                    if progress is not None else None)
         results = await asyncio.gather(*(fleet.device(clients[i % k], i, gate) for i in range(lo, hi)),
                                        return_exceptions=True)
+        if reporter is not None and progress is not None:
+            reporter.cancel()
+            write_progress(fleet, progress / f"devices-{lo}.json")
     for s in fleet.sessions:
         await s.close()
     failed = [r for r in results if isinstance(r, BaseException)]
@@ -319,12 +367,14 @@ async def run_slice(url: str, rounds: int, payloads: Payloads, lo: int, hi: int,
 
 
 def client_process(url: str, rounds: int, payloads: Payloads, lo: int, hi: int, connections: int, nice: int,
-                   download: bool, drawn: dict[int, frozenset[int] | None], drawn_only: bool, q: Any) -> None:
+                   download: bool, drawn: dict[int, frozenset[int] | None], drawn_only: bool, q: Any,
+                   progress: Path | None = None) -> None:
     raise_nofile()
     if nice:
         os.nice(nice)
     try:
-        q.put(asyncio.run(run_slice(url, rounds, payloads, lo, hi, connections, download, drawn, drawn_only)))
+        q.put(asyncio.run(run_slice(url, rounds, payloads, lo, hi, connections, download, drawn, drawn_only,
+                                    progress)))
     except BaseException as e:
         q.put({"crashed": repr(e)[:500]})
         raise
@@ -399,13 +449,13 @@ async def run_fleet(url: str, admin_token: str, args: argparse.Namespace, calls:
         procs = [ctx.Process(target=client_process, args=(url, args.rounds, payloads, cuts[j], cuts[j + 1],
                                                           max(1, args.connections // k), args.client_nice,
                                                           not args.no_download, drawn,
-                                                          args.sessions == "drawn", q))
+                                                          args.sessions == "drawn", q, args.progress))
                  for j in range(k)]
         for p in procs:
             p.start()
         log: list[dict[str, Any]] = []
         stop = asyncio.Event()
-        watcher = asyncio.create_task(watch(client, admin, args.rounds, stop, log))
+        watcher = asyncio.create_task(watch(client, admin, args.rounds, stop, log, args.progress))
         kills_n = args.kill_leader or args.kill_follower
         killer = (asyncio.create_task(kill_leaders(reps, kills_n, args.kill_delay_s, log, stop, admin, client,
                                                    follower=bool(args.kill_follower)))
@@ -583,6 +633,10 @@ def main() -> None:
     args = ap.parse_args()
     nofile = raise_nofile()
     out = args.out or Path(__file__).parent / "results" / f"fleet_load_{args.devices}.json"
+    # where the run is, while it runs (the round log, each client process's devices by stage): read it when a run
+    # is cut short, as its JSON is written only at the end
+    args.progress = out.with_name(out.stem + ".progress")
+    args.progress.mkdir(parents=True, exist_ok=True)
     calls = Calls()
     with tempfile.TemporaryDirectory(prefix="pfl-fleet-") as tmp, ExitStack() as stack:
         db = (stack.enter_context(postgres_db()) if args.database == "postgresql"
