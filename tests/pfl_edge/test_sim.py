@@ -139,6 +139,12 @@ def test_finetune_cadence_is_selectable() -> None:
     assert d["rounds"][0]["client_acc"] == base["rounds"][0]["client_acc"]
     assert d["rounds"][1]["client_acc"] != base["rounds"][1]["client_acc"]
     assert d["rounds"][0]["flops"] < d["rounds"][1]["flops"] == d["rounds"][2]["flops"]
+    # a fine-tune feeds nothing back: after one, D-PSGD-FT deploys D-PSGD's models again, to the bit (the long
+    # run reads D-PSGD's curve from D-PSGD-FT's rounds between fine-tunes: bench/dispfl_long.py)
+    d4 = _run(**dec, rounds=4, options={"ft_every": 2, "ft_from": "all"})
+    base4 = _run(algorithm="dpsgd", topology="ring", rounds=4)
+    assert [r["client_acc"] for r in d4["rounds"][::2]] == [r["client_acc"] for r in base4["rounds"][::2]]
+    assert d4["rounds"][3]["client_acc"] != base4["rounds"][3]["client_acc"]
     every_all = _run(**dec, options={"ft_every": 2, "ft_from": "all"})
     assert every_all["rounds"][1]["client_acc"] != d["rounds"][1]["client_acc"]  # a ring's neighbourhood is not all
 
