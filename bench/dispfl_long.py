@@ -52,11 +52,41 @@ TABLES = [Table(key, f"DisPFL vs baselines over 300 rounds, {part}, 20 clients",
           for key, (part, tag) in SPLITS.items()]
 
 
-def _smooth(xs: list[float]) -> list[float]:
-    return [statistics.fmean(xs[max(0, i - WINDOW + 1):i + 1]) for i in range(len(xs))]
+Curve = list[float | None]  # mean client accuracy per round; None where a round has no value for the method
 
 
-def _plot_zoom(acc: dict[str, list[float]], path: Path, title: str) -> None:
+def _smooth(xs: Curve) -> list[float]:
+    """The moving average over the last WINDOW rounds that have a value."""
+    out = []
+    for i in range(len(xs)):
+        window = [x for x in xs[max(0, i - WINDOW + 1):i + 1] if x is not None]
+        out.append(statistics.fmean(window) if window else float("nan"))
+    return out
+
+
+def _at(xs: Curve, t: int) -> float:
+    """Round ``t``'s value, or the last round's before it that has one."""
+    return next(x for x in reversed(xs[:t]) if x is not None)
+
+
+def _curves(out: Path, part: str, tag: str) -> dict[str, Curve]:
+    """Each method's curve on a split. Where D-PSGD was not run, its curve is read from D-PSGD-FT's run: between
+    fine-tunes (rounds 100, 200, 300) D-PSGD-FT deploys exactly D-PSGD's models (the same random streams; a
+    fine-tune feeds nothing back: tests/pfl_edge/test_sim.py::test_finetune_cadence_is_selectable), so the run
+    of D-PSGD would only add those three rounds."""
+    acc: dict[str, Curve] = {}
+    rows = _rows(part, tag)
+    for row in rows:
+        f = out / "runs" / f"{row.name}-s0.json"
+        if f.exists():
+            acc[row.label] = [x["mean_acc"] for x in json.loads(f.read_text())["rounds"]]
+    ft, plain = rows[3].label, rows[4].label
+    if plain not in acc and ft in acc:
+        acc[f"{plain} (read from D-PSGD-FT)"] = [None if (t + 1) % 100 == 0 else x for t, x in enumerate(acc[ft])]
+    return acc
+
+
+def _plot_zoom(acc: dict[str, Curve], path: Path, title: str) -> None:
     """Every method's smoothed curve, the y axis zoomed to where they end (the table's plot spans 0-1, where
     curves a point apart look alike)."""
     import matplotlib
@@ -68,7 +98,8 @@ def _plot_zoom(acc: dict[str, list[float]], path: Path, title: str) -> None:
     low = 1.0
     for label, xs in acc.items():
         ys = _smooth(xs)
-        ax.plot(range(1, len(ys) + 1), ys, label=f"{label} ({xs[-1]:.3f} at {len(xs)})")
+        last = max(i for i, x in enumerate(xs) if x is not None) + 1
+        ax.plot(range(1, len(ys) + 1), ys, label=f"{label} ({_at(xs, last):.3f} at {last})")
         low = min(low, min(ys[min(len(ys) - 1, 20):]))
     ax.set_ylim(max(0.0, low - 0.02), 1.0)
     ax.set_title(title, fontsize=10)
@@ -86,18 +117,14 @@ def crossings(out: Path) -> None:
     every method's rank there."""
     found: dict[str, Any] = {}
     for part, tag in SPLITS.values():
-        path = out / "runs" / f"dispfl-{tag}-s0.json"
-        if not path.exists():
+        acc = _curves(out, part, tag)
+        if "DisPFL (d=0.5)" not in acc:
             continue
-        acc = {"DisPFL": [x["mean_acc"] for x in json.loads(path.read_text())["rounds"]]}
-        for row in _rows(part, tag)[1:]:
-            f = out / "runs" / f"{row.name}-s0.json"
-            if f.exists():
-                acc[row.label] = [x["mean_acc"] for x in json.loads(f.read_text())["rounds"]]
-        mine = _smooth(acc["DisPFL"])
+        ours = acc["DisPFL (d=0.5)"]
+        mine = _smooth(ours)
         split: dict[str, Any] = {}
         for label, xs in acc.items():
-            if label == "DisPFL":
+            if xs is ours:
                 continue
             theirs = _smooth(xs)
             n = min(len(mine), len(theirs))
@@ -105,13 +132,13 @@ def crossings(out: Path) -> None:
             split[label] = {
                 "crossings": [{"round": i + 1, "dispfl_now": "above" if diff[i] > 0 else "below"}
                               for i in range(1, n) if (diff[i] > 0) != (diff[i - 1] > 0)],
-                "dispfl_minus_baseline": {str(t): round(acc["DisPFL"][t - 1] - xs[t - 1], 4)
+                "dispfl_minus_baseline": {str(t): round(_at(ours, t) - _at(xs, t), 4)
                                           for t in (50, 100, 200, 300) if t <= n},
             }
         # the paper ranks methods by their accuracy at the end; here at each checkpoint, unsmoothed: the -FT
         # baselines on the reference's cadence fine-tune at rounds 100/200/300 (D-PSGD-FT) or 300 (FedAvg-FT) only
-        split["ranking"] = {str(t): sorted(((label, round(xs[t - 1], 4)) for label, xs in acc.items() if len(xs) >= t),
-                                           key=lambda p: -p[1])
+        split["ranking"] = {str(t): sorted(((label, round(_at(xs, t), 4)) for label, xs in acc.items()
+                                            if len(xs) >= t), key=lambda p: -p[1])
                             for t in (50, 100, 200, 300)}
         found[part] = split
         _plot_zoom(acc, out / f"curves-{tag}.png", f"{part}: mean client accuracy, {WINDOW}-round moving average")
