@@ -69,59 +69,92 @@ def _at(xs: Curve, t: int) -> float:
     return next(x for x in reversed(xs[:t]) if x is not None)
 
 
-def _curves(out: Path, part: str, tag: str) -> dict[str, Curve]:
-    """Each method's curve on a split. Where D-PSGD was not run, its curve is read from D-PSGD-FT's run: between
-    fine-tunes (rounds 100, 200, 300) D-PSGD-FT deploys exactly D-PSGD's models (the same random streams; a
-    fine-tune feeds nothing back: tests/pfl_edge/test_sim.py::test_finetune_cadence_is_selectable), so the run
-    of D-PSGD would only add those three rounds."""
+def _ft_rounds(row: Row) -> set[int]:
+    """The rounds in which a -FT row deploys fine-tuned models (none for the others)."""
+    if "ft" not in row.overrides["algorithm"].split("-"):
+        return set()
+    every, last = row.overrides["options"]["ft_every"], BUDGET["rounds"]
+    return {last} | (set(range(every, last + 1, every)) if every else set())
+
+
+def _curves(out: Path, part: str, tag: str) -> tuple[dict[str, Curve], dict[str, dict[int, float]]]:
+    """Each method's curve on a split, and the -FT baselines' fine-tuned rounds apart from it (a -FT baseline on
+    the reference's cadence deploys its un-fine-tuned model in every other round: FedAvg's, D-PSGD's).
+
+    Where D-PSGD was not run, its curve is read from D-PSGD-FT's run: between fine-tunes D-PSGD-FT deploys exactly
+    D-PSGD's models (the same random streams; a fine-tune feeds nothing back:
+    tests/pfl_edge/test_sim.py::test_finetune_cadence_is_selectable), so a run of D-PSGD would only add rounds
+    100, 200 and 300."""
     acc: dict[str, Curve] = {}
+    ft: dict[str, dict[int, float]] = {}
     rows = _rows(part, tag)
     for row in rows:
         f = out / "runs" / f"{row.name}-s0.json"
-        if f.exists():
-            acc[row.label] = [x["mean_acc"] for x in json.loads(f.read_text())["rounds"]]
-    ft, plain = rows[3].label, rows[4].label
-    if plain not in acc and ft in acc:
-        acc[f"{plain} (read from D-PSGD-FT)"] = [None if (t + 1) % 100 == 0 else x for t, x in enumerate(acc[ft])]
-    return acc
+        if not f.exists():
+            continue
+        xs = [x["mean_acc"] for x in json.loads(f.read_text())["rounds"]]
+        tuned = _ft_rounds(row)
+        acc[row.label] = [None if t in tuned else x for t, x in enumerate(xs, 1)]
+        if tuned:
+            ft[row.label] = {t: xs[t - 1] for t in sorted(tuned) if t <= len(xs)}
+    dpsgd_ft, dpsgd = rows[3].label, rows[4].label
+    if dpsgd not in acc and dpsgd_ft in acc:
+        acc[f"{dpsgd} (read from D-PSGD-FT)"] = acc[dpsgd_ft]
+    return acc, ft
 
 
-def _plot_zoom(acc: dict[str, Curve], path: Path, title: str) -> None:
-    """Every method's smoothed curve, the y axis zoomed to where they end (the table's plot spans 0-1, where
-    curves a point apart look alike)."""
+def _plot_zoom(acc: dict[str, Curve], ft: dict[str, dict[int, float]], path: Path, title: str) -> None:
+    """Every method's smoothed curve, its fine-tuned rounds as stars, the y axis zoomed to where they end (the
+    table's plot spans 0-1, where curves a point apart look alike)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 4.2), dpi=110)
-    low = 1.0
+    low, drawn = 1.0, {}  # id of a curve -> its line's colour: D-PSGD read from D-PSGD-FT is one curve, drawn once
     for label, xs in acc.items():
         ys = _smooth(xs)
         last = max(i for i, x in enumerate(xs) if x is not None) + 1
-        ax.plot(range(1, len(ys) + 1), ys, label=f"{label} ({_at(xs, last):.3f} at {last})")
+        if id(xs) not in drawn:
+            name = label + (", between fine-tunes" if label in ft else "")
+            if sum(c is xs for c in acc.values()) > 1:
+                name += " = D-PSGD"
+            (line,) = ax.plot(range(1, len(ys) + 1), ys, label=f"{name} ({_at(xs, last):.3f} at {last})")
+            drawn[id(xs)] = line.get_color()
+        if label in ft:
+            pts = ft[label]
+            ax.scatter(list(pts), list(pts.values()), marker="*", s=90, zorder=3, color=drawn[id(xs)],
+                       label=f"{label}, fine-tuned ({pts[max(pts)]:.3f} at {max(pts)})")
         low = min(low, min(ys[min(len(ys) - 1, 20):]))
     ax.set_ylim(max(0.0, low - 0.02), 1.0)
     ax.set_title(title, fontsize=10)
     ax.set_xlabel("round")
     ax.set_ylabel("mean client test accuracy")
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="lower right", fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
 
 
+def _value(acc: dict[str, Curve], ft: dict[str, dict[int, float]], label: str, t: int) -> float:
+    """A method's accuracy as deployed in round ``t`` (a -FT baseline's fine-tuned one where it fine-tunes)."""
+    return ft[label][t] if t in ft.get(label, {}) else _at(acc[label], t)
+
+
 def crossings(out: Path) -> None:
-    """Where DisPFL's smoothed curve crosses each baseline's, per split, its lead at rounds 50/100/200/300, and
+    """Per split: where DisPFL's smoothed curve crosses each baseline's (the -FT baselines' curves between their
+    fine-tunes), DisPFL's lead at rounds 50/100/200/300 (a -FT baseline's fine-tuned value where it has one), and
     every method's rank there."""
     found: dict[str, Any] = {}
     for part, tag in SPLITS.values():
-        acc = _curves(out, part, tag)
+        acc, ft = _curves(out, part, tag)
         if "DisPFL (d=0.5)" not in acc:
             continue
         ours = acc["DisPFL (d=0.5)"]
         mine = _smooth(ours)
+
         split: dict[str, Any] = {}
         for label, xs in acc.items():
             if xs is ours:
@@ -132,16 +165,16 @@ def crossings(out: Path) -> None:
             split[label] = {
                 "crossings": [{"round": i + 1, "dispfl_now": "above" if diff[i] > 0 else "below"}
                               for i in range(1, n) if (diff[i] > 0) != (diff[i - 1] > 0)],
-                "dispfl_minus_baseline": {str(t): round(_at(ours, t) - _at(xs, t), 4)
+                "dispfl_minus_baseline": {str(t): round(_at(ours, t) - _value(acc, ft, label, t), 4)
                                           for t in (50, 100, 200, 300) if t <= n},
             }
-        # the paper ranks methods by their accuracy at the end; here at each checkpoint, unsmoothed: the -FT
-        # baselines on the reference's cadence fine-tune at rounds 100/200/300 (D-PSGD-FT) or 300 (FedAvg-FT) only
-        split["ranking"] = {str(t): sorted(((label, round(_at(xs, t), 4)) for label, xs in acc.items()
+        # the paper ranks methods by their accuracy at the end; here at each checkpoint, unsmoothed
+        split["ranking"] = {str(t): sorted(((label, round(_value(acc, ft, label, t), 4)) for label, xs in acc.items()
                                             if len(xs) >= t), key=lambda p: -p[1])
                             for t in (50, 100, 200, 300)}
         found[part] = split
-        _plot_zoom(acc, out / f"curves-{tag}.png", f"{part}: mean client accuracy, {WINDOW}-round moving average")
+        _plot_zoom(acc, ft, out / f"curves-{tag}.png",
+                   f"{part}: mean client accuracy, {WINDOW}-round moving average; stars: fine-tuned rounds")
     (out / "crossings.json").write_text(json.dumps(found, indent=1))
     print(json.dumps(found, indent=1))
 
