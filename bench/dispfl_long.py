@@ -143,6 +143,26 @@ def _value(acc: dict[str, Curve], ft: dict[str, dict[int, float]], label: str, t
     return ft[label][t] if t in ft.get(label, {}) else _at(acc[label], t)
 
 
+def _checkpoints(out: Path) -> str:
+    """Per split, each method's mean client accuracy as deployed at rounds 50/100/200/300 and, for those that
+    deploy the same kind of model every round, its mean over rounds 251-300 (one round's figure is noisy)."""
+    md = []
+    for part, tag in SPLITS.values():
+        acc, ft = _curves(out, part, tag)
+        if not acc:
+            continue
+        md += [f"**{part}** (seed 0; a -FT baseline's value in a round it does not fine-tune is its plain model's)",
+               "", "| method | round 50 | round 100 | round 200 | round 300 | mean of rounds 251-300 |",
+               "|---|---|---|---|---|---|"]
+        for label, xs in acc.items():
+            tail = [x for x in xs[250:300] if x is not None]
+            cells = [f"{_value(acc, ft, label, t):.3f}" if len(xs) >= t else "–" for t in (50, 100, 200, 300)]
+            mean = f"{statistics.fmean(tail):.3f}" if tail and label not in ft else "–"
+            md.append(f"| {label} | {' | '.join(cells)} | {mean} |")
+        md.append("")
+    return "\n".join(md)
+
+
 def crossings(out: Path) -> None:
     """Per split: where DisPFL's smoothed curve crosses each baseline's (the -FT baselines' curves between their
     fine-tunes), DisPFL's lead at rounds 50/100/200/300 (a -FT baseline's fine-tuned value where it has one), and
@@ -176,6 +196,7 @@ def crossings(out: Path) -> None:
         _plot_zoom(acc, ft, out / f"curves-{tag}.png",
                    f"{part}: mean client accuracy, {WINDOW}-round moving average; stars: fine-tuned rounds")
     (out / "crossings.json").write_text(json.dumps(found, indent=1))
+    (out / "checkpoints.md").write_text(_checkpoints(out))
     print(json.dumps(found, indent=1))
 
 
