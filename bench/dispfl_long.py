@@ -26,7 +26,10 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from repro import Row, Table, main
+
+from pfl_edge.algorithms import FinetuneOptions
 
 BUDGET = dict(model="cnn", dataset="fashion-mnist", clients=20, samples_per_client=200, local_epochs=5,
               rounds=300, batch_size=128, lr=0.1, lr_decay=0.998, momentum=0.0, weight_decay=5e-4, clip_norm=10.0,
@@ -70,11 +73,16 @@ def _at(xs: Curve, t: int) -> float:
 
 
 def _ft_rounds(row: Row) -> set[int]:
-    """The rounds in which a -FT row deploys fine-tuned models (none for the others)."""
+    """The rounds in which a -FT row deploys fine-tuned models (none for the others): its options' cadence."""
     if "ft" not in row.overrides["algorithm"].split("-"):
         return set()
-    every, last = row.overrides["options"]["ft_every"], BUDGET["rounds"]
-    return {last} | (set(range(every, last + 1, every)) if every else set())
+    due = FinetuneOptions(**row.overrides["options"]).due
+    return {t for t in range(1, BUDGET["rounds"] + 1) if due(t, BUDGET["rounds"])}
+
+
+def _run(out: Path, name: str, seed: int = 0) -> dict[str, Any] | None:
+    f = out / "runs" / f"{name}-s{seed}.json"
+    return json.loads(f.read_text()) if f.exists() else None
 
 
 def _curves(out: Path, part: str, tag: str) -> tuple[dict[str, Curve], dict[str, dict[int, float]]]:
@@ -89,10 +97,10 @@ def _curves(out: Path, part: str, tag: str) -> tuple[dict[str, Curve], dict[str,
     ft: dict[str, dict[int, float]] = {}
     rows = _rows(part, tag)
     for row in rows:
-        f = out / "runs" / f"{row.name}-s0.json"
-        if not f.exists():
+        res = _run(out, row.name)
+        if res is None:
             continue
-        xs = [x["mean_acc"] for x in json.loads(f.read_text())["rounds"]]
+        xs = [x["mean_acc"] for x in res["rounds"]]
         tuned = _ft_rounds(row)
         acc[row.label] = [None if t in tuned else x for t, x in enumerate(xs, 1)]
         if tuned:
@@ -143,14 +151,11 @@ def _value(acc: dict[str, Curve], ft: dict[str, dict[int, float]], label: str, t
     return ft[label][t] if t in ft.get(label, {}) else _at(acc[label], t)
 
 
-def _checkpoints(out: Path) -> str:
+def _checkpoints(curves: dict[str, tuple[dict[str, Curve], dict[str, dict[int, float]]]]) -> str:
     """Per split, each method's mean client accuracy as deployed at rounds 50/100/200/300 and, for those that
     deploy the same kind of model every round, its mean over rounds 251-300 (one round's figure is noisy)."""
     md = []
-    for part, tag in SPLITS.values():
-        acc, ft = _curves(out, part, tag)
-        if not acc:
-            continue
+    for part, (acc, ft) in curves.items():
         md += [f"**{part}** (seed 0; a -FT baseline's value in a round it does not fine-tune is its plain model's)",
                "", "| method | round 50 | round 100 | round 200 | round 300 | mean of rounds 251-300 |",
                "|---|---|---|---|---|---|"]
@@ -163,16 +168,45 @@ def _checkpoints(out: Path) -> str:
     return "\n".join(md)
 
 
+def _against_local(out: Path, tag: str) -> dict[str, Any]:
+    """DisPFL against Local per seed run of both: per client over the last 50 rounds (how many at or above Local,
+    every client's difference, sorted), the rounds DisPFL is above, and Local's last training loss."""
+    found: dict[str, Any] = {}
+    for f in sorted((out / "runs").glob(f"dispfl-{tag}-s*.json")):
+        seed = int(f.stem.rsplit("-s", 1)[1])
+        ours, local = json.loads(f.read_text()), _run(out, f"local-{tag}", seed)
+        if local is None:
+            continue
+        mine, theirs = (np.array([x["client_acc"] for x in r["rounds"][-50:]]).mean(0) for r in (ours, local))
+        diff = mine - theirs
+        above = [x["round"] for x, y in zip(ours["rounds"], local["rounds"], strict=True)
+                 if x["mean_acc"] > y["mean_acc"]]
+        every_from = next((t for t in above if set(range(t, len(ours["rounds"]) + 1)) <= set(above)), None)
+        found[f"seed {seed}"] = {
+            "clients_at_or_above_local_last50": int((diff >= 0).sum()), "clients": len(diff),
+            "client_diff_last50_sorted": [round(float(d), 4) for d in np.sort(diff)],
+            "rounds_dispfl_above": len(above),
+            "above_in_every_round_from": every_from,
+            "checkpoints": {str(t): [round(ours["rounds"][t - 1]["mean_acc"], 4),
+                                     round(local["rounds"][t - 1]["mean_acc"], 4)] for t in (50, 100, 200, 300)},
+            "mean_251_300": [round(statistics.fmean(x["mean_acc"] for x in r["rounds"][250:300]), 4)
+                             for r in (ours, local)],
+            "local_last_train_loss": local["rounds"][-1]["train_loss"],
+        }
+    return found
+
+
 def crossings(out: Path) -> None:
     """Per split: where DisPFL's smoothed curve crosses each baseline's (the -FT baselines' curves between their
     fine-tunes), DisPFL's lead at rounds 50/100/200/300 (a -FT baseline's fine-tuned value where it has one), and
     every method's rank there."""
     found: dict[str, Any] = {}
+    curves = {}
     for part, tag in SPLITS.values():
-        acc, ft = _curves(out, part, tag)
-        if "DisPFL (d=0.5)" not in acc:
+        acc, ft = curves[part] = _curves(out, part, tag)
+        if (dispfl := _rows(part, tag)[0].label) not in acc:
             continue
-        ours = acc["DisPFL (d=0.5)"]
+        ours = acc[dispfl]
         mine = _smooth(ours)
 
         split: dict[str, Any] = {}
@@ -182,21 +216,25 @@ def crossings(out: Path) -> None:
             theirs = _smooth(xs)
             n = min(len(mine), len(theirs))
             diff = [mine[i] - theirs[i] for i in range(n)]
+            # its lead over the model the baseline deploys between fine-tunes, from round 50 on (unsmoothed)
+            lead = [o - x for o, x in zip(ours[49:], xs[49:], strict=False) if o is not None and x is not None]
             split[label] = {
                 "crossings": [{"round": i + 1, "dispfl_now": "above" if diff[i] > 0 else "below"}
                               for i in range(1, n) if (diff[i] > 0) != (diff[i - 1] > 0)],
                 "dispfl_minus_baseline": {str(t): round(_at(ours, t) - _value(acc, ft, label, t), 4)
                                           for t in (50, 100, 200, 300) if t <= n},
+                "lead_rounds_50_on_min_max": [round(min(lead), 4), round(max(lead), 4)] if lead else None,
             }
         # the paper ranks methods by their accuracy at the end; here at each checkpoint, unsmoothed
         split["ranking"] = {str(t): sorted(((label, round(_value(acc, ft, label, t), 4)) for label, xs in acc.items()
                                             if len(xs) >= t), key=lambda p: -p[1])
                             for t in (50, 100, 200, 300)}
+        split["against_local_per_seed"] = _against_local(out, tag)
         found[part] = split
         _plot_zoom(acc, ft, out / f"curves-{tag}.png",
                    f"{part}: mean client accuracy, {WINDOW}-round moving average; stars: fine-tuned rounds")
     (out / "crossings.json").write_text(json.dumps(found, indent=1))
-    (out / "checkpoints.md").write_text(_checkpoints(out))
+    (out / "checkpoints.md").write_text(_checkpoints({p: c for p, c in curves.items() if c[0]}))
     print(json.dumps(found, indent=1))
 
 

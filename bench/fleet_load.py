@@ -224,11 +224,13 @@ class Fleet:
         counts: dict[str, int] = defaultdict(int)
         for st in self.stage.values():
             counts[st if not st.startswith("failed") else st[:80]] += 1
-        late = sorted(((st, i) for i, st in self.stage.items() if st.startswith("r")), reverse=True)
+        # the devices furthest behind, by round number ("r10" sorts before "r2" as text), then task before send
+        behind = sorted((int(st[1:st.index(":")]), st.endswith(":send"), st, i)
+                        for i, st in self.stage.items() if st.startswith("r"))
         return {"t": time.time(), "stages": dict(counts), "enrolled": len(self.enrolled),
                 "done": {t: len(v) for t, v in self.done.items()}, "errors": dict(self.calls.errors),
                 "retries": dict(self.calls.retries), "error_samples": self.calls.samples,
-                "waiting_examples": [f"device {i}: {st}" for st, i in late[-20:]]}
+                "furthest_behind": [f"device {i}: {st}" for _, _, st, i in behind[:20]]}
 
     async def _device(self, client: httpx.AsyncClient, i: int, gate: asyncio.Semaphore) -> None:
         self.stage[i] = "enrol"
@@ -350,13 +352,13 @@ async def run_slice(url: str, rounds: int, payloads: Payloads, lo: int, hi: int,
         clients = [await stack.enter_async_context(httpx.AsyncClient(
             base_url=url, limits=limits, timeout=httpx.Timeout(900, connect=60))) for _ in range(k)]
         gate = asyncio.Semaphore(connections)
-        reporter = (asyncio.create_task(report_progress(fleet, progress / f"devices-{lo}.json"))
-                    if progress is not None else None)
+        where = None if progress is None else progress / f"devices-{lo}.json"
+        reporter = None if where is None else asyncio.create_task(report_progress(fleet, where))
         results = await asyncio.gather(*(fleet.device(clients[i % k], i, gate) for i in range(lo, hi)),
                                        return_exceptions=True)
-        if reporter is not None and progress is not None:
+        if reporter is not None and where is not None:
             reporter.cancel()
-            write_progress(fleet, progress / f"devices-{lo}.json")
+            write_progress(fleet, where)  # the end state, however short the run
     for s in fleet.sessions:
         await s.close()
     failed = [r for r in results if isinstance(r, BaseException)]
