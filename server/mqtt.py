@@ -20,6 +20,11 @@ __all__ = ["STATUS_FILTER", "MqttLink", "broker_tls", "parse_broker_url"]
 log = logging.getLogger(__name__)
 
 STATUS_FILTER = "pfl/+/device/+/status"
+# paho numbers QoS 1 messages 1..65,535 and refuses one whose number is still unacknowledged ("Message queue
+# full"): a final step told to 100,000 devices at once lost 34,023 tasks so. Publishing waits for acknowledgements
+# once this many are outstanding.
+WINDOW = 10_000
+WINDOW_WAIT_S = 120.0
 _TLS_SCHEMES = ("mqtts", "ssl")
 
 
@@ -42,8 +47,13 @@ class MqttLink:
 
     def __init__(self, url: str, on_status: Callable[[str, bytes], None], *, username: str | None = None,
                  password: str | None = None, on_reconnect: Callable[[], None] | None = None,
-                 tls: ssl.SSLContext | None = None) -> None:
+                 tls: ssl.SSLContext | None = None, window: int = WINDOW, window_wait_s: float = WINDOW_WAIT_S) -> None:
         self.url = url
+        self.window, self.window_wait_s = window, window_wait_s
+        self._acks = threading.Condition()
+        self._unacked = 0  # QoS 1 messages handed to paho and not yet acknowledged by the broker
+        self.most_unacked = 0  # the window's high-water mark (tests)
+        self._net_thread: int | None = None  # paho's network thread: it must never wait for its own acks
         self.host, self.port = parse_broker_url(url)
         self._on_status = on_status
         self._on_reconnect = on_reconnect
@@ -58,6 +68,7 @@ class MqttLink:
         if username is not None:
             self.client.username_pw_set(username, password)
         self.client.on_connect = self._connected_cb
+        self.client.on_publish = self._acked_cb
         self.client.on_disconnect = self._disconnected_cb
         self.client.on_message = self._message_cb
         self.client.reconnect_delay_set(min_delay=1, max_delay=10)
@@ -90,18 +101,33 @@ class MqttLink:
         self.publish_raw(topic, b"" if msg is None else msg.model_dump_json().encode(), retain=retain)
 
     def publish_raw(self, topic: str, payload: bytes, *, retain: bool = False) -> None:
+        with self._acks:
+            if threading.get_ident() != self._net_thread and not self._acks.wait_for(
+                    lambda: self._unacked < self.window, timeout=self.window_wait_s):
+                log.warning("MQTT broker %s left %d messages unacknowledged for %.0f s; publishing anyway",
+                            self.url, self._unacked, self.window_wait_s)
+            self._unacked += 1
+            self.most_unacked = max(self.most_unacked, self._unacked)
         info = self.client.publish(topic, payload, qos=1, retain=retain)
         if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):  # NO_CONN: queued, sent on reconnect
+            self._acked_cb()
             log.warning("MQTT publish to %s failed: %s", topic, mqtt.error_string(info.rc))
+
+    def _acked_cb(self, *_args: object) -> None:
+        with self._acks:
+            self._unacked = max(0, self._unacked - 1)
+            self._acks.notify_all()
 
     def _connected_cb(self, client: mqtt.Client, _u: object, _f: object, rc: object, _p: object) -> None:
         if getattr(rc, "is_failure", False):
             log.warning("MQTT broker %s refused the server's connection: %s", self.url, rc)
             return
+        self._net_thread = threading.get_ident()
         client.subscribe([(STATUS_FILTER, 1), *((f, 1) for f in self._handlers)])
         self._connected.set()
         if self._ever_connected and self._on_reconnect is not None:
-            # a broker that restarted without persistence lost every retained task: publish them again
+            # a broker that restarted without persistence lost every retained task: publish them again (the
+            # callback only asks the round worker to: this thread must not wait for the acks it reads itself)
             self._on_reconnect()
         self._ever_connected = True
 
