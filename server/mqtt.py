@@ -102,8 +102,9 @@ class MqttLink:
 
     def publish_raw(self, topic: str, payload: bytes, *, retain: bool = False) -> None:
         with self._acks:
+            # no wait while the broker is away: paho queues, and the worker publishes every task again on reconnect
             if threading.get_ident() != self._net_thread and not self._acks.wait_for(
-                    lambda: self._unacked < self.window, timeout=self.window_wait_s):
+                    lambda: self._unacked < self.window or not self.connected, timeout=self.window_wait_s):
                 log.warning("MQTT broker %s left %d messages unacknowledged for %.0f s; publishing anyway",
                             self.url, self._unacked, self.window_wait_s)
             self._unacked += 1
@@ -135,6 +136,8 @@ class MqttLink:
         if self._connected.is_set():
             log.warning("MQTT broker %s: connection lost (%s); reconnecting", self.url, rc)
         self._connected.clear()
+        with self._acks:
+            self._acks.notify_all()  # publishers waiting for acks stop waiting
 
     def _message_cb(self, _c: mqtt.Client, _u: object, msg: mqtt.MQTTMessage) -> None:
         try:
