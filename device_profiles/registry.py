@@ -40,7 +40,7 @@ class Profile:
     cores: int
     threads: int  # torch / runtime threads
     inference_runtime: Literal["onnxruntime", "executorch"]
-    training_backend: Literal["torch", "executorch"]
+    training_backend: Literal["torch", "executorch", "onnxruntime"]  # the last two: a program from the model card
     density: float  # 1 - sparsity (DisPFL capacity)
     kp: int  # FedPer personal blocks
     batch_size: int
@@ -59,8 +59,9 @@ class Profile:
         if self.inference_runtime not in ("onnxruntime", "executorch"):
             raise ConfigError(f"{where}: inference_runtime must be onnxruntime or executorch, "
                               f"got {self.inference_runtime!r}")
-        if self.training_backend not in ("torch", "executorch"):
-            raise ConfigError(f"{where}: training_backend must be torch or executorch, got {self.training_backend!r}")
+        if self.training_backend not in ("torch", "executorch", "onnxruntime"):
+            raise ConfigError(f"{where}: training_backend must be torch, executorch or onnxruntime, got "
+                              f"{self.training_backend!r}")
         if self.threads > self.cores:
             raise ConfigError(f"{where}: threads ({self.threads}) exceed cores ({self.cores})")
         if self.ram_budget_mb > self.ram_mb or self.train_memory_mb > self.ram_budget_mb:

@@ -60,8 +60,9 @@ class BundleOptions:
     user: str = "pfl"  # the unit's non-root user
     client_args: tuple[str, ...] = ()  # more `pfl-edge client` arguments for start.sh (e.g. --data-dir=...)
     wheel: Path | None = None  # a pfl-edge wheel to ship; default: built from this checkout
-    training_backend: str | None = None  # torch | executorch; None: the profile's
-    torch_free: bool = False  # a device without torch (numpy arrays, the ExecuTorch program; Python >= 3.12)
+    training_backend: str | None = None  # torch | executorch | onnxruntime; None: the profile's
+    torch_free: bool = False  # a device without torch (numpy arrays, a training program; Python >= 3.10)
+    own_images: bool = False  # without torch: pillow too, for the device's own images (with torch it always is)
     wait_s: float = 900.0  # how long to wait for the server (its exports, its restarts)
 
 
@@ -165,10 +166,10 @@ def fetch_program(http: Http, federation: str, p: ProgramInfo, folder: Path, dea
     return dest
 
 
-def training_program(card: ModelCard) -> ProgramInfo | None:
-    """The ExecuTorch training program the agent runs for this card, if the card has one: the card lists the
-    algorithm's own mode first (``Algorithm.device_programs``), -FT's personal program after it."""
-    return next((p for p in card.programs if p.kind == "training" and p.runtime == "executorch"), None)
+def training_program(card: ModelCard, runtime: str = "executorch") -> ProgramInfo | None:
+    """The training program of ``runtime`` the agent runs for this card, if the card has one: the card lists
+    the algorithm's own mode first (``Algorithm.device_programs``), -FT's personal program after it."""
+    return next((p for p in card.programs if p.kind == "training" and p.runtime == runtime), None)
 
 
 # --------------------------------------------------------------------------------------------------- the wheel
@@ -207,17 +208,18 @@ def write_bundle(opts: BundleOptions) -> Path:
     built in a hidden folder beside it and moved into place whole: a failed build leaves nothing behind."""
     # an unknown profile fails here, before any download
     if opts.torch_free and opts.training_backend == "torch":
-        raise ConfigError("a device without torch trains with the ExecuTorch program, not --training-backend torch")
-    if opts.torch_free:
-        opts = dataclasses.replace(opts, training_backend="executorch")
-    executorch = (opts.training_backend or _profile_runtimes(opts.profile)[1]) == "executorch"
+        raise ConfigError("a device without torch trains with a program (onnxruntime, the default, or executorch), "
+                          "not --training-backend torch")
+    if opts.torch_free and opts.training_backend is None:
+        opts = dataclasses.replace(opts, training_backend="onnxruntime")
+    backend = opts.training_backend or _profile_runtimes(opts.profile)[1]
     out = opts.out
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"--out {out} exists and is not an empty folder")
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))  # 0700
     try:
-        _fill(opts, work, executorch)
+        _fill(opts, work, backend)
         if out.exists():
             out.rmdir()
         os.replace(work, out)
@@ -227,7 +229,7 @@ def write_bundle(opts: BundleOptions) -> Path:
     return out
 
 
-def _fill(opts: BundleOptions, out: Path, executorch: bool) -> None:
+def _fill(opts: BundleOptions, out: Path, backend: str) -> None:
     programs = out / "model" / "programs"
     programs.mkdir(parents=True)
     http = Http(opts.server, opts.wait_s, ca_file=str(opts.ca_file) if opts.ca_file else None)
@@ -240,7 +242,7 @@ def _fill(opts: BundleOptions, out: Path, executorch: bool) -> None:
             fetch_program(http, opts.federation, p, programs, deadline)
     finally:
         http.client.close()
-    # the manifest the agent's ExecuTorch backend reads beside a training program (--training-program)
+    # the manifest the agent's program backend reads beside a training program (--training-program)
     manifest = [{"path": p.file, **p.details} for p in card.programs]
     (programs / "manifest.json").write_text(json.dumps(manifest, indent=1))
     wheel = build_wheel(out / "wheels", opts.wheel)
@@ -248,21 +250,23 @@ def _fill(opts: BundleOptions, out: Path, executorch: bool) -> None:
         _write_private(out / "enrol-secret", opts.enrol_secret + "\n")
     if opts.ca_file is not None:
         shutil.copy2(opts.ca_file, out / "ca.pem")
-    train = training_program(card) if executorch else None
-    if executorch and train is None:
-        log.warning("the card lists no ExecuTorch training program: the device will fetch one at its start")
+    program = backend in ("executorch", "onnxruntime")  # edge_runtime.training.PROGRAM_BACKENDS
+    train = training_program(card, backend) if program else None
+    if program and train is None:
+        log.warning("the card lists no %s training program: the device will fetch one at its start", backend)
     spec = BundleSpec(server=opts.server, federation=opts.federation, profile=opts.profile,
                       name=opts.name or opts.profile, has_secret=opts.enrol_secret is not None,
                       has_ca=opts.ca_file is not None, training_program=train.file if train else None,
                       programs=[p.file for p in card.programs], wheel=wheel.name, install_dir=opts.install_dir,
                       user=opts.user, client_args=opts.client_args, model_id=card.model_id,
-                      training_backend=opts.training_backend, torch_free=opts.torch_free)
+                      training_backend=opts.training_backend, torch_free=opts.torch_free,
+                      own_images=opts.own_images or not opts.torch_free)
     for rel, (text, mode) in render_files(spec).items():
         (out / rel).write_text(text)
         os.chmod(out / rel, mode)
     # only what this device imports (its profile's runtimes), installed without declared dependencies
-    roots = device_packages(_profile_runtimes(opts.profile)[0], "executorch" if executorch else "torch",
-                            torch_free=opts.torch_free)
+    roots = device_packages(_profile_runtimes(opts.profile)[0], backend, torch_free=opts.torch_free,
+                            own_images=opts.own_images)
     (out / "requirements.txt").write_text(requirements_text(roots, None))
     (out / "requirements-aarch64.txt").write_text(requirements_text(roots, "aarch64"))
 

@@ -18,7 +18,7 @@ from typing import Any
 __all__ = ["check_bundle", "main"]
 
 
-def _imports(torch_free: bool) -> str:
+def _imports(torch_free: bool, own_images: bool = True) -> str:
     """What a device process imports, beyond the agent's module-level chain: HTTP's transport (httpcore, h11,
     certifi, anyio: imported when a client is made), MQTT control, a user's own images (not without torch)."""
     import httpx
@@ -32,6 +32,8 @@ def _imports(torch_free: bool) -> str:
 
         if array_kind() != "numpy":
             raise RuntimeError("this bundle is for a device without torch, but torch is importable here")
+        if not own_images:
+            return f"imports (agent, httpx {httpx.__version__}, paho-mqtt; no torch)"
         import PIL.Image
 
         return f"imports (agent, httpx {httpx.__version__}, paho-mqtt, pillow {PIL.__version__}; no torch)"
@@ -40,17 +42,23 @@ def _imports(torch_free: bool) -> str:
     return f"imports (agent, httpx {httpx.__version__}, paho-mqtt, pillow {PIL.__version__})"
 
 
+def _program_backend(path: Path) -> Any:
+    """The bundled training program in its runtime's backend (ONNX Runtime for .onnx, else ExecuTorch)."""
+    from .training import ExecuTorchBackend, OnnxBackend
+
+    return (OnnxBackend if path.suffix == ".onnx" else ExecuTorchBackend).from_file(path)
+
+
 def _program_step(path: Path, card: Any) -> str:
-    """Two SGD steps of the bundled training program on numpy arrays (the executorch-numpy-runtime), as a device
-    without torch trains: the program's gradients, then pfl_edge.sgd's step."""
+    """Two SGD steps of the bundled training program on numpy arrays (ONNX Runtime, or the
+    executorch-numpy-runtime), as a device without torch trains: the program's gradients, then pfl_edge.sgd's
+    step."""
     import numpy as np
 
     from pfl_edge.seeding import MT
     from pfl_edge.sgd import TrainConfig
 
-    from .training import ExecuTorchBackend
-
-    backend = ExecuTorchBackend.from_file(path)
+    backend = _program_backend(path)
     rng = np.random.default_rng(0)
     backend.load({k: (0.05 * rng.standard_normal(s)).astype(np.float32) for k, s in backend.details["shapes"].items()})
     x = rng.standard_normal((4, *card.input.shape)).astype(np.float32)
@@ -97,10 +105,8 @@ def _inference(path: Path, card: Any) -> str:
 
 
 def _training(path: Path) -> str:
-    from .training import ExecuTorchBackend
-
-    backend = ExecuTorchBackend.from_file(path)  # loads the program and runs it once
-    return f"training {path.name} (executorch: {len(backend.trainable)} trainable tensors)"
+    backend = _program_backend(path)  # loads the program and runs it once
+    return f"training {path.name} ({backend.name}: {len(backend.trainable)} trainable tensors)"
 
 
 def check_bundle(bundle: Path) -> list[str]:
@@ -109,9 +115,9 @@ def check_bundle(bundle: Path) -> list[str]:
     from pfl_edge.modelcard import ModelCard
 
     where = bundle / "device.json"  # read after the imports' check (its folder may not hold one yet)
-    torch_free = where.exists() and json.loads(where.read_text()).get("arrays") == "numpy"
-    done = [_imports(torch_free)]
-    device = json.loads(where.read_text())
+    device = json.loads(where.read_text()) if where.exists() else {}
+    torch_free = device.get("arrays") == "numpy"
+    done = [_imports(torch_free, bool(device.get("own_images", True)))]
     card = ModelCard.model_validate_json((bundle / device["model_card"]).read_bytes())
     profile = get_profile(device["profile"])
     if torch_free:

@@ -14,8 +14,8 @@ from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-__all__ = ["PINNED_ELSEWHERE", "TORCH_FREE_PACKAGES", "BundleSpec", "device_packages", "pinned", "render_files",
-           "requirements_text"]
+__all__ = ["PINNED_ELSEWHERE", "TORCH_FREE_PACKAGES", "BundleSpec", "device_packages", "min_python", "pinned",
+           "render_files", "requirements_text"]
 
 # pinned for aarch64 too, but whose aarch64 Linux wheels (or their build on the board) need checking there
 CHECK_ON_AARCH64 = ("torch", "executorch", "onnxruntime")
@@ -37,7 +37,8 @@ class BundleSpec:
     client_args: tuple[str, ...]
     model_id: str
     training_backend: str | None = None  # passed to `pfl-edge client` when set (else the profile's)
-    torch_free: bool = False  # no torch on the device: numpy arrays, the ExecuTorch program, Python >= 3.12
+    torch_free: bool = False  # no torch on the device: numpy arrays, a training program (ONNX: Python >= 3.10)
+    own_images: bool = True  # pillow is installed: the device may read its own images (--data-dir)
 
 
 def render_files(spec: BundleSpec) -> dict[str, tuple[str, int]]:
@@ -48,10 +49,19 @@ def render_files(spec: BundleSpec) -> dict[str, tuple[str, int]]:
               "training_program": f"model/programs/{spec.training_program}" if spec.training_program else None,
               "enrol_secret_file": "enrol-secret" if spec.has_secret else None,
               "ca_file": "ca.pem" if spec.has_ca else None, "state_dir": "state",
-              "arrays": "numpy" if spec.torch_free else "torch"}
+              "arrays": "numpy" if spec.torch_free else "torch", "own_images": spec.own_images}
     return {"device.json": (json.dumps(device, indent=1) + "\n", 0o644), "start.sh": (_start(spec), 0o755),
             "install.sh": (_install(spec), 0o755), "pfl-edge-device.service": (_unit(spec), 0o644),
             "README.txt": (_readme(spec), 0o644)}
+
+
+def min_python(spec: BundleSpec) -> tuple[int, int]:
+    """The oldest Python the bundle installs on: 3.10 without torch (numpy and ONNX Runtime's wheels: JetPack 6's
+    Python), 3.12 for the ExecuTorch program without torch (executorch-numpy-runtime: cp312-abi3 wheels only),
+    3.11 with torch (the pinned torch and executorch)."""
+    if not spec.torch_free:
+        return (3, 11)
+    return (3, 12) if spec.training_backend == "executorch" else (3, 10)
 
 
 def _start(spec: BundleSpec) -> str:
@@ -84,7 +94,7 @@ exec "$here/venv/bin/pfl-edge" client \\
 
 
 def _install(spec: BundleSpec) -> str:
-    major, minor = (3, 12) if spec.torch_free else (3, 11)  # executorch-numpy-runtime: cp312-abi3 wheels only
+    major, minor = min_python(spec)
     # the console script; with torch, the registries too (the simulator's: tqdm), which need torch's models
     script = "client --help" if spec.torch_free else "list"
     return f"""#!/bin/sh
@@ -151,6 +161,7 @@ WantedBy=multi-user.target
 
 
 def _readme(spec: BundleSpec) -> str:
+    python = ".".join(map(str, min_python(spec)))
     progs = "\n".join(f"    model/programs/{p}" for p in spec.programs) or "    (none)"
     return f"""pfl-edge device bundle: device {spec.name!s}, profile {spec.profile}, federation {spec.federation},
 server {spec.server}, model {spec.model_id}.
@@ -164,7 +175,7 @@ Contents
                            local training settings and the programs below (docs/model.md in the repository)
   model/programs/          the programs, each checked against the card's sha256:
 {progs}
-                           *.onnx: inference (ONNX Runtime); *.pte: training (ExecuTorch). manifest.json beside
+                           *.onnx: ONNX Runtime (inference; -train-: training); *.pte: ExecuTorch. manifest.json beside
                            them: one entry per program ("path" and the card's details), read by the device agent
   requirements.txt         the Python packages this device imports (Linux x86_64), pinned to the versions where the
                            bundle was built; installed without their declared dependencies (see its comments)
@@ -178,7 +189,7 @@ Contents
 
 Linux board (Raspberry Pi, Jetson, a PC)
   1. copy this folder to {spec.install_dir}, owned by user {spec.user}: it holds a secret, keep it 0700
-  2. as that user: ./install.sh            (needs Python 3.11+ and network access to the package index)
+  2. as that user: ./install.sh            (needs Python {python}+ and network access to the package index)
   3. try it: ./start.sh -v                 (add the device's data, e.g. ./start.sh --data-dir /srv/images)
   4. as a service: sudo cp pfl-edge-device.service /etc/systemd/system/ &&
      sudo systemctl enable --now pfl-edge-device
@@ -187,8 +198,9 @@ Linux board (Raspberry Pi, Jetson, a PC)
 Android phone
   The Python parts (install.sh, start.sh, requirements, wheels/, the unit) are not for phones. A phone app reads
   device.json (server, federation, profile, name), enrol-secret and ca.pem, model/card.json, and runs
-  model/programs/*.pte with ExecuTorch (training) and *.onnx with ONNX Runtime (inference), speaking the protocol
-  in the repository's docs/protocol.md. Ship these files inside the app or push them to its private storage.
+  model/programs/*.onnx with ONNX Runtime (inference, and training where the card lists an onnxruntime training
+  program) or *.pte with ExecuTorch, speaking the protocol in the repository's docs/protocol.md. Ship these files
+  inside the app or push them to its private storage.
 """
 
 
@@ -196,10 +208,10 @@ Android phone
 # What a device process imports (pfl-edge client and its import chain: the agent, its HTTP client and MQTT control,
 # its own images, torch training); the runtimes come by profile (device_packages).
 AGENT_PACKAGES = ("numpy", "torch", "safetensors", "pydantic", "httpx", "paho-mqtt", "pillow", "tqdm")
-# A device without torch (pfl-edge client --arrays numpy): the agent's own imports (pillow: its own images,
-# --data-dir), ONNX Runtime (evaluation) and ExecuTorch's numpy-only runtime (training through the program)
-TORCH_FREE_PACKAGES = ("numpy", "safetensors", "pydantic", "httpx", "paho-mqtt", "pillow", "onnxruntime",
-                       "executorch-numpy-runtime")
+# A device without torch (pfl-edge client --arrays numpy): the agent's own imports and ONNX Runtime (training
+# through the ONNX program, and evaluation); pillow only for a device's own images (--data-dir), with --own-images;
+# ExecuTorch's numpy-only runtime only when it trains with the ExecuTorch program (Python >= 3.12)
+TORCH_FREE_PACKAGES = ("numpy", "safetensors", "pydantic", "httpx", "paho-mqtt", "onnxruntime")
 # pinned here where it cannot be installed (it has wheels for Python >= 3.12 only): the runtime the programs were
 # checked on (bench/train_step_torchfree.py, tests/integration/test_bundle.py)
 PINNED_ELSEWHERE = {"executorch-numpy-runtime": "1.4.0"}
@@ -217,13 +229,17 @@ RUNTIME_DEPS: dict[str, tuple[str, ...]] = {
 }
 
 
-def device_packages(inference_runtime: str, training_backend: str, *, torch_free: bool = False) -> list[str]:
+def device_packages(inference_runtime: str, training_backend: str, *, torch_free: bool = False,
+                    own_images: bool = True) -> list[str]:
     """The packages a device of this profile imports: the agent's, onnxruntime when the profile's inference runtime
-    is ONNX Runtime, executorch when it infers or trains with ExecuTorch; without torch, TORCH_FREE_PACKAGES."""
+    is ONNX Runtime or it trains with the ONNX program, executorch when it infers or trains with ExecuTorch;
+    without torch, TORCH_FREE_PACKAGES (with executorch-numpy-runtime for the ExecuTorch program, pillow for
+    ``own_images``)."""
     if torch_free:
-        return list(TORCH_FREE_PACKAGES)
+        extra = ["executorch-numpy-runtime"] if training_backend == "executorch" else []
+        return [*TORCH_FREE_PACKAGES, *extra, *(["pillow"] if own_images else [])]
     roots = list(AGENT_PACKAGES)
-    if inference_runtime == "onnxruntime":
+    if "onnxruntime" in (inference_runtime, training_backend):
         roots.append("onnxruntime")
     if "executorch" in (inference_runtime, training_backend):
         roots.append("executorch")

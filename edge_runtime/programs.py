@@ -59,13 +59,14 @@ class ProgramSource:
             self._card = card
         return self._card
 
-    def training(self, mode: str) -> tuple[bytes, dict[str, Any]]:
-        """The training program of ``mode`` and its details (ExecuTorchBackend's manifest entry)."""
-        info = next((p for p in self.card.programs if p.kind == "training" and p.runtime == "executorch"
+    def training(self, mode: str, runtime: str = "executorch") -> tuple[bytes, dict[str, Any]]:
+        """The training program of ``mode`` for ``runtime`` (``executorch`` or ``onnxruntime``) and its details
+        (the backend's manifest entry)."""
+        info = next((p for p in self.card.programs if p.kind == "training" and p.runtime == runtime
                      and p.mode == mode), None)
         if info is None:
-            have = [f"{p.kind}/{p.mode}" for p in self.card.programs]
-            raise ConfigError(f"the server's model card lists no ExecuTorch training program of mode {mode!r} "
+            have = [f"{p.kind}/{p.runtime}/{p.mode}" for p in self.card.programs]
+            raise ConfigError(f"the server's model card lists no {runtime} training program of mode {mode!r} "
                               f"(it lists {have}); is the federation's algorithm {self.card.algorithm!r} this "
                               "device's?")
         return self.fetch(info), dict(info.details)

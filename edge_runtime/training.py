@@ -1,17 +1,19 @@
 """Training backends: what the device agent calls to train its model each round.
 
-Two backends behind one interface (``TrainingBackend``), with the simulator's semantics (``pfl_edge.train``):
+Three backends behind one interface (``TrainingBackend``), with the simulator's semantics (``pfl_edge.train``):
 ``torch.optim.SGD`` with momentum and weight decay, ``clip_grad_norm_``, masks applied to the gradients and
 re-applied to the weights after every step, and the batch schedule of ``pfl_edge.train.batch_schedule``, so that
 both backends see the same batches for the same generator.
 
 - ``TorchBackend``: ``pfl_edge.train.train`` on a one-client stack (the loop engine, as the simulator uses), so
   a device's round is exactly the simulator's.
-- ``ExecuTorchBackend``: an ExecuTorch training program (``export.lower_executorch_training``), a pure function
-  from the weights and a batch to the loss and the gradients, on the pip runtime or on executorch-numpy-runtime
-  (a device without torch); the device holds the weights as numpy arrays and steps them with ``ProgramSGD``
+- ``OnnxBackend`` and ``ExecuTorchBackend`` (``ProgramBackend``): a training program, a pure function from the
+  weights and a batch to the loss and the gradients (``export.lower_onnx_training``, run by ONNX Runtime with
+  numpy alone on Python 3.10+; ``export.lower_executorch_training``, run by the pip ExecuTorch runtime or by
+  executorch-numpy-runtime); the device holds the weights as numpy arrays and steps them with ``ProgramSGD``
   (``pfl_edge.sgd.SGD``: masking and clipping on the gradients, then torch.optim.SGD's update with momentum and
   weight decay, then the mask re-applied, in ``pfl_edge.train``'s order), over ``pfl_edge.sgd.epoch_batches``.
+  Each sizes its runtime's threads from the device profile.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pfl_edge.arrays import Array as Tensor
 from pfl_edge.arrays import is_numpy, randperm, stack_states, to_numpy, unstack
 from pfl_edge.checkpoint import ModelSpec
 from pfl_edge.errors import ConfigError
+from pfl_edge.modelcard import TRAINING_SIGNATURE
 from pfl_edge.sgd import SGD, TrainConfig, epoch_batches
 
 if TYPE_CHECKING:  # the torch backend's; the ExecuTorch backend runs without torch (executorch-numpy-runtime)
@@ -39,9 +42,12 @@ if TYPE_CHECKING:  # the torch backend's; the ExecuTorch backend runs without to
     from pfl_edge.train import ClientTensors
 
 __all__ = [
+    "PROGRAM_BACKENDS",
     "TRAINING_BACKENDS",
     "BackendRequest",
     "ExecuTorchBackend",
+    "OnnxBackend",
+    "ProgramBackend",
     "TorchBackend",
     "TrainStats",
     "TrainingBackend",
@@ -61,8 +67,9 @@ class TrainStats:
 class BackendRequest:
     """What a device asks of its training backend: its model, the program mode its algorithm trains with
     (``fedper``: whole model; ``dispfl``: masked, with the dense gradient), the federation's batch size, and where
-    an ExecuTorch program comes from: a packaged file (``program``, beside its manifest) or ``download(mode)``,
-    the server's program of that mode and its details, checked against the model card
+    a training program comes from: a packaged file (``program``, beside its manifest) or ``download(mode,
+    runtime)``, the server's program of that mode for the backend's runtime and its details, checked against the
+    model card
     (``edge_runtime.programs.ProgramSource.training``)."""
 
     model: nn.Module
@@ -71,7 +78,8 @@ class BackendRequest:
     mode: str
     batch_size: int
     program: str | None = None
-    download: Callable[[str], tuple[bytes, Mapping[str, Any]]] | None = None
+    download: Callable[[str, str], tuple[bytes, Mapping[str, Any]]] | None = None
+    threads: int | None = None  # the runtime's threads; None: the profile's
 
 
 class TrainingBackend(Protocol):
@@ -161,25 +169,30 @@ class ProgramSGD(SGD):
         super().step({k: to_numpy(v) for k, v in grads.items()})
 
 
-def load_program(program: bytes, runtime: str = "auto") -> Callable[[list[np.ndarray]], list[np.ndarray]]:
+def load_program(program: bytes, runtime: str = "auto", *,
+                 threads: int | None = None) -> Callable[[list[np.ndarray]], list[np.ndarray]]:
     """The program's ``forward`` as a function of numpy arrays, on the pip ``executorch`` runtime (which links
     libtorch; ``runtime="pip"``) or on ``executorch-numpy-runtime`` (no torch: ``runtime="numpy"``); ``auto``:
-    the pip runtime where torch is installed, else the numpy one. Both run the same program bytes."""
+    the pip runtime where torch is installed, else the numpy one. Both run the same program bytes. ``threads``:
+    the pip runtime's thread pool is resized to it (it ignores ``OMP_NUM_THREADS`` and otherwise takes a thread
+    per core); the numpy runtime's pool cannot be sized from Python."""
     if runtime not in ("auto", "pip", "numpy"):
         raise ConfigError(f"unknown ExecuTorch runtime {runtime!r}; valid: auto, pip, numpy")
     pip_error: Exception | None = None
     if runtime in ("auto", "pip"):
         try:
             import torch
-            from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
+            from executorch.extension.pybindings import portable_lib
         except (ImportError, OSError) as e:  # not installed, or a broken build: say which, fall back in auto
             if runtime == "pip":
                 raise ConfigError(f"the pip executorch runtime cannot be loaded ({e})") from e
             pip_error = e
         else:
+            if threads is not None and portable_lib._threadpool_get_thread_count() != threads:
+                portable_lib._unsafe_reset_threadpool(threads)  # "unsafe": not while a program runs; none does yet
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                module = _load_for_executorch_from_buffer(program)
+                module = portable_lib._load_for_executorch_from_buffer(program)
 
             def run_pip(args: list[np.ndarray]) -> list[np.ndarray]:
                 out = module.forward(tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in args))
@@ -192,13 +205,33 @@ def load_program(program: bytes, runtime: str = "auto") -> Callable[[list[np.nda
     except ImportError as e:
         why = "" if runtime == "numpy" else f" (pip executorch: {pip_error})"
         raise ConfigError("no ExecuTorch runtime: install executorch (with torch) or executorch-numpy-runtime "
-                          f"(numpy only, Python >= 3.12){why}") from e
+                          f"(numpy only, Python >= 3.12); or train with the ONNX program (--training-backend "
+                          f"onnxruntime){why}") from e
     method = en.Runtime.get().load_program(program).load_method("forward")
 
     def run_numpy(args: list[np.ndarray]) -> list[np.ndarray]:
         return list(method([np.ascontiguousarray(a) for a in args]))
 
     return run_numpy
+
+
+def load_onnx_program(program: bytes, details: Mapping[str, Any], *,
+                      threads: int = 1) -> Callable[[list[np.ndarray]], list[np.ndarray]]:
+    """An ONNX training program's graph as a function of numpy arrays (inputs in ``details["inputs"]`` order,
+    outputs in ``details["outputs"]``'s), in an ONNX Runtime inference session on ``threads`` threads (intra-op;
+    one inter-op: the graph runs its nodes in order)."""
+    from .backends import onnx_session
+
+    sess = onnx_session(program, threads)
+    names, outputs = list(details["inputs"]), list(details["outputs"])
+    got = [i.name for i in sess.get_inputs()]
+    if got != names:
+        raise ConfigError(f"the ONNX training program's inputs {got[:4]}... are not its details' {names[:4]}...")
+
+    def run_onnx(args: list[np.ndarray]) -> list[np.ndarray]:
+        return [np.asarray(o) for o in sess.run(outputs, dict(zip(names, args, strict=True)))]
+
+    return run_onnx
 
 
 def _like(x: Any, a: np.ndarray) -> Any:
@@ -210,19 +243,21 @@ def _like(x: Any, a: np.ndarray) -> Any:
     return torch.from_numpy(a)
 
 
-class ExecuTorchBackend:
-    """An ExecuTorch training program (a gradient program: weights in, loss and gradients out), loaded once; the
-    device holds the weights as numpy arrays and steps them (``ProgramSGD``). It runs on the pip runtime or, on
-    a device without torch, on ``executorch-numpy-runtime`` (``load_program``); states, batches and gradients
-    come and go as torch tensors or numpy arrays, whichever the caller gives."""
+class ProgramBackend:
+    """A training program (a gradient program: weights in, loss and gradients out, docs/model.md), loaded once;
+    the device holds the weights as numpy arrays and steps them (``ProgramSGD``). The runtime that runs the
+    program is the subclass's (``OnnxBackend``: ONNX Runtime; ``ExecuTorchBackend``: ExecuTorch); everything
+    else (padding, SGD, masks, the regrowth gradient) is here, once. States, batches and gradients come and go as
+    torch tensors or numpy arrays, whichever the caller gives."""
 
-    name = "executorch"
+    name = "program"
+    program_runtime = ""  # the card's ProgramInfo.runtime of the programs this backend runs
 
-    def __init__(self, program: bytes, details: Mapping[str, Any], *, runtime: str = "auto") -> None:
+    def __init__(self, forward: Callable[[list[np.ndarray]], list[np.ndarray]], details: Mapping[str, Any]) -> None:
         if details.get("kind") != "training":
-            raise ConfigError("ExecuTorchBackend needs a training program (export.lower_executorch_training); "
-                              f"this one is kind {details.get('kind')!r}")
-        if details.get("signature") != "forward(x, y, weight, *params) -> (loss, *grads)":
+            raise ConfigError(f"{type(self).__name__} needs a training program; this one is kind "
+                              f"{details.get('kind')!r}")
+        if details.get("signature") != TRAINING_SIGNATURE:
             raise ConfigError(f"this training program's signature is {details.get('signature')!r}, not the gradient "
                               "program this device drives (weights in, loss and gradients out): export it again")
         self.details = dict(details)
@@ -232,7 +267,7 @@ class ExecuTorchBackend:
         self.frozen: list[str] = list(details["frozen"])
         self.input_shape = tuple(int(s) for s in details["input_shape"])
         shapes = {k: tuple(v) for k, v in details["shapes"].items()}
-        self._forward = load_program(program, runtime)
+        self._forward = forward
         self._w = {k: np.zeros(shapes[k], np.float32) for k in self.keys}
         self._torch_state = False  # was the last state loaded a torch one (then state() gives torch back)
         self._loaded = False
@@ -242,22 +277,28 @@ class ExecuTorchBackend:
         if list(grads) != self.trainable:
             raise ConfigError(f"program's gradients {list(grads)} are not its manifest's trainable {self.trainable}")
 
-    @staticmethod
-    def from_lowered(lowered: Any) -> ExecuTorchBackend:
-        return ExecuTorchBackend(lowered.program, lowered.details)
+    @classmethod
+    def open(cls, program: bytes, details: Mapping[str, Any], *, threads: int = 1) -> ProgramBackend:
+        """The backend of ``program`` on ``threads`` threads (the device profile's)."""
+        raise NotImplementedError
 
     @classmethod
-    def for_device(cls, req: BackendRequest) -> ExecuTorchBackend:
+    def from_lowered(cls, lowered: Any, *, threads: int = 1) -> ProgramBackend:
+        return cls.open(lowered.program, lowered.details, threads=threads)
+
+    @classmethod
+    def for_device(cls, req: BackendRequest) -> ProgramBackend:
         """The program ``req.program``, or the server's for the device's mode (each round's weights are fed to it,
-        never re-exported; a device exports nothing)."""
+        never re-exported; a device exports nothing), on the profile's threads."""
+        threads = req.threads or req.profile.threads
         if req.program is not None:
-            backend = cls.from_file(req.program)
+            backend = cls.from_file(req.program, threads=threads)
         elif req.download is not None:
-            program, details = req.download(req.mode)
-            backend = cls(program, details)
+            program, details = req.download(req.mode, cls.program_runtime)
+            backend = cls.open(program, details, threads=threads)
         else:
-            raise ConfigError("an ExecuTorch training backend needs a program: the server's (from its model card) "
-                              "or --training-program")
+            raise ConfigError(f"the {cls.name} training backend needs a program: the server's (from its model "
+                              "card) or --training-program")
         if backend.frozen:  # the device's modes (fedper, dispfl) train every parameter
             raise ConfigError(f"the training program (mode {backend.details.get('mode')!r}) freezes "
                               f"{len(backend.frozen)} tensors; this device trains all of them (mode {req.mode!r})")
@@ -270,15 +311,15 @@ class ExecuTorchBackend:
             raise ConfigError("the training program's weights are not this device's model's tensors (names, shapes)")
         return backend
 
-    @staticmethod
-    def from_file(path: str | Path) -> ExecuTorchBackend:
+    @classmethod
+    def from_file(cls, path: str | Path, *, threads: int = 1) -> ProgramBackend:
         """A packaged program, described by its entry in the ``manifest.json`` beside it."""
         p = Path(path)
         entries = json.loads((p.parent / "manifest.json").read_text())
         entry = next((e for e in entries if e.get("path") == p.name), None)
         if entry is None:
             raise ConfigError(f"{p.parent / 'manifest.json'} has no entry for {p.name}")
-        return ExecuTorchBackend(p.read_bytes(), entry)
+        return cls.open(p.read_bytes(), entry, threads=threads)
 
     def _run(self, x: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
         out = self._forward([x, y, w, *(self._w[k] for k in self.keys)])
@@ -303,7 +344,7 @@ class ExecuTorchBackend:
 
     def _require_loaded(self) -> None:
         if not self._loaded:
-            raise ConfigError("load a state into the ExecuTorch backend first (its weights have no values)")
+            raise ConfigError(f"load a state into the {self.name} backend first (its weights have no values)")
 
     def gradients(self, x: Any, y: Any) -> tuple[float, dict[str, Any]]:
         """Loss and gradients (of the trainable parameters) on one batch of at most ``batch_size`` samples, as
@@ -383,13 +424,46 @@ class ExecuTorchBackend:
         return {k: _like(x, out[k]) for k in self.trainable}
 
 
-TRAINING_BACKENDS: dict[str, type[TorchBackend] | type[ExecuTorchBackend]] = {
+class ExecuTorchBackend(ProgramBackend):
+    """An ExecuTorch training program (``export.lower_executorch_training``) on the pip runtime or, on a device
+    without torch, on ``executorch-numpy-runtime`` (``load_program``)."""
+
+    name = "executorch"
+    program_runtime = "executorch"
+
+    def __init__(self, program: bytes, details: Mapping[str, Any], *, runtime: str = "auto",
+                 threads: int | None = None) -> None:
+        super().__init__(load_program(program, runtime, threads=threads), details)
+
+    @classmethod
+    def open(cls, program: bytes, details: Mapping[str, Any], *, threads: int = 1) -> ExecuTorchBackend:
+        return cls(program, details, threads=threads)
+
+
+class OnnxBackend(ProgramBackend):
+    """An ONNX training program (``export.lower_onnx_training``) in an ONNX Runtime inference session: numpy and
+    onnxruntime alone, on every platform ONNX Runtime ships for (Python 3.10+ on Linux x86_64 and aarch64)."""
+
+    name = "onnxruntime"
+    program_runtime = "onnxruntime"
+
+    def __init__(self, program: bytes, details: Mapping[str, Any], *, threads: int = 1) -> None:
+        super().__init__(load_onnx_program(program, details, threads=threads), details)
+
+    @classmethod
+    def open(cls, program: bytes, details: Mapping[str, Any], *, threads: int = 1) -> OnnxBackend:
+        return cls(program, details, threads=threads)
+
+
+TRAINING_BACKENDS: dict[str, type[TorchBackend] | type[ProgramBackend]] = {
     "torch": TorchBackend,
     "executorch": ExecuTorchBackend,
+    "onnxruntime": OnnxBackend,
 }
+PROGRAM_BACKENDS = ("executorch", "onnxruntime")  # the backends that train with a program from the model card
 
 
-def get_training_backend(name: str) -> type[TorchBackend] | type[ExecuTorchBackend]:
+def get_training_backend(name: str) -> type[TorchBackend] | type[ProgramBackend]:
     """The backend class for a profile's ``training_backend``; ``.for_device(BackendRequest)`` opens one for a
     device (the agent), ``TorchBackend(model)`` / ``ExecuTorchBackend.from_file(path)`` directly."""
     try:

@@ -1,5 +1,6 @@
 """Export a device's model: ``prepare`` -> ``lower_onnx`` | ``lower_executorch`` -> ``package`` -> ``verify``,
-with a manifest. ONNX (fixed opset, dynamic batch), ExecuTorch inference (XNNPACK; float32, and static int8 with
+with a manifest. ONNX (fixed opset, dynamic batch), ONNX training programs (``lower_onnx_training``: the forward
+and backward graph, run by ONNX Runtime), ExecuTorch inference (XNNPACK; float32, and static int8 with
 ``lower_executorch_int8`` -> ``verify_int8`` on real images), and ExecuTorch training programs
 (``lower_executorch_training`` -> ``package``; ``edge_runtime.verify_training`` checks it against eager PyTorch).
 """
@@ -19,7 +20,15 @@ from .stages import (
     prepare,
     verify,
 )
-from .training import CONVOLUTIONS, TRAINING_MODES, JointGraph, joint_graph, lower_executorch_training
+from .training import (
+    CONVOLUTIONS,
+    ONNX_TRAINING_OPSET,
+    TRAINING_MODES,
+    JointGraph,
+    joint_graph,
+    lower_executorch_training,
+    lower_onnx_training,
+)
 
 __all__ = [
     "CONVOLUTIONS",
@@ -27,6 +36,7 @@ __all__ = [
     "INT8_MIN_AGREEMENT",
     "INT8_TAG_SUFFIX",
     "ONNX_OPSET",
+    "ONNX_TRAINING_OPSET",
     "TRAINING_MODES",
     "ExportError",
     "JointGraph",
@@ -40,6 +50,7 @@ __all__ = [
     "lower_executorch_int8",
     "lower_executorch_training",
     "lower_onnx",
+    "lower_onnx_training",
     "matmul_convs",
     "package",
     "prepare",

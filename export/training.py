@@ -53,16 +53,18 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from pfl_edge.errors import ConfigError
+from pfl_edge.modelcard import TRAINING_SIGNATURE
 from pfl_edge.models import BlockModel
 from pfl_edge.split import split_keys
 
 from .matmul_conv import matmul_convs
 from .stages import ExportError, Lowered, Prepared
 
-__all__ = ["CONVOLUTIONS", "DELEGATES", "TRAINING_MODES", "JointGraph", "joint_graph",
-           "lower_executorch_training", "trainable_keys", "weighted_loss"]
+__all__ = ["CONVOLUTIONS", "DELEGATES", "ONNX_TRAINING_OPSET", "TRAINING_MODES", "JointGraph",
+           "joint_graph", "lower_executorch_training", "lower_onnx_training", "trainable_keys", "weighted_loss"]
 
 TRAINING_MODES = ("fedper", "personal", "dispfl")
+ONNX_TRAINING_OPSET = 18  # the dynamo exporter's; ONNX Runtime >= 1.14 (and its mobile and web builds) run it
 
 
 def weighted_loss(logits: Tensor, y: Tensor, weight: Tensor) -> Tensor:
@@ -114,8 +116,10 @@ class _Traced(nn.Module):
 
 
 def joint_graph(prepared: Prepared, *, mode: str, batch_size: int, kp: int | None = None,
-                mask: Mapping[str, Tensor] | None = None, convolutions: str = "matmul") -> JointGraph:
-    """The joint graph of ``lower_executorch_training`` (same arguments)."""
+                mask: Mapping[str, Tensor] | None = None, convolutions: str = "matmul",
+                decompositions: Mapping[Any, Any] | None = None) -> JointGraph:
+    """The joint graph of ``lower_executorch_training`` (same arguments); ``decompositions``: more entries for
+    the tracer's table (the ONNX program's convolution backward, ``export.conv_backward``)."""
     from torch.func import grad_and_value
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -154,7 +158,8 @@ def joint_graph(prepared: Prepared, *, mode: str, batch_size: int, kp: int | Non
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            gm = make_fx(step, decomposition_table=dict(torch._decomp.core_aten_decompositions()))(*example)
+            table = dict(torch._decomp.core_aten_decompositions()) | dict(decompositions or {})
+            gm = make_fx(step, decomposition_table=table)(*example)
             ep = torch.export.export(_Traced(gm), example, strict=False)
     except Exception as e:  # tracing raises many kinds; say which model and why
         raise ExportError(f"ExecuTorch training export of {prepared.spec.model} ({mode}) failed: {e}") from e
@@ -196,14 +201,65 @@ def lower_executorch_training(prepared: Prepared, *, mode: str, batch_size: int,
     except Exception as e:  # lowering raises many kinds; say which model and why
         raise ExportError(f"ExecuTorch training export of {prepared.spec.model} ({mode}) failed: {e}") from e
     tag = f"{prepared.tag}-train-{mode}" + (f"-kp{kp}" if mode == "personal" else "")
-    details: dict[str, Any] = {
+    details = _details(prepared, joint, mode, kp, batch_size) | {
+        "operators": ops, "convolutions": convolutions, "delegate": delegate}
+    if mask is not None:
+        details["mask_density"] = float(sum(m.sum() for m in mask.values()) / sum(m.numel() for m in mask.values()))
+    return Lowered(dataclasses.replace(prepared, tag=tag), "executorch", program, details)
+
+
+def _details(prepared: Prepared, joint: JointGraph, mode: str, kp: int | None, batch_size: int) -> dict[str, Any]:
+    """What a device needs to drive a training program of either runtime (docs/model.md)."""
+    return {
         "kind": "training", "mode": mode, "kp": kp, "batch_size": batch_size,
         "inputs": ["x", "y", "weight", *joint.keys], "outputs": ["loss", *(f"grad:{k}" for k in joint.trainable)],
         "trainable": joint.trainable, "frozen": joint.frozen, "keys": joint.keys, "shapes": joint.shapes,
         "input_shape": list(prepared.input_shape), "loss": "sum(weight * cross_entropy) / max(sum(weight), 1)",
-        "signature": "forward(x, y, weight, *params) -> (loss, *grads)", "operators": ops,
-        "convolutions": convolutions, "delegate": delegate,
+        "signature": TRAINING_SIGNATURE,
     }
-    if mask is not None:
-        details["mask_density"] = float(sum(m.sum() for m in mask.values()) / sum(m.numel() for m in mask.values()))
-    return Lowered(dataclasses.replace(prepared, tag=tag), "executorch", program, details)
+
+
+def lower_onnx_training(prepared: Prepared, *, mode: str, batch_size: int, kp: int | None = None) -> Lowered:
+    """The ONNX training program of ``prepared.model``: the same gradient program as
+    ``lower_executorch_training``'s (signature, inputs, outputs and padding alike; the module docstring), as an
+    ONNX graph that ONNX Runtime runs in an ordinary inference session, on any platform it ships for (Linux x86_64
+    and aarch64 with Python 3.10+, Android, iOS, Node and React Native). No training API is involved: the graph
+    is the traced forward and backward pass, every convolution's backward decomposed into plain convolutions and
+    matrix products (``export.conv_backward``), native convolutions forward (ONNX Runtime's are optimised, unlike
+    ExecuTorch's portable ones). Inputs are named ``x``, ``y``, ``weight`` and each parameter's state-dict key;
+    outputs ``loss`` and ``grad:<key>`` per trainable key. The graph has no initialiser of the model's: every
+    weight is fed. Exported with ``torch.onnx.export(dynamo=True)`` at ``ONNX_TRAINING_OPSET``; seconds for the
+    built-in models, not minutes."""
+    import onnx
+
+    from .conv_backward import CONV_BACKWARD_DECOMPOSITIONS
+
+    joint = joint_graph(prepared, mode=mode, batch_size=batch_size, kp=kp, convolutions="native",
+                        decompositions=CONV_BACKWARD_DECOMPOSITIONS)
+    names = ["x", "y", "weight", *joint.keys]
+    outputs = ["loss", *(f"grad:{k}" for k in joint.trainable)]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            onx = torch.onnx.export(joint.program, (), dynamo=True, input_names=names, output_names=outputs,
+                                    opset_version=ONNX_TRAINING_OPSET, optimize=True, verbose=False)
+        if onx is None:
+            raise ExportError("the exporter returned no program")
+        proto = onx.model_proto
+        onnx.checker.check_model(proto)
+    except ExportError:
+        raise
+    except Exception as e:  # the exporter raises many kinds; say which model and why
+        raise ExportError(f"ONNX training export of {prepared.spec.model} ({mode}) failed: {e}") from e
+    got_in, got_out = [i.name for i in proto.graph.input], [o.name for o in proto.graph.output]
+    if got_in != names or got_out != outputs:
+        raise ExportError(f"the ONNX training program's inputs/outputs are not the signature's: {got_in[:4]}..., "
+                          f"{got_out[:3]}...")
+    baked = sorted(i.name for i in proto.graph.initializer if i.name in set(joint.keys))
+    if baked:
+        raise ExportError(f"the ONNX training program bakes {baked} in")
+    tag = f"{prepared.tag}-train-{mode}" + (f"-kp{kp}" if mode == "personal" else "")
+    details = _details(prepared, joint, mode, kp, batch_size) | {
+        "runtime": "onnxruntime", "opset": ONNX_TRAINING_OPSET,
+        "operators": sorted({n.op_type for n in proto.graph.node}), "convolutions": "native"}
+    return Lowered(dataclasses.replace(prepared, tag=tag), "onnx", proto.SerializeToString(), details)

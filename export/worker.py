@@ -35,10 +35,10 @@ from device_profiles import get_profile, list_profiles
 from pfl_edge.checkpoint import ModelSpec
 
 from .stages import ONNX_OPSET, ExportError, Lowered, Prepared, package, prepare
-from .training import lower_executorch_training
+from .training import lower_executorch_training, lower_onnx_training
 
 __all__ = ["GRAD_ATOL", "GRAD_MAX_RTOL", "GRAD_RTOL", "LOSS_TOL", "check_onnx", "check_training", "export_one",
-           "gradient_mismatches", "main", "onnx_weights_as_inputs"]
+           "gradient_mismatches", "main", "onnx_weights_as_inputs", "run_training_program"]
 
 # ExecuTorch's kernels sum in float32 in another (plainer) order than PyTorch's: mobilenet-v1's program at 1x28x28,
 # batch 16, is off by up to 5e-3 of a gradient's largest element (dw1's GroupNorm, 12,544 terms a group per
@@ -68,8 +68,8 @@ def export_one(key: dict[str, Any], out: Path) -> dict[str, Any]:
     else:
         if mode is None or batch_size is None:
             raise ValueError(f"training key {key} lacks a mode or batch size")
-        lowered = lower_executorch_training(prep, mode=mode, batch_size=batch_size,
-                                            kp=key.get("kp") if mode == "personal" else None)
+        lower = lower_onnx_training if key.get("trainer") == "onnxruntime" else lower_executorch_training
+        lowered = lower(prep, mode=mode, batch_size=batch_size, kp=key.get("kp") if mode == "personal" else None)
         packaged = package(lowered, out / "pkg")
         check_training(lowered.program, lowered.details, prep)
         details = {k: v for k, v in packaged.entry.items() if k not in _PACKAGE_ONLY}
@@ -179,11 +179,30 @@ def gradient_mismatches(got: dict[str, Tensor], ref: dict[str, Tensor | None], *
     return bad
 
 
+def run_training_program(program: bytes, details: dict[str, Any], args: list[Tensor]) -> list[Tensor]:
+    """One call of a training program (either runtime's: ``details["runtime"]``, ExecuTorch where absent) on
+    ``args`` (x, y, weight, *params): its outputs (loss, *grads)."""
+    import numpy as np
+
+    if details.get("runtime") == "onnxruntime":
+        import onnxruntime as ort
+
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = 1
+        sess = ort.InferenceSession(program, opts, providers=["CPUExecutionProvider"])
+        out = sess.run(list(details["outputs"]), {n: a.detach().numpy()
+                                                  for n, a in zip(details["inputs"], args, strict=True)})
+        return [torch.from_numpy(np.asarray(o)) for o in out]
+    from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
+
+    module = _load_for_executorch_from_buffer(program)
+    return list(module.forward(tuple(a.detach().contiguous() for a in args)))
+
+
 def check_training(program: bytes, details: dict[str, Any], prep: Prepared) -> None:
     """The training program's loss and gradients on a random, partly padded batch against autograd's (the full
     check, with SGD steps, is edge_runtime.verify_training; the server does not import the device runtime)."""
     import torch.nn.functional as F
-    from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
 
     gen = torch.Generator().manual_seed(0)
     b, n = int(details["batch_size"]), max(1, int(details["batch_size"]) - 1)  # n real samples, padded to b
@@ -191,8 +210,7 @@ def check_training(program: bytes, details: dict[str, Any], prep: Prepared) -> N
                                                                            generator=gen)
     w = torch.cat([torch.ones(n), torch.zeros(b - n)])
     params = dict(prep.model.named_parameters())
-    module = _load_for_executorch_from_buffer(program)
-    out = module.forward((x, y, w, *(params[k].detach().contiguous() for k in details["keys"])))
+    out = run_training_program(program, details, [x, y, w, *(params[k] for k in details["keys"])])
     loss = float(out[0])
     grads = dict(zip(details["trainable"], out[1:], strict=True))
     prep.model.zero_grad()

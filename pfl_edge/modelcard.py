@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # the card's classes import without torch; a card is built fr
 
 __all__ = [
     "CARD_FORMAT",
+    "TRAINING_SIGNATURE",
     "BlockInfo",
     "InputInfo",
     "Layer",
@@ -48,6 +49,8 @@ __all__ = [
 ]
 
 CARD_FORMAT: Literal["pfl-edge-model-card/1"] = "pfl-edge-model-card/1"
+# every training program's, whatever its runtime (ExecuTorch or ONNX Runtime): weights in, loss and gradients out
+TRAINING_SIGNATURE = "forward(x, y, weight, *params) -> (loss, *grads)"
 
 _FROZEN = ConfigDict(extra="forbid", frozen=True)
 
@@ -192,7 +195,8 @@ class ProgramInfo(BaseModel):
     model_config = _FROZEN
 
     file: str = Field(description="file name, ^[a-z0-9][a-z0-9._-]{0,199}\\.(onnx|pte)$; also its name on the device")
-    kind: Literal["inference", "training"] = Field(description="inference (ONNX) or training (ExecuTorch)")
+    kind: Literal["inference", "training"] = Field(
+        description="inference (ONNX) or training (a gradient program: ONNX or ExecuTorch, by runtime)")
     runtime: Literal["onnxruntime", "executorch"] = Field(description="the runtime that runs it")
     mode: Literal["fedper", "personal", "dispfl"] | None = Field(
         default=None, description="training: which tensors it trains (fedper: all; personal: the last kp blocks; "
@@ -231,8 +235,9 @@ class ModelCard(BaseModel):
     density: float = Field(description="DisPFL: the fraction of weights the device's mask keeps, its capacity (ERK per "
                                        "tensor, docs/algorithms.md); 1.0 for the other algorithms")
     training: TrainingInfo = Field(description="local training of a round")
-    programs: list[ProgramInfo] = Field(description="the programs for this profile: ONNX inference always, ExecuTorch "
-                                                    "training where the profile trains with it")
+    programs: list[ProgramInfo] = Field(description="the programs for this profile: ONNX inference always, the "
+                                                    "training programs of the runtime the device trains with "
+                                                    "(onnxruntime or executorch) where it trains with a program")
 
 
 # ------------------------------------------------------------------------------------------- normalisation

@@ -32,7 +32,7 @@ def _cmd_bundle(args: argparse.Namespace) -> int:
         server=args.server, federation=args.federation, profile=args.profile, out=args.out, admin_token=token,
         name=args.name, enrol_secret=secret, ca_file=args.ca_file, install_dir=args.install_dir, user=args.user,
         client_args=tuple(args.client_arg), wheel=args.wheel, wait_s=args.wait, training_backend=args.training_backend,
-        torch_free=args.torch_free))
+        torch_free=args.torch_free, own_images=args.own_images))
     print(f"bundle for {args.name or args.profile} ({args.profile}, federation {args.federation}) in {out}/ "
           f"(README.txt says what is in it)")
     if secret is None:
@@ -55,11 +55,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--user", default="pfl", help="the non-root user the systemd unit runs as (default pfl)")
     p.add_argument("--client-arg", action="append", default=[], metavar="ARG",
                    help="one more `pfl-edge client` argument for start.sh, e.g. --client-arg=--data-dir=/srv/img")
-    p.add_argument("--training-backend", choices=["torch", "executorch"],
-                   help="how the device trains (default: its profile's); executorch: the bundle holds the program")
+    p.add_argument("--training-backend", choices=["torch", "executorch", "onnxruntime"],
+                   help="how the device trains (default: its profile's; with --torch-free, onnxruntime); executorch, "
+                        "onnxruntime: the bundle holds the training program")
     p.add_argument("--torch-free", action="store_true",
-                   help="a device without torch (Python >= 3.12): numpy, executorch-numpy-runtime and onnxruntime; "
-                        "it trains with the bundled ExecuTorch program")
+                   help="a device without torch (Python >= 3.10): numpy and onnxruntime; it trains with the bundled "
+                        "ONNX training program (--training-backend executorch: the ExecuTorch one, on "
+                        "executorch-numpy-runtime, Python >= 3.12)")
+    p.add_argument("--own-images", action="store_true",
+                   help="with --torch-free: install pillow too, for the device's own images (pfl-edge client "
+                        "--data-dir); with torch it always is")
     p.add_argument("--wheel", type=Path, help="the pfl-edge wheel to ship (default: built from this checkout)")
     p.add_argument("--wait", type=float, default=900.0, help="seconds to wait for the server's exports (900)")
     p.add_argument("-v", "--verbose", action="store_true")

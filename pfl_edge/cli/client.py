@@ -59,13 +59,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--dataset-dir", help="where the registered data set's files are")
     p.add_argument("--data-dir", help="the user's own labelled images instead: one folder per class")
     p.add_argument("--threads", type=int, help="torch threads (default: the profile's)")
-    p.add_argument("--training-backend", choices=["torch", "executorch"],
-                   help="default: the profile's (an executorch program is downloaded from the server's model "
-                        "card into the state dir, its sha256 checked)")
-    p.add_argument("--training-program", help="an exported ExecuTorch training program (.pte beside its manifest)")
+    p.add_argument("--training-backend", choices=["torch", "executorch", "onnxruntime"],
+                   help="default: the profile's (a device without torch: onnxruntime); executorch and onnxruntime "
+                        "train with a program downloaded from the server's model card into the state dir, its "
+                        "sha256 checked")
+    p.add_argument("--training-program", help="an exported training program (.pte or .onnx beside its manifest)")
     p.add_argument("--arrays", choices=["auto", "torch", "numpy"], default="auto",
-                   help="hold models as torch tensors or numpy arrays (no torch: the ExecuTorch program trains, the "
-                        "server's ONNX program evaluates); default auto: torch where it is installed")
+                   help="hold models as torch tensors or numpy arrays (no torch: the ONNX training program trains, "
+                        "the server's ONNX program evaluates); default auto: torch where it is installed")
     p.add_argument("--patience", type=float, default=300.0, help="seconds to keep retrying a missing server")
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=_cmd_client)

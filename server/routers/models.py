@@ -21,7 +21,7 @@ from ..db import Device
 from ..deps import Coord, FederationReader
 from ..errors import NotFound, Unprocessable
 from ..fedmodel import FedModel
-from ..services.artefacts import Artefacts, ProgramKey, ProgramRecord
+from ..services.artefacts import TRAINING_RUNTIMES, Artefacts, ProgramKey, ProgramRecord
 
 __all__ = ["artefacts", "creation_keys", "program_keys", "router"]
 
@@ -58,39 +58,42 @@ def _layers(fm: FedModel) -> list[Layer]:
 
 
 def program_keys(fm: FedModel, *, kp: int, training_backend: str) -> list[ProgramKey]:
-    """The programs a device keeping ``kp`` blocks needs: ONNX inference always; the ExecuTorch training programs
-    of its algorithm when it trains with ExecuTorch."""
+    """The programs a device keeping ``kp`` blocks needs: ONNX inference always; the training programs of its
+    algorithm when it trains with a program (ExecuTorch or ONNX Runtime: ``training_backend``)."""
     keys = [ProgramKey(fm.spec, "inference")]
-    if training_backend == "executorch":
+    if training_backend in TRAINING_RUNTIMES:
         for mode in fm.algorithm(kp).device_programs():
             keys.append(ProgramKey(fm.spec, "training", mode, kp if mode == "personal" else None,
-                                   fm.cfg.batch_size))
+                                   fm.cfg.batch_size, training_backend))
     return keys
 
 
 def creation_keys(fm: FedModel, *, profile_capacity: bool, scope: str) -> list[ProgramKey]:
     """What a new federation's devices will ask for, ONNX first (``scope``: the ``export_on_create`` setting):
-    the ONNX program, then the training programs of each profile that trains with ExecuTorch, at the K_P such a
-    device is given (its profile's where capacities come from profiles, else the config's)."""
+    the ONNX program, then the training programs of each profile that trains with a program, at the K_P such a
+    device is given (its profile's where capacities come from profiles, else the config's). A device that trains
+    otherwise than its profile (one without torch: the ONNX program) has its programs exported on its first ask;
+    an ONNX training program takes seconds."""
     if scope == "none":
         return []
     keys = [ProgramKey(fm.spec, "inference")]
     if scope == "all":
         for name in list_profiles():
             prof = get_profile(name)
-            if prof.training_backend != "executorch":
+            if prof.training_backend not in TRAINING_RUNTIMES:
                 continue
             _, kp = device_capacity(fm.cfg, 0, profile_density=prof.density if profile_capacity else None,
                                     profile_kp=prof.kp if profile_capacity else None)
-            if kp <= fm.num_blocks:
-                keys += [k for k in program_keys(fm, kp=kp, training_backend="executorch")[1:] if k not in keys]
+            if kp > fm.num_blocks:
+                continue
+            keys += [k for k in program_keys(fm, kp=kp, training_backend=prof.training_backend)[1:] if k not in keys]
     return keys
 
 
 def _federation_programs(fm: FedModel) -> dict[str, ProgramKey]:
     """Every program a card of this federation can list (any profile, any K_P), by file name."""
-    return {k.file: k for kp in range(fm.num_blocks + 1)
-            for k in program_keys(fm, kp=kp, training_backend="executorch")}
+    return {k.file: k for kp in range(fm.num_blocks + 1) for runtime in TRAINING_RUNTIMES
+            for k in program_keys(fm, kp=kp, training_backend=runtime)}
 
 
 def _info(fed: str, key: ProgramKey, rec: ProgramRecord) -> ProgramInfo:
@@ -102,9 +105,10 @@ def _info(fed: str, key: ProgramKey, rec: ProgramRecord) -> ProgramInfo:
 @router.get("/{fed}/model", response_model=ModelCard, responses=_NOT_READY)
 def get_model_card(fed: str, reader: FederationReader, coord: Coord, arts: ArtefactsDep,
                    profile: Annotated[str | None, Query(max_length=64)] = None,
-                   training_backend: Literal["torch", "executorch"] | None = None) -> ModelCard:
+                   training_backend: Literal["torch", "executorch", "onnxruntime"] | None = None) -> ModelCard:
     """The model card for a device of ``profile`` (a device without ``profile``: its own); ``training_backend``
-    where the device trains otherwise than its profile says (``executorch``: the card lists training programs)."""
+    where the device trains otherwise than its profile says (``executorch``, ``onnxruntime``: the card lists that
+    runtime's training programs)."""
     dev = reader if isinstance(reader, Device) else None
     name = profile or (dev.profile if dev is not None else None)
     if name is None:

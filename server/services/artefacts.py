@@ -44,7 +44,7 @@ from pfl_edge.federation import model_id
 
 from ..errors import ApiError
 
-__all__ = ["Artefacts", "NotReady", "ProgramKey", "ProgramRecord"]
+__all__ = ["TRAINING_RUNTIMES", "Artefacts", "NotReady", "ProgramKey", "ProgramRecord"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,7 @@ _RECORD = ".json"
 # (3: the ONNX program is traced with the weights as inputs, so GroupNorm models export too; 4: training programs
 # compute convolutions and linear layers through matrix products, export.matmul_conv)
 PROGRAM_FORMAT = 4
+TRAINING_RUNTIMES = ("executorch", "onnxruntime")  # what runs a training program (a profile's training backend)
 
 
 class NotReady(ApiError):
@@ -82,20 +83,24 @@ class ProgramKey:
     mode: str | None = None  # training: fedper | personal | dispfl
     kp: int | None = None  # mode personal: the blocks it trains
     batch_size: int | None = None  # training: the fixed batch
+    trainer: str = "executorch"  # training: the runtime that runs it (TRAINING_RUNTIMES)
 
     @property
     def runtime(self) -> str:
-        return "onnxruntime" if self.kind == "inference" else "executorch"
+        return "onnxruntime" if self.kind == "inference" else self.trainer
 
     @property
     def file(self) -> str:
-        ident = json.dumps([PROGRAM_FORMAT, model_id(self.spec), self.kind, self.mode, self.kp, self.batch_size])
-        h = hashlib.sha256(ident.encode()).hexdigest()[:12]
+        ident: list[Any] = [PROGRAM_FORMAT, model_id(self.spec), self.kind, self.mode, self.kp, self.batch_size]
+        if self.kind == "training" and self.trainer != "executorch":  # ExecuTorch programs keep their names
+            ident.append(self.trainer)
+        h = hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:12]
         name = re.sub(r"[^a-z0-9-]+", "-", self.spec.model.lower())[:40].strip("-") or "model"  # a plain name
         if self.kind == "inference":
             return f"{name}-inference-{h}.onnx"
         kp = f"-kp{self.kp}" if self.kp is not None else ""
-        return f"{name}-train-{self.mode}{kp}-b{self.batch_size}-{h}.pte"
+        suffix = ".onnx" if self.trainer == "onnxruntime" else ".pte"
+        return f"{name}-train-{self.mode}{kp}-b{self.batch_size}-{h}{suffix}"
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "spec": asdict(self.spec)}
@@ -218,11 +223,12 @@ class Artefacts:
             with self._lock:
                 while not self._queue:
                     self._lock.wait()
-                # every ONNX program first, in one child (seconds): a device that trains with torch needs only
-                # that, and must not wait behind training exports (a minute or more each); then one training
-                # program a child, so each one is served as soon as it is ready
+                # every ONNX program first, in one child (seconds each, the training programs' too): a device
+                # that trains with torch or ONNX Runtime needs only those, and must not wait behind ExecuTorch
+                # training exports (a minute or more each); then one of those a child, so each one is served as
+                # soon as it is ready
                 queued = list(self._queue.values())
-                batch = [k for k in queued if k.kind == "inference"] or queued[:1]
+                batch = [k for k in queued if k.runtime == "onnxruntime"] or queued[:1]
                 for k in batch:
                     del self._queue[k.file]
                 self._running.update(k.file for k in batch)

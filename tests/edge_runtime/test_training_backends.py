@@ -1,4 +1,5 @@
-"""ExecuTorchBackend against TorchBackend (the simulator's code path): same data, same generator, same weights."""
+"""The program backends (OnnxBackend, ExecuTorchBackend) against TorchBackend (the simulator's code path): same
+data, same generator, same weights. Every test of a program runs on both runtimes' programs (``RUNTIMES``)."""
 
 import json
 from collections.abc import Mapping
@@ -11,7 +12,8 @@ from torch import Tensor
 
 from device_profiles import get_profile
 from edge_runtime import ExecuTorchBackend, TorchBackend, get_training_backend
-from export import Lowered, Prepared, lower_executorch_training, prepare
+from edge_runtime.training import OnnxBackend, ProgramBackend
+from export import Lowered, Prepared, lower_executorch_training, lower_onnx_training, prepare
 from pfl_edge.checkpoint import ModelSpec, build_model
 from pfl_edge.errors import ConfigError
 from pfl_edge.sparse import erk_densities, init_masks
@@ -30,14 +32,27 @@ def prep() -> Prepared:
     return prepare(get_profile("phone-low"), spec=SPEC, seed=2)
 
 
-@pytest.fixture(scope="module")
-def fedper(prep: Prepared) -> Lowered:
-    return lower_executorch_training(prep, mode="fedper", batch_size=B)
+RUNTIMES = {"executorch": (lower_executorch_training, ExecuTorchBackend), "onnxruntime": (lower_onnx_training,
+                                                                                           OnnxBackend)}
+
+
+@pytest.fixture(scope="module", params=list(RUNTIMES))
+def runtime(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
 
 
 @pytest.fixture(scope="module")
-def personal(prep: Prepared) -> Lowered:
-    return lower_executorch_training(prep, mode="personal", batch_size=B, kp=2)
+def fedper(prep: Prepared, runtime: str) -> Lowered:
+    return RUNTIMES[runtime][0](prep, mode="fedper", batch_size=B)
+
+
+@pytest.fixture(scope="module")
+def personal(prep: Prepared, runtime: str) -> Lowered:
+    return RUNTIMES[runtime][0](prep, mode="personal", batch_size=B, kp=2)
+
+
+def _backend(low: Lowered) -> ProgramBackend:
+    return (OnnxBackend if low.format == "onnx" else ExecuTorchBackend).from_lowered(low)
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +63,8 @@ def data() -> tuple[Tensor, Tensor]:
     return x, (x.mean(dim=(1, 2, 3)) * 40).long().clamp(0, 9)
 
 
-def _pair(prep: Prepared, low: Lowered) -> tuple[TorchBackend, ExecuTorchBackend]:
-    tb, eb = TorchBackend(build_model(SPEC)), ExecuTorchBackend.from_lowered(low)
+def _pair(prep: Prepared, low: Lowered) -> tuple[TorchBackend, ProgramBackend]:
+    tb, eb = TorchBackend(build_model(SPEC)), _backend(low)
     tb.load(prep.model.state_dict())
     eb.load(prep.model.state_dict())
     return tb, eb
@@ -102,7 +117,7 @@ def test_fedper_whole_model_matches_torch(prep: Prepared, fedper: Lowered, data:
     for b, xb in ((t64, x.double()), (tb, x), (eb, x)):
         b.train(xb, y, cfg, torch.Generator().manual_seed(6))
 
-    def off(b: TorchBackend | ExecuTorchBackend) -> float:
+    def off(b: TorchBackend | ProgramBackend) -> float:
         return _max_diff({k: v.double() for k, v in b.state().items()}, t64.state())
 
     assert off(eb) < max(ROUND_ATOL, 3 * off(tb)), (off(eb), off(tb))
@@ -124,11 +139,12 @@ def test_clipping_matches_clip_grad_norm(prep: Prepared, fedper: Lowered, data: 
 
 @pytest.mark.parametrize("clip_unmasked", [False, True])
 def test_masked_dispfl_training_matches_torch_and_keeps_zeros(prep: Prepared, data: tuple[Tensor, Tensor],
-                                                              clip_unmasked: bool) -> None:
+                                                              clip_unmasked: bool, runtime: str) -> None:
     x, y = data
     shapes = {k: p.shape for k, p in prep.model.named_parameters() if p.dim() > 1}
     masks = init_masks(shapes, erk_densities(shapes, 0.5), torch.Generator().manual_seed(4))
-    low = lower_executorch_training(prep, mode="dispfl", batch_size=B, mask=masks)
+    low = (lower_executorch_training(prep, mode="dispfl", batch_size=B, mask=masks) if runtime == "executorch"
+           else lower_onnx_training(prep, mode="dispfl", batch_size=B))
     tb, eb = _pair(prep, low)  # dense start: training itself must apply the mask first
     # a small clip norm, so that clipping the whole or the masked gradient makes a difference
     cfg = TrainConfig(epochs=2, batch_size=B, lr=0.05, momentum=0.9, weight_decay=1e-3, clip_norm=0.5,
@@ -176,7 +192,7 @@ def test_personal_only_training_matches_torch(prep: Prepared, personal: Lowered,
 def test_personal_program_refuses_what_it_cannot_do(prep: Prepared, personal: Lowered,
                                                     data: tuple[Tensor, Tensor]) -> None:
     x, y = data
-    eb = ExecuTorchBackend.from_lowered(personal)
+    eb = _backend(personal)
     with pytest.raises(ConfigError, match="load a state"):
         eb.state()
     eb.load(prep.model.state_dict())
@@ -193,7 +209,8 @@ def test_personal_program_refuses_what_it_cannot_do(prep: Prepared, personal: Lo
 def test_backend_registry() -> None:
     assert get_training_backend("torch") is TorchBackend
     assert get_training_backend("executorch") is ExecuTorchBackend
-    with pytest.raises(ConfigError, match="valid: executorch, torch"):
+    assert get_training_backend("onnxruntime") is OnnxBackend
+    with pytest.raises(ConfigError, match="valid: executorch, onnxruntime, torch"):
         get_training_backend("tflite")
 
 
@@ -205,6 +222,8 @@ def test_profiler_measures_a_step_of_the_training_program(tmp_path: Path, fedper
     from edge_runtime import measure
     from export import package
 
+    if fedper.format != "executorch":
+        pytest.skip("the profiler measures ExecuTorch programs (executorch profiles)")
     program = package(fedper, tmp_path).path
     args = {"threads": 1, "input_shape": (1, 28, 28), "repeats": 2, "batch": B, "spec": asdict(SPEC),
             "training_backend": "executorch", "program": str(program)}
@@ -241,10 +260,10 @@ def test_numpy_arrays_and_mt_streams_train_as_torch_tensors_and_generators(prep:
     state = prep.model.state_dict()
     last = [k for k, p in prep.model.named_parameters() if p.dim() > 1][-1]
     mask = {last: (torch.rand(state[last].shape, generator=torch.Generator().manual_seed(3)) < 0.5).float()}
-    on_torch = ExecuTorchBackend.from_lowered(fedper)
+    on_torch = _backend(fedper)
     on_torch.load(state)
     st_t = on_torch.train(x, y, cfg, torch.Generator().manual_seed(11), mask=mask)
-    on_numpy = ExecuTorchBackend.from_lowered(fedper)
+    on_numpy = _backend(fedper)
     on_numpy.load({k: v.numpy() for k, v in state.items()})
     st_n = on_numpy.train(x.numpy(), y.numpy(), cfg, MT(11), mask={k: m.numpy() for k, m in mask.items()})
     assert (st_t.steps, st_t.samples) == (st_n.steps, st_n.samples) and st_t.loss == st_n.loss
