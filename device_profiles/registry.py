@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from pfl_edge.compat import tomllib
 from pfl_edge.errors import ConfigError, UnknownNameError
 
 __all__ = [

@@ -47,7 +47,7 @@ from .programs import ProgramSource
 from .state import Progress, RoundStats, StateDir
 from .tasks import Downloads, TaskSource, UnusableModel, all_finite, finite_metric, mismatch
 from .trainer import DeviceTrainer, device_clients
-from .training import PROGRAM_BACKENDS, BackendRequest, TrainingBackend, get_training_backend
+from .training import BackendRequest, TrainingBackend, device_backend, get_training_backend
 
 __all__ = ["Agent", "AgentConfig", "ServerError", "ServerUnavailable", "install_signal_handlers"]
 
@@ -61,9 +61,7 @@ class Agent:
         self.cfg = cfg
         self.profile = get_profile(cfg.profile)
         self.arrays = array_kind(cfg.arrays)
-        if self.arrays == "numpy" and cfg.training_backend not in (None, *PROGRAM_BACKENDS):
-            raise ConfigError(f"a device without torch trains with a program ({', '.join(PROGRAM_BACKENDS)}), not "
-                              f"{cfg.training_backend!r}")
+        device_backend(self.arrays, cfg.training_backend, self.profile.training_backend)  # refuses torch without it
         self.store = StateDir(cfg.state_dir, arrays=self.arrays)
         self.http = Http(cfg.server, cfg.patience_s, ca_file=cfg.ca_file)
         self.inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
@@ -119,7 +117,8 @@ class Agent:
         # server's model card, downloaded and checked (docs/model.md)
         self.programs = ProgramSource(self.http, self.enr.federation, self.store.root / "programs",
                                       model_id=model_id(self.data.spec), max_bytes=self.cfg.max_blob_bytes,
-                                      training_backend=self._backend_name() if self._asks_backend() else None)
+                                      training_backend=None if self._backend_name() == self.profile.training_backend
+                                      else self._backend_name())
         self.model, evaluate = open_model(self.data, self.programs, threads, self.cfg.max_blob_bytes)
         shapes = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
         self.downloads = Downloads(self.http, enr.device_id, shapes, model_id(self.data.spec),
@@ -153,20 +152,12 @@ class Agent:
         return load_local_data(data_cfg, enr.index, data_dir=self.cfg.data_dir)
 
     def _backend_name(self) -> str:
-        """The backend this device trains with: the one asked for, else the profile's; a device without torch
-        trains with a program, the ONNX one unless its profile (or the command line) says ExecuTorch."""
-        name = self.cfg.training_backend or self.profile.training_backend
-        if self.arrays == "numpy" and name not in PROGRAM_BACKENDS:
-            return "onnxruntime"
-        return name
-
-    def _asks_backend(self) -> bool:
-        """Whether the card must be asked for another backend's programs than the profile's."""
-        return self._backend_name() != self.profile.training_backend
+        return device_backend(self.arrays, self.cfg.training_backend, self.profile.training_backend)
 
     def _training_backend(self) -> TrainingBackend:
-        """The device's training backend (``_backend_name``), from the one registry of backends."""
+        """The device's training backend (``device_backend``), from the one registry of backends."""
         name = self._backend_name()
+        log.info("training with the %s backend on %d thread(s)", name, self.cfg.threads or self.profile.threads)
         return get_training_backend(name).for_device(BackendRequest(
             self.model, self.data.spec, self.profile, self.algo.training_program(), self.fed.batch_size,
             self.cfg.training_program, self.programs.training, threads=self.cfg.threads or self.profile.threads))

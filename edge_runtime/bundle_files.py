@@ -14,8 +14,17 @@ from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-__all__ = ["PINNED_ELSEWHERE", "TORCH_FREE_PACKAGES", "BundleSpec", "device_packages", "min_python", "pinned",
-           "render_files", "requirements_text"]
+__all__ = [
+    "OLDER_PYTHONS",
+    "PINNED_ELSEWHERE",
+    "TORCH_FREE_PACKAGES",
+    "BundleSpec",
+    "device_packages",
+    "min_python",
+    "pinned",
+    "render_files",
+    "requirements_text",
+]
 
 # pinned for aarch64 too, but whose aarch64 Linux wheels (or their build on the board) need checking there
 CHECK_ON_AARCH64 = ("torch", "executorch", "onnxruntime")
@@ -102,11 +111,14 @@ def _install(spec: BundleSpec) -> str:
 # requirements-aarch64.txt) and the bundled pfl-edge wheel, each without its declared dependencies: the requirements
 # list only what this device imports (not the build and export tools some of them declare). Then it checks the
 # installation: the device's imports, one training step, each bundled program it can run loaded and run once
-# (python -m edge_runtime.bundle_check), so that a missing package shows here, not at the first round.
+# (python -m edge_runtime.bundle_check), so that a missing package shows here, not at the first round. Last, it
+# removes pip and setuptools from the venv (nothing on the device imports them: about 22 MB); run it again to
+# change the environment: it starts from an empty venv each time.
 # Run it where the bundle will stay (a virtual environment cannot be moved), as the user that runs the device.
 #   PYTHON           the interpreter to build the environment from (default python3)
-#   TORCH_INDEX_URL  where torch comes from (default the CPU-only build: https://download.pytorch.org/whl/cpu);
-#                    empty: pip's own configuration decides
+#   TORCH_INDEX_URL  where torch comes from (default the CPU-only build, x86_64 and aarch64 alike:
+#                    https://download.pytorch.org/whl/cpu); empty: pip's own configuration decides (PyPI's
+#                    aarch64 and x86_64 torch are CUDA builds, hundreds of MB more, which need NVIDIA's libraries)
 set -eu
 here="$(cd "$(dirname "$0")" && pwd)"
 python="${{PYTHON:-python3}}"
@@ -114,18 +126,22 @@ python="${{PYTHON:-python3}}"
     echo "install.sh: this bundle needs Python {major}.{minor} or newer; set PYTHON to one" >&2; exit 1; }}
 req="$here/requirements.txt"
 case "$(uname -m)" in aarch64|arm64) req="$here/requirements-aarch64.txt" ;; esac
-"$python" -m venv "$here/venv"
+"$python" -m venv --clear "$here/venv"
 pip="$here/venv/bin/python -m pip"
 torch="$(grep '^torch==' "$req" | sed 's/ *#.*//' || true)"
 index="${{TORCH_INDEX_URL-https://download.pytorch.org/whl/cpu}}"
 if [ -n "$torch" ] && [ -n "$index" ]; then
     $pip install --no-deps --index-url "$index" "$torch"
+elif [ -n "$torch" ]; then
+    echo "install.sh: TORCH_INDEX_URL is empty: torch comes from pip's configured index (on PyPI a CUDA build);" \
+         "for the CPU build set TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" >&2
 fi
 $pip install --no-deps -r "$req"
 $pip install --no-deps "$here/wheels/{spec.wheel}"
 "$here/venv/bin/python" -m edge_runtime.bundle_check "$here" || {{
     echo "install.sh: the installed environment fails its check (above); venv/ is left for a look" >&2; exit 1; }}
 "$here/venv/bin/pfl-edge" {script} >/dev/null
+$pip uninstall -y -q pip setuptools >/dev/null 2>&1 || true
 echo "installed; run $here/start.sh (or the systemd unit pfl-edge-device.service)"
 """
 
@@ -215,6 +231,16 @@ TORCH_FREE_PACKAGES = ("numpy", "safetensors", "pydantic", "httpx", "paho-mqtt",
 # pinned here where it cannot be installed (it has wheels for Python >= 3.12 only): the runtime the programs were
 # checked on (bench/train_step_torchfree.py, tests/integration/test_bundle.py)
 PINNED_ELSEWHERE = {"executorch-numpy-runtime": "1.4.0"}
+# A device on Python 3.10 (JetPack 6; a torch-free bundle installs there) beside the pins of the 3.11+ machine that
+# builds the bundle: package -> (its last version with Python 3.10 wheels for Linux x86_64 and aarch64, the pinned
+# package that brings it). A pinned package listed here gets its pin for Python >= 3.11 and this one below 3.11;
+# the others are what Python 3.10 needs in addition (tomli: pfl_edge.compat's tomllib; exceptiongroup: anyio's).
+# tests/integration/test_bundle.py holds every pin of a torch-free bundle to Requires-Python or this table.
+OLDER_PYTHON = "3.11"  # the python_version the bundle's own pins start at
+OLDER_PYTHONS: dict[str, tuple[str, str]] = {
+    "tomli": ("2.5.0", "pydantic"), "exceptiongroup": ("1.3.2", "anyio"), "numpy": ("2.2.6", "numpy"),
+    "onnxruntime": ("1.23.2", "onnxruntime"), "pillow": ("12.3.0", "pillow"),
+}
 # Packages whose declared dependencies are mostly for building or exporting: the ones their runtime imports instead,
 # measured in a fresh virtual environment (pip install --no-deps, then import, load and run: torch trains eagerly;
 # onnxruntime runs an InferenceSession; executorch loads and runs a training program, forward_backward and an SGD
@@ -319,10 +345,13 @@ def requirements_text(roots: list[str], machine: str | None) -> str:
                  "# at these versions, or build from source for a long time): " + ", ".join(CHECK_ON_AARCH64) + ".",
                  "# A package marked 'not installed where built' is needed on this platform only: pin it there."]
     lines = []
+    newer, older = f'; python_version >= "{OLDER_PYTHON}"', f'; python_version < "{OLDER_PYTHON}"'
     for name, version in pins:
         if version is None:
             lines.append(f"{name}  # not installed where built")
         else:
             check = "  # check on this platform" if machine is not None and name in CHECK_ON_AARCH64 else ""
-            lines.append(f"{name}=={version}{check}")
+            lines.append(f"{name}=={version}{newer if name in OLDER_PYTHONS else ''}{check}")
+    lines += [f"{name}=={version}{older}" for name, (version, brought_by) in OLDER_PYTHONS.items()
+              if brought_by in names]
     return "\n".join(head + lines) + "\n"

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import tomllib
 import typing
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -17,6 +16,7 @@ import numpy as np
 
 from .algorithms.algorithm import algorithm_class, device_algorithms, list_algorithms
 from .checkpoint import ModelSpec, build_model
+from .compat import tomllib
 from .data import (
     ClientArrays,
     Dataset,

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import random
-from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numpy.typing import NDArray
+
+from .compat import StrEnum
 
 if TYPE_CHECKING:  # torch is imported where a torch generator is made: a device without torch draws through MT
     import torch

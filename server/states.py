@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import typing
 from dataclasses import dataclass
-from enum import StrEnum
 from types import MappingProxyType
 
 from pfl_edge import protocol
+from pfl_edge.compat import StrEnum
 from pfl_edge.errors import InternalError
 
 __all__ = [

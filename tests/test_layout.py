@@ -34,6 +34,7 @@ NEVER = {
 }
 # the core's third-party libraries ("never web, broker or database libraries"); the rest is the standard library
 CORE_LIBRARIES = {"torch", "numpy", "pydantic", "matplotlib", "tqdm", "rich", "safetensors", "PIL",
+                  "tomli",  # pfl_edge.compat's tomllib on Python 3.10 (a device)
                   "ray"}  # ray: the optional extra, pfl_edge/sim/ray_backend.py alone, imported lazily
 ALLOWED = {"pfl_edge/cli"}  # the CLI imports the other packages (lazily, per subcommand)
 

@@ -75,6 +75,66 @@ def test_the_device_side_imports_without_torch() -> None:
     assert r.stdout.strip().endswith("torch-free")
 
 
+TRAIN = textwrap.dedent("""
+    import importlib.abc, json, sys
+
+
+    class Absent(importlib.abc.MetaPathFinder):
+        # neither torch nor executorch is installed: importing either (or any submodule) fails
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in ("torch", "executorch", "executorch_numpy_runtime"):
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+            return None
+
+
+    sys.meta_path.insert(0, Absent())
+    import numpy as np
+
+    import edge_runtime.agent  # the whole device: its module-level chain
+    from edge_runtime.training import OnnxBackend, device_backend, get_training_backend
+    from pfl_edge.seeding import MT
+    from pfl_edge.sgd import TrainConfig
+
+    assert device_backend("numpy", None, "torch") == "onnxruntime" and get_training_backend("onnxruntime") is OnnxBackend
+    program, details = open(sys.argv[1], "rb").read(), json.loads(open(sys.argv[2]).read())
+    backend = OnnxBackend(program, details, threads=1)
+    rng = np.random.default_rng(0)
+    start = {k: (0.05 * rng.standard_normal(v)).astype(np.float32) for k, v in details["shapes"].items()}
+    backend.load(start)
+    x = rng.standard_normal((20, 1, 28, 28)).astype(np.float32)
+    y = rng.integers(0, 10, 20)
+    last = details["keys"][-2]
+    mask = {last: (rng.random(details["shapes"][last]) < 0.5).astype(np.float32)}
+    stats = backend.train(x, y, TrainConfig(epochs=1, batch_size=8, lr=0.05, clip_norm=1.0), MT(3), mask=mask)
+    state = backend.state()
+    assert stats.steps == 3 and np.isfinite(stats.loss), stats
+    assert all(isinstance(v, np.ndarray) for v in state.values())
+    assert not state[last][mask[last] == 0].any() and not np.array_equal(state[last], start[last])
+    grads = backend.dense_gradients(x, y, 8, MT(4))
+    assert (grads[last][mask[last] == 0] != 0).any()  # the regrowth screen: unmasked gradients
+    loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "executorch"))
+    assert not loaded, loaded
+    print("trained without torch")
+""")
+
+
+def test_a_device_trains_with_the_onnx_program_without_torch_or_executorch(tmp_path: Path) -> None:
+    """The agent's import chain and an OnnxBackend round (masked SGD steps, the regrowth gradient) in a process
+    where neither torch nor executorch can be imported: numpy and onnxruntime alone."""
+    from device_profiles import get_profile
+    from export import lower_onnx_training, prepare
+    from pfl_edge.checkpoint import ModelSpec
+
+    low = lower_onnx_training(prepare(get_profile("raspberry-pi-4"), spec=ModelSpec("cnn", 10, 1, 28), seed=0),
+                              mode="dispfl", batch_size=8)
+    (tmp_path / "train.onnx").write_bytes(low.program)
+    (tmp_path / "details.json").write_text(json.dumps(low.details))
+    r = subprocess.run([sys.executable, "-c", TRAIN, str(tmp_path / "train.onnx"), str(tmp_path / "details.json")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip().endswith("trained without torch")
+
+
 DEAL = textwrap.dedent("""
     import hashlib, json, sys
     sys.modules["torch"] = None  # as where torch is not installed

@@ -62,13 +62,22 @@ def _bundle(fed: Federation, tmp: Path, backend: str | None) -> Path:
     return out
 
 
+def _pins(path: Path) -> dict[str, str]:
+    """A requirements file's pins that apply to this Python (a line's marker evaluated here), name -> version."""
+    from packaging.requirements import Requirement
+
+    pins = {}
+    for line in path.read_text().splitlines():
+        if line and not line.startswith("#"):
+            req = Requirement(line.split("  #")[0])
+            if req.marker is None or req.marker.evaluate():
+                pins[req.name] = str(req.specifier).removeprefix("==")
+    return pins
+
+
 def _requirements(out: Path, executorch: bool) -> None:
     """requirements.txt: the device's packages only, each pinned to this environment's version."""
-    pins = {}
-    for line in (out / "requirements.txt").read_text().splitlines():
-        if line and not line.startswith("#"):
-            name, _, version = line.partition("==")
-            pins[name] = version
+    pins = _pins(out / "requirements.txt")
     for name, version in pins.items():
         assert version == metadata.version(name).split("+")[0], name
     for name in ("torch", "numpy", "safetensors", "pydantic", "pydantic-core", "httpx", "httpcore", "h11", "anyio",
@@ -76,8 +85,7 @@ def _requirements(out: Path, executorch: bool) -> None:
         assert name in pins, name
     assert ("executorch" in pins) == executorch and ("flatbuffers" in pins) == executorch
     assert not set(pins) & set(SERVER_ONLY + BUILD_ONLY), sorted(set(pins) & set(SERVER_ONLY + BUILD_ONLY))
-    aarch64 = [ln for ln in (out / "requirements-aarch64.txt").read_text().splitlines() if ln and ln[0] != "#"]
-    assert sorted(ln.split("==")[0] for ln in aarch64) == sorted(pins)
+    assert sorted(_pins(out / "requirements-aarch64.txt")) == sorted(pins)
     assert "--no-deps -r" in (out / "install.sh").read_text()
 
 
@@ -128,7 +136,7 @@ def _install(out: Path, home: Path) -> tuple[float, str]:
     assert Path(imported).resolve().is_relative_to((out / "venv").resolve()), imported
     assert str(ROOT) not in " ".join(path), path
     assert server == [], server  # the device runs without the server's packages
-    pins = [ln.split("==")[0] for ln in (out / "requirements.txt").read_text().splitlines() if ln[:1] not in "#"]
+    pins = list(_pins(out / "requirements.txt"))
     from packaging.utils import canonicalize_name
 
     venv_own = {"pip", "setuptools"}  # what python -m venv puts there itself (setuptools: up to Python 3.11)
@@ -241,6 +249,42 @@ def test_the_requirements_are_what_a_device_imports(inference: str, training: st
     assert not set(pins) & set(SERVER_ONLY + BUILD_ONLY)
 
 
+@pytest.mark.parametrize("machine", [None, "aarch64"])
+def test_a_torch_free_bundles_requirements_install_on_python_3_10(machine: str | None) -> None:
+    """Every pin of a torch-free bundle admits Python 3.10 (its Requires-Python, as installed here), or has an
+    older pin for Python < 3.11 (OLDER_PYTHONS), and what the pinned packages need on 3.10 only (a dependency with
+    a python_version marker: anyio's exceptiongroup) is pinned for it; no package is pinned twice for one Python.
+    (The slow test installs such a bundle on Python 3.10 for real.)"""
+    from packaging.markers import default_environment
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+
+    from edge_runtime.bundle_files import OLDER_PYTHONS, requirements_text
+
+    text = requirements_text(device_packages("executorch", "onnxruntime", torch_free=True), machine)
+    reqs = [Requirement(ln.split("  #")[0]) for ln in text.splitlines() if ln and not ln.startswith("#")]
+    for python in ("3.10", "3.11", "3.13"):
+        env = {**default_environment(), "python_version": python, "python_full_version": f"{python}.0"}
+        names = [r.name for r in reqs if r.marker is None or r.marker.evaluate(env)]
+        assert len(names) == len(set(names)), (python, names)
+        if python == "3.10":
+            assert {"tomli", "exceptiongroup", "numpy", "onnxruntime"} <= set(names)
+    on_310 = {r.name: str(r.specifier).removeprefix("==") for r in reqs
+              if r.marker is None or r.marker.evaluate({**default_environment(), "python_version": "3.10"})}
+    for name, version in on_310.items():
+        if name in OLDER_PYTHONS and version == OLDER_PYTHONS[name][0]:
+            continue  # the older pin: checked by the slow test's install on Python 3.10
+        requires = metadata.distribution(name).metadata.get("Requires-Python") or ""
+        assert SpecifierSet(requires).contains("3.10.0"), f"{name}=={version} needs Python {requires}: add it to " \
+                                                          "OLDER_PYTHONS"
+        for dep in metadata.distribution(name).requires or []:
+            r = Requirement(dep)
+            if r.marker is not None and "python_version" in str(r.marker) and "extra" not in str(r.marker) \
+                    and r.marker.evaluate({**default_environment(), "python_version": "3.10"}) \
+                    and not r.marker.evaluate():
+                assert r.name in on_310, f"{name} needs {r.name} on Python 3.10"
+
+
 def test_the_install_check_names_a_missing_module(tmp_path: Path) -> None:
     """install.sh's check, in an environment where paho-mqtt is missing: it fails and says which module."""
     code = ("import sys\n"
@@ -347,13 +391,13 @@ def test_a_failed_bundle_leaves_nothing(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------- a device without torch
-def _python312() -> str | None:
-    """A CPython >= 3.12 (executorch-numpy-runtime has cp312-abi3 wheels only), or None."""
+def _python(major: int, minor: int) -> str | None:
+    """A CPython ``major.minor`` interpreter (on PATH, or pyenv's), or None."""
     import glob
 
-    for cand in [shutil.which("python3.12"), shutil.which("python3.13"),
-                 *sorted(glob.glob("/root/.pyenv/versions/3.1[2-9]*/bin/python3"))]:
-        if cand and subprocess.run([cand, "-c", "import sys; assert sys.version_info >= (3, 12)"],
+    for cand in [shutil.which(f"python{major}.{minor}"),
+                 *sorted(glob.glob(f"/root/.pyenv/versions/{major}.{minor}.*/bin/python{major}.{minor}"))]:
+        if cand and subprocess.run([cand, "-c", f"import sys; assert sys.version_info[:2] == ({major}, {minor})"],
                                    capture_output=True).returncode == 0:
             return cand
     return None
@@ -365,22 +409,23 @@ TORCH_FREE: dict[str, dict[str, Any]] = {
 }
 
 
-@pytest.mark.slow  # installs numpy, onnxruntime and executorch-numpy-runtime into a fresh venv: 1-2 minutes
+@pytest.mark.slow  # installs numpy and onnxruntime into a fresh Python 3.10 venv: about a minute
 @pytest.mark.needs_fmnist
 def test_a_torch_free_bundle_takes_part_in_fedper_and_dispfl(tmp_path: Path) -> None:
-    """pfl-edge bundle --torch-free, installed by its install.sh on Python >= 3.12 into a fresh virtual environment
-    where ``import torch`` fails; its check (imports, a program step on numpy arrays, the ONNX program), then its
-    start.sh as a device beside a torch device, to the end of a FedPer and of a DisPFL federation (one venv, two
-    bundles). Each time it deploys the simulator's model for its slot; its environment's size is printed."""
+    """pfl-edge bundle --torch-free, installed by its install.sh on Python 3.10 (JetPack 6's) into a fresh virtual
+    environment where ``import torch`` and ``import executorch`` fail; its check (imports, an ONNX training
+    program step on numpy arrays, the ONNX programs), then its start.sh as a device beside a torch device, to the
+    end of a FedPer and of a DisPFL federation (one venv, two bundles). Each time it deploys the simulator's model
+    for its slot; its environment's size is printed."""
     from safetensors.numpy import load_file
 
     from pfl_edge.checkpoint import load_checkpoint
     from pfl_edge.federation import FederationConfig
     from pfl_edge.sim import simulate
 
-    py = _python312()
+    py = _python(3, 10)
     if py is None:
-        pytest.skip("no Python >= 3.12 here (the torch-free runtime's wheels are cp312+)")
+        pytest.skip("no Python 3.10 here (pyenv's or on PATH)")
     venv: Path | None = None
     for algorithm, extra in TORCH_FREE.items():
         config = {**CONFIG, "dataset": "fashion-mnist", **extra}
@@ -399,11 +444,17 @@ def test_a_torch_free_bundle_takes_part_in_fedper_and_dispfl(tmp_path: Path) -> 
                                   capture_output=True, text=True, timeout=500, check=False)
             assert proc.returncode == 0, proc.stderr[-3000:]
             assert "--arrays numpy" in (out / "start.sh").read_text()
+            card = ModelCard.model_validate_json((out / "model" / "card.json").read_bytes())
+            train = [p for p in card.programs if p.kind == "training"]
+            assert [(p.runtime, p.file.endswith(".onnx")) for p in train] == [("onnxruntime", True)]
+            assert f'--training-program "$here/model/programs/{train[0].file}"' in (out / "start.sh").read_text()
             pins = (out / "requirements.txt").read_text()
-            assert "executorch-numpy-runtime==" in pins and "\ntorch==" not in pins and "\nexecutorch==" not in pins
+            assert "\nonnxruntime==" in pins and 'tomli==2.5.0; python_version < "3.11"' in pins
+            for absent in ("torch", "executorch", "executorch-numpy-runtime", "pillow", "sympy"):
+                assert f"\n{absent}==" not in pins, absent
             home = run / "elsewhere"
             home.mkdir()
-            if venv is None:  # install once, from PyPI, with the bundle's own install.sh
+            if venv is None:  # install once, from the package index, with the bundle's own install.sh
                 env = {**_clean_env(home), "PYTHON": py}
                 t0 = time.monotonic()
                 inst = subprocess.run(["sh", str(out / "install.sh")], cwd=home, env=env, capture_output=True,
@@ -412,16 +463,24 @@ def test_a_torch_free_bundle_takes_part_in_fedper_and_dispfl(tmp_path: Path) -> 
                 said = [" ".join(ln.split()[:2]) for ln in inst.stdout.splitlines() if ln.startswith("ok: ")]
                 assert said == ["ok: imports", "ok: program", "ok: inference", "ok: training"], inst.stdout
                 venv = out / "venv"
-                probe = subprocess.run([str(venv / "bin" / "python"), "-c", "import torch"], capture_output=True,
-                                       env=_clean_env(home), cwd=home)
-                assert probe.returncode != 0 and b"No module named 'torch'" in probe.stderr
+                for module in ("torch", "executorch", "executorch_numpy_runtime"):
+                    probe = subprocess.run([str(venv / "bin" / "python"), "-c", f"import {module}"],
+                                           capture_output=True, env=_clean_env(home), cwd=home)
+                    assert probe.returncode != 0 and f"No module named '{module}'".encode() in probe.stderr
+                version = subprocess.run([str(venv / "bin" / "python"), "-c",
+                                          "import sys; print(sys.version_info[:2])"],
+                                         capture_output=True, text=True, check=True).stdout.strip()
+                assert version == "(3, 10)", version
                 size = sum(f.stat().st_size for f in venv.rglob("*") if f.is_file() and not f.is_symlink())
-                print(f"torch-free venv: {size / 2**20:.0f} MiB, installed in {time.monotonic() - t0:.0f} s")
+                print(f"torch-free venv (Python 3.10): {size / 2**20:.0f} MiB, installed in "
+                      f"{time.monotonic() - t0:.0f} s")
             else:
                 (out / "venv").symlink_to(venv)
             bundled = _run_bundle_device(fed, out, home, run / "bundle-device.log", profile="phone-mid",
                                          extra=["--training-backend", "torch"], timeout_s=400)
             assert bundled["index"] == 1 and bundled["last_round"] == config["rounds"]
+            log = (run / "bundle-device.log").read_text()
+            assert "onnxruntime" in log, log[-2000:]
         finally:
             fed.close()
         cfg = FederationConfig.from_dict(config)
