@@ -95,7 +95,8 @@ TRAIN = textwrap.dedent("""
     from pfl_edge.seeding import MT
     from pfl_edge.sgd import TrainConfig
 
-    assert device_backend("numpy", None, "torch") == "onnxruntime" and get_training_backend("onnxruntime") is OnnxBackend
+    assert device_backend("numpy", None, "torch") == "onnxruntime"
+    assert get_training_backend("onnxruntime") is OnnxBackend
     program, details = open(sys.argv[1], "rb").read(), json.loads(open(sys.argv[2]).read())
     backend = OnnxBackend(program, details, threads=1)
     rng = np.random.default_rng(0)
