@@ -1,9 +1,9 @@
 """Training backends: what the device agent calls to train its model each round.
 
 Three backends, one registry (``TRAINING_BACKENDS``), behind one interface (``TrainingBackend``), with the
-simulator's semantics (``pfl_edge.train``): ``torch.optim.SGD`` with momentum and weight decay, ``clip_grad_norm_``, masks applied to the gradients and
-re-applied to the weights after every step, and the batch schedule of ``pfl_edge.train.batch_schedule``, so that
-both backends see the same batches for the same generator.
+simulator's semantics (``pfl_edge.train``): ``torch.optim.SGD`` with momentum and weight decay,
+``clip_grad_norm_``, masks applied to the gradients and re-applied to the weights after every step, and the batch
+schedule of ``pfl_edge.train.batch_schedule``, so that every backend sees the same batches for the same generator.
 
 - ``TorchBackend``: ``pfl_edge.train.train`` on a one-client stack (the loop engine, as the simulator uses), so
   a device's round is exactly the simulator's.
