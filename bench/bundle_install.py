@@ -22,10 +22,14 @@ sys.path.insert(0, str(REPO))
 
 from edge_runtime import bundle_files  # noqa: E402
 
-SETS = {
-    "lean, torch training (raspberry-pi-4)": ("onnxruntime", "torch"),
-    "lean, ExecuTorch training (phone-mid)": ("executorch", "executorch"),
-    "no torch (--torch-free, Python >= 3.12)": ("torch-free", "executorch"),
+# name -> (inference runtime or "torch-free", training backend, Python major.minor: None for this interpreter)
+SETS: dict[str, tuple[str, str, str | None]] = {
+    "lean, torch training (raspberry-pi-4)": ("onnxruntime", "torch", None),
+    "lean, ExecuTorch training (phone-mid)": ("executorch", "executorch", None),
+    "no torch, ONNX Runtime training (--torch-free), Python 3.10": ("torch-free", "onnxruntime", "3.10"),
+    "no torch, ONNX Runtime training (--torch-free), Python 3.11": ("torch-free", "onnxruntime", "3.11"),
+    "no torch, ExecuTorch program (--torch-free --training-backend executorch), Python 3.12": (
+        "torch-free", "executorch", "3.12"),
 }
 
 
@@ -45,17 +49,19 @@ def _quiet(cmd: list[str]) -> None:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
 
 
-def _python312() -> str:
-    """A CPython >= 3.12 for the torch-free set (executorch-numpy-runtime: cp312-abi3 wheels only)."""
+def _python(version: str | None) -> str:
+    """The interpreter of a set: this one, or CPython ``version`` (on PATH or pyenv's)."""
     import glob
     import shutil
 
-    for cand in [shutil.which("python3.12"), shutil.which("python3.13"),
-                 *sorted(glob.glob("/root/.pyenv/versions/3.1[2-9]*/bin/python3"))]:
-        if cand and subprocess.run([cand, "-c", "import sys; assert sys.version_info >= (3, 12)"],
+    if version is None:
+        return sys.executable
+    pyenv = sorted(glob.glob(f"/root/.pyenv/versions/{version}.*/bin/python3"))
+    for cand in [shutil.which(f"python{version}"), *pyenv]:
+        if cand and subprocess.run([cand, "-c", f"import sys; assert sys.version.startswith('{version}.')"],
                                    capture_output=True).returncode == 0:
             return cand
-    raise SystemExit("no Python >= 3.12 for the torch-free set")
+    raise SystemExit(f"no Python {version} for its set")
 
 
 def _install(work: Path, pins: list[str], wheel: Path, *, no_deps: bool, python: str = sys.executable
@@ -77,12 +83,15 @@ def _install(work: Path, pins: list[str], wheel: Path, *, no_deps: bool, python:
     t2 = time.perf_counter()
     listed = subprocess.run([str(py), "-m", "pip", "list", "--format=json"], check=True, capture_output=True,
                             text=True).stdout
+    with_pip = sum(f.stat().st_size for f in venv.rglob("*") if f.is_file())
+    # as install.sh leaves it: nothing on a device imports pip or setuptools
+    _quiet([str(py), "-m", "pip", "uninstall", "-y", "-q", "pip", "setuptools"])
     size = sum(f.stat().st_size for f in venv.rglob("*") if f.is_file())
     site = next(venv.glob("lib/python3*/site-packages"))
     per = {d.name: sum(f.stat().st_size for f in d.rglob("*") if f.is_file()) / 2**20
            for d in site.iterdir() if d.is_dir() and not d.name.endswith((".dist-info", "__pycache__"))}
     return {"pins": len(pins), "installed": len(json.loads(listed)), "torch_s": t1 - t0, "rest_s": t2 - t1,
-            "total_s": t2 - t0, "venv_mb": size / 2**20,
+            "total_s": t2 - t0, "venv_mb": size / 2**20, "venv_with_pip_mb": with_pip / 2**20,
             "largest_mb": dict(sorted(per.items(), key=lambda kv: -kv[1])[:8])}
 
 
@@ -97,10 +106,14 @@ def main() -> int:
                        check=True)
         wheel = next(wheels.glob("pfl_edge-*.whl"))
         cases = {"declared tree (before)": (_pins(["pfl-edge"], declared=True), False)}
-        for name, (inference, training) in SETS.items():
+        for name, (inference, training, _) in SETS.items():
             free = inference == "torch-free"
-            cases[name] = (_pins(bundle_files.device_packages(inference, training, torch_free=free),
-                                 declared=False), True)
+            roots = bundle_files.device_packages(inference, training, torch_free=free, own_images=not free)
+            if free:  # the bundle's own requirements.txt, markers and all (Python 3.10's older pins)
+                text = bundle_files.requirements_text(roots, None)
+                cases[name] = ([ln.split("  #")[0] for ln in text.splitlines() if ln and ln[0] != "#"], True)
+            else:
+                cases[name] = (_pins(roots, declared=False), True)
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in cases}
         for rep in range(args.repeats):
             order = list(cases) if rep % 2 == 0 else list(reversed(cases))
@@ -108,7 +121,7 @@ def main() -> int:
                 pins, no_deps = cases[name]
                 work = Path(tmp) / f"{rep}-{len(runs[name])}-{abs(hash(name)) % 1000}"
                 work.mkdir()
-                python = _python312() if "no torch" in name else sys.executable
+                python = _python(SETS[name][2] if name in SETS else None)
                 r = _install(work, pins, wheel, no_deps=no_deps, python=python)
                 runs[name].append(r)
                 print(f"{name}: {r['total_s']:.0f} s ({r['installed']} packages, {r['venv_mb']:.0f} MB)", flush=True)

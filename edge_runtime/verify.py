@@ -1,5 +1,6 @@
 """A training program checked against eager PyTorch: loss, gradients and a few SGD updates run through the
-device's own ``ExecuTorchBackend`` beside the same steps in eager PyTorch. It lives with the runtime because the
+device's own program backend (``OnnxBackend`` or ``ExecuTorchBackend``, by the program's format) beside the same
+steps in eager PyTorch. It lives with the runtime because the
 check needs one (``export`` builds programs and never imports the runtime)."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from export.stages import ExportError, Lowered, Packaged, Prepared, _update_mani
 from pfl_edge.errors import ConfigError, InternalError
 from pfl_edge.train import TrainConfig
 
-from .training import ExecuTorchBackend
+from .program_backends import ExecuTorchBackend, OnnxBackend, ProgramBackend
 
 __all__ = ["TrainingVerified", "verify_training"]
 
@@ -33,7 +34,7 @@ class TrainingVerified:
 def verify_training(target: Lowered | Packaged, *, mask: Mapping[str, Tensor] | None = None, lr: float = 0.05,
                     momentum: float = 0.9, weight_decay: float = 1e-3, steps: int = 2, grad_atol: float = 1e-5,
                     weight_atol: float = 1e-5, seed: int = 0) -> TrainingVerified:
-    """Loss, gradients and ``steps`` SGD updates of the program (through ``edge_runtime``'s ``ExecuTorchBackend``,
+    """Loss, gradients and ``steps`` SGD updates of the program (through ``edge_runtime``'s program backend,
     as a device runs it) against eager PyTorch, from the prepared model's weights on random data: a full batch,
     then a partial one (padded, weight 0). ``mask`` (dispfl) masks the weights, gradients and updates.
 
@@ -43,12 +44,13 @@ def verify_training(target: Lowered | Packaged, *, mask: Mapping[str, Tensor] | 
     lowered = target.lowered if isinstance(target, Packaged) else target
     d = lowered.details
     if d.get("kind") != "training":
-        raise ConfigError("verify_training needs a training program (lower_executorch_training)")
+        raise ConfigError("verify_training needs a training program (lower_onnx_training, "
+                          "lower_executorch_training)")
     prep = lowered.prepared
     batches = _random_batches(prep, int(d["batch_size"]), seed)
     masks = dict(mask or {})
     eager = _masked_copy(prep.model, masks)
-    backend = ExecuTorchBackend(lowered.program, d)
+    backend = (OnnxBackend if lowered.format == "onnx" else ExecuTorchBackend).open(lowered.program, d)
     backend.load({k: v.detach().clone() for k, v in eager.state_dict().items()})
     cfg = TrainConfig(lr=lr, momentum=momentum, weight_decay=weight_decay)
     grad_err, loss_err = _step_side_by_side(eager, backend, cfg, list(d["trainable"]), masks, batches, steps)
@@ -90,7 +92,7 @@ def _masked_copy(model: nn.Module, masks: Mapping[str, Tensor]) -> nn.Module:
     return eager
 
 
-def _step_side_by_side(eager: nn.Module, backend: ExecuTorchBackend, cfg: TrainConfig, trainable: list[str],
+def _step_side_by_side(eager: nn.Module, backend: ProgramBackend, cfg: TrainConfig, trainable: list[str],
                        masks: Mapping[str, Tensor], batches: list[tuple[Tensor, Tensor]],
                        steps: int) -> tuple[float, float]:
     """``steps`` SGD steps of ``trainable`` in eager PyTorch (``eager`` is updated in place) and in the program

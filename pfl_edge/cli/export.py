@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from device_profiles import Profile
     from export import Prepared
 
-_FORMATS = ["onnx", "executorch", "executorch-int8", "executorch-training"]
+_FORMATS = ["onnx", "executorch", "executorch-int8", "executorch-training", "onnx-training"]
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
@@ -37,7 +37,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         elif fmt == "executorch-int8":
             _export_int8(args, prep, real_x, real_y, calib)
         else:
-            _export_training(args, prep, profile)
+            _export_training(args, prep, profile, fmt)
     print(f"manifest: {Path(args.out) / 'manifest.json'}")
     return 0
 
@@ -88,16 +88,20 @@ def _export_int8(args: argparse.Namespace, prep: Prepared, real_x: Tensor | None
           f"{rep['top1_agreement']:.3f}")
 
 
-def _export_training(args: argparse.Namespace, prep: Prepared, profile: Profile) -> None:
-    """executorch-training: the on-device training program for ``--mode``, checked against eager PyTorch."""
+def _export_training(args: argparse.Namespace, prep: Prepared, profile: Profile, fmt: str) -> None:
+    """executorch-training or onnx-training: the on-device training program for ``--mode``, checked against eager
+    PyTorch."""
     from edge_runtime.verify import verify_training
-    from export import lower_executorch_training, package
+    from export import lower_executorch_training, lower_onnx_training, package
 
     mask = None
     if args.mode == "dispfl":  # the checkpoint's zeros are its mask (a fresh model: dense)
         mask = {k: (p != 0).float() for k, p in prep.model.named_parameters()}
-    lowered = lower_executorch_training(prep, mode=args.mode, batch_size=profile.batch_size,
-                                        kp=profile.kp if args.mode == "personal" else None, mask=mask)
+    kp = profile.kp if args.mode == "personal" else None
+    if fmt == "onnx-training":
+        lowered = lower_onnx_training(prep, mode=args.mode, batch_size=profile.batch_size, kp=kp)
+    else:
+        lowered = lower_executorch_training(prep, mode=args.mode, batch_size=profile.batch_size, kp=kp, mask=mask)
     packaged = package(lowered, args.out)
     tv = verify_training(packaged, mask=mask)
     print(f"{packaged.path}  {packaged.entry['bytes']:,} bytes  training program ({args.mode}, batch "
@@ -113,9 +117,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--num-classes", type=int, default=10, help="for a fresh model")
     p.add_argument("--in-channels", type=int, default=1, help="for a fresh model")
     p.add_argument("--image-size", type=int, default=28, help="for a fresh model")
-    p.add_argument("--format", choices=["onnx", "executorch", "executorch-int8", "executorch-training", "all"],
+    p.add_argument("--format", choices=[*_FORMATS, "all"],
                    default="all", help="onnx (opset 17), executorch (.pte, XNNPACK), executorch-int8 (static int8, "
-                   "XNNPACK; calibrated on real images), executorch-training (an on-device training program), all")
+                   "XNNPACK; calibrated on real images), executorch-training and onnx-training (on-device training "
+                   "programs: ExecuTorch's, ONNX Runtime's), all")
     p.add_argument("--mode", choices=["fedper", "personal", "dispfl"], default="fedper",
                    help="training program: fedper (whole model), personal (the profile's K_P blocks alone: "
                         "FedPer-FT's first epoch), dispfl (masked weights; exposes the dense gradient)")

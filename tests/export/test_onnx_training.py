@@ -4,7 +4,9 @@ autograd within docs/model.md's bounds (``export.worker.check_training``), its i
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import onnx
 import pytest
@@ -114,3 +116,19 @@ def test_personal_program_differentiates_the_personal_blocks_only() -> None:
     for k, g in zip(d["trainable"], out[1:], strict=True):
         ref = params[k].grad
         assert ref is not None and torch.allclose(g, ref, atol=1e-6, rtol=1e-4), k
+
+
+def test_cli_exports_and_verifies_an_onnx_training_program(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """pfl-edge export --format onnx-training: the program beside its manifest entry, its SGD steps checked against
+    eager PyTorch through the device's OnnxBackend (edge_runtime.verify_training), as a device would load it."""
+    from edge_runtime.training import OnnxBackend
+    from pfl_edge.cli import main
+
+    assert main(["export", "--profile", "phone-mid", "--format", "onnx-training", "--mode", "personal",
+                 "--out", str(tmp_path)]) == 0
+    assert "against eager PyTorch" in capsys.readouterr().out
+    entry = json.loads((tmp_path / "manifest.json").read_text())[0]
+    assert entry["path"].endswith("-train-personal-kp2.onnx") and entry["verify"]["passed"]
+    assert entry["runtime"] == "onnxruntime" and entry["frozen"]
+    backend = OnnxBackend.from_file(tmp_path / entry["path"])
+    assert backend.trainable == entry["trainable"]
