@@ -21,7 +21,7 @@ from server_testkit import FEDPER, Dev, bearer, create
 
 from edge_runtime.http import Http
 from edge_runtime.programs import ProgramSource
-from edge_runtime.training import ExecuTorchBackend
+from edge_runtime.training import ExecuTorchBackend, OnnxBackend
 from export.worker import gradient_mismatches
 from pfl_edge.checkpoint import ModelSpec, build_model
 from pfl_edge.data import get_dataset
@@ -237,6 +237,42 @@ def test_the_training_programs_gradients_are_autograds(app: dict[str, Any], mode
     for k, g in grads.items():
         p = dict(model.named_parameters())[k]
         assert p.grad is not None and torch.allclose(g, p.grad, atol=1e-5), k
+
+
+def test_an_onnx_runtime_devices_card_lists_onnx_training_programs_exported_with_the_inference_one(
+        app: dict[str, Any]) -> None:
+    """?training_backend=onnxruntime: the card lists ONNX training programs (one file per mode, .onnx, other names
+    than the ExecuTorch ones), served by the same URL rule, and their gradients are autograd's; they are exported
+    in the ONNX batch (seconds), not behind ExecuTorch's training exports."""
+    c, d = app["c"], app["d"]
+    r = c.get("/v1/federations/f/model?training_backend=onnxruntime", headers=d.h)
+    started = time.monotonic()
+    while r.status_code == 503 and time.monotonic() - started < 300:
+        time.sleep(0.5)
+        r = c.get("/v1/federations/f/model?training_backend=onnxruntime", headers=d.h)
+    assert r.status_code == 200, r.text
+    card = ModelCard.model_validate(r.json())
+    train = [p for p in card.programs if p.kind == "training"]
+    assert sorted((p.runtime, p.mode) for p in train) == [("onnxruntime", "fedper"), ("onnxruntime", "personal")]
+    assert all(p.file.endswith(".onnx") and p.details["runtime"] == "onnxruntime" for p in train)
+    assert not {p.file for p in train} & {p.file for p in app["card"].programs}  # not the ExecuTorch ones' names
+    info = next(p for p in train if p.mode == "fedper")
+    got = c.get(info.url, headers=d.h)
+    assert got.status_code == 200 and hashlib.sha256(got.content).hexdigest() == info.sha256
+    backend = OnnxBackend(got.content, info.details)
+    model = build_model(fed_model(CFG).spec)
+    state = _random_state(model, 6)
+    backend.load(state)
+    model.load_state_dict(state)
+    gen = torch.Generator().manual_seed(7)
+    x, y = torch.randn(5, 1, 28, 28, generator=gen), torch.randint(0, 10, (5,), generator=gen)
+    loss, grads = backend.gradients(x, y)
+    ref = F.cross_entropy(model(x), y)
+    ref.backward()
+    assert loss == pytest.approx(float(ref.detach()), abs=1e-5)
+    assert not gradient_mismatches(grads, {k: p.grad for k, p in model.named_parameters()})
+    keys = program_keys(fed_model(CFG), kp=2, training_backend="onnxruntime")
+    assert [k.runtime for k in keys] == ["onnxruntime"] * 3  # one batch with the inference program
 
 
 # ------------------------------------------------------------------------------------------- access and caching
