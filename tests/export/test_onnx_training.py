@@ -58,7 +58,9 @@ def test_what_it_does_not_cover_is_left_to_the_tracer() -> None:
     assert convolution_backward(*args[:7], True, *args[8:]) is NotImplemented  # transposed
 
 
-MODELS = [("cnn", 1, 28), ("resnet18-gn", 3, 16), ("mobilenet-v1", 1, 28)]
+# the larger two in the slow tier (10-20 s each on a loaded 2-core machine); CI runs both tiers
+MODELS = [("cnn", 1, 28), pytest.param("resnet18-gn", 3, 16, marks=pytest.mark.slow),
+          pytest.param("mobilenet-v1", 1, 28, marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize(("model", "channels", "size"), MODELS)
