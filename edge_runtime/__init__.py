@@ -1,8 +1,9 @@
-"""What runs on a device: the agent (``edge_runtime.agent``), its trainer and training backends, inference
-backends, the check of a training program against eager PyTorch, and the profiler that measures a device class.
+"""What runs on a device: the agent (``edge_runtime.agent``), its trainer and training backends (torch; ONNX
+Runtime's and ExecuTorch's training programs), inference backends, the check of a training program against eager
+PyTorch, and the profiler that measures a device class.
 
-The names below are imported when first used, so that a device without torch imports the agent and the
-ExecuTorch backend alone (the torch backend, the profiler and the check need torch)."""
+The names below are imported when first used, so that a device without torch imports the agent and the program
+backends alone (the torch backend, the profiler and the check need torch)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ if TYPE_CHECKING:
     from .training import (
         TRAINING_BACKENDS,
         ExecuTorchBackend,
+        OnnxBackend,
+        ProgramBackend,
         TorchBackend,
         TrainingBackend,
         TrainStats,
@@ -26,6 +29,7 @@ _HOME = {
     "InferenceBackend": "backends", "TorchTrainer": "backends", "load_inference": "backends",
     "Measurement": "profiler", "measure": "profiler", "profile_devices": "profiler",
     "TRAINING_BACKENDS": "training", "ExecuTorchBackend": "training", "TorchBackend": "training",
+    "OnnxBackend": "training", "ProgramBackend": "training",
     "TrainingBackend": "training", "TrainStats": "training", "get_training_backend": "training",
     "TrainingVerified": "verify", "verify_training": "verify",
 }
@@ -35,6 +39,8 @@ __all__ = [
     "ExecuTorchBackend",
     "InferenceBackend",
     "Measurement",
+    "OnnxBackend",
+    "ProgramBackend",
     "TorchBackend",
     "TorchTrainer",
     "TrainStats",
