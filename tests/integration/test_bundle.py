@@ -285,6 +285,51 @@ def test_a_torch_free_bundles_requirements_install_on_python_3_10(machine: str |
                 assert r.name in on_310, f"{name} needs {r.name} on Python 3.10"
 
 
+@pytest.mark.slow  # asks the package index (no download: pip resolves each pin to a wheel by its name)
+@pytest.mark.parametrize(("inference", "training", "torch_free", "python"), [
+    ("onnxruntime", "torch", False, "3.11"), ("executorch", "executorch", False, "3.11"),
+    ("executorch", "onnxruntime", True, "3.10"), ("executorch", "onnxruntime", True, "3.11"),
+    ("executorch", "onnxruntime", True, "3.13")])
+def test_the_aarch64_requirements_resolve_to_aarch64_wheels(tmp_path: Path, inference: str, training: str,
+                                                            torch_free: bool, python: str) -> None:
+    """requirements-aarch64.txt of a torch bundle (torch or ExecuTorch training) and of a torch-free one, resolved
+    by pip for Linux aarch64 and the board's Python, binary wheels only: every pin has a wheel that installs there
+    (manylinux aarch64, or pure Python). torch is resolved from the package index pip is configured with (PyPI's
+    aarch64 torch: a CUDA build; install.sh takes the CPU build from download.pytorch.org/whl/cpu, which this
+    test cannot reach)."""
+    from packaging.requirements import Requirement
+
+    from edge_runtime.bundle_files import requirements_text
+
+    # pip evaluates markers for the interpreter it runs on, not --python-version: the board's lines, chosen here
+    env = {"python_version": python, "python_full_version": f"{python}.0", "platform_machine": "aarch64",
+           "sys_platform": "linux"}
+    text = requirements_text(device_packages(inference, training, torch_free=torch_free), "aarch64")
+    reqs = [Requirement(ln.split("  #")[0]) for ln in text.splitlines() if ln and ln[0] != "#"]
+    mine = [r for r in reqs if r.marker is None or r.marker.evaluate(env)]
+    req = tmp_path / "requirements-aarch64.txt"
+    req.write_text("".join(f"{r.name}{r.specifier}\n" for r in mine))
+    report = tmp_path / "report.json"
+    platforms = [f"--platform={p}" for p in ("manylinux_2_28_aarch64", "manylinux_2_27_aarch64",
+                                             "manylinux_2_17_aarch64", "manylinux2014_aarch64")]
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "--ignore-installed",
+                           "--only-binary=:all:", *platforms, f"--python-version={python}", "--implementation=cp",
+                           "--target", str(tmp_path / "t"), "-r", str(req), "--report", str(report), "-q"],
+                          capture_output=True, text=True, timeout=600, check=False)
+    if proc.returncode != 0 and ("Could not fetch" in proc.stderr or "NewConnectionError" in proc.stderr):
+        pytest.skip(f"the package index cannot be reached: {proc.stderr[-300:]}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want = {r.name.lower().replace("_", "-") for r in mine}
+    wheels = {i["metadata"]["name"].lower().replace("_", "-").replace(".", "-"):
+              i["download_info"]["url"].rsplit("/", 1)[-1] for i in json.loads(report.read_text())["install"]}
+    assert set(wheels) == {w.replace(".", "-") for w in want}, sorted(set(wheels) ^ want)
+    for name, wheel in wheels.items():
+        tags = wheel.removesuffix(".whl").split("-")[-1]
+        assert "aarch64" in tags or tags == "any", (name, wheel)
+        if tags != "any":
+            assert f"cp{python.replace('.', '')}" in wheel or "abi3" in wheel, (name, wheel)
+
+
 def test_the_install_check_names_a_missing_module(tmp_path: Path) -> None:
     """install.sh's check, in an environment where paho-mqtt is missing: it fails and says which module."""
     code = ("import sys\n"
