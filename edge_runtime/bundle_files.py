@@ -113,7 +113,8 @@ def _install(spec: BundleSpec) -> str:
 # installation: the device's imports, one training step, each bundled program it can run loaded and run once
 # (python -m edge_runtime.bundle_check), so that a missing package shows here, not at the first round. Last, it
 # removes pip and setuptools from the venv (nothing on the device imports them: about 22 MB); run it again to
-# change the environment: it starts from an empty venv each time.
+# change the environment: it starts from an empty venv each time. Nothing is byte-compiled ahead (--no-compile):
+# Python compiles what the device imports on first use, not the packages' tests and tools (about 20 MB).
 # Run it where the bundle will stay (a virtual environment cannot be moved), as the user that runs the device.
 #   PYTHON           the interpreter to build the environment from (default python3)
 #   TORCH_INDEX_URL  where torch comes from (default the CPU-only build, x86_64 and aarch64 alike:
@@ -136,8 +137,8 @@ elif [ -n "$torch" ]; then
     echo "install.sh: TORCH_INDEX_URL is empty: torch comes from pip's configured index (on PyPI a CUDA build);" \
          "for the CPU build set TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" >&2
 fi
-$pip install --no-deps -r "$req"
-$pip install --no-deps "$here/wheels/{spec.wheel}"
+$pip install --no-deps --no-compile -r "$req"
+$pip install --no-deps --no-compile "$here/wheels/{spec.wheel}"
 "$here/venv/bin/python" -m edge_runtime.bundle_check "$here" || {{
     echo "install.sh: the installed environment fails its check (above); venv/ is left for a look" >&2; exit 1; }}
 "$here/venv/bin/pfl-edge" {script} >/dev/null
