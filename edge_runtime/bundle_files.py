@@ -132,7 +132,7 @@ pip="$here/venv/bin/python -m pip"
 torch="$(grep '^torch==' "$req" | sed 's/ *#.*//' || true)"
 index="${{TORCH_INDEX_URL-https://download.pytorch.org/whl/cpu}}"
 if [ -n "$torch" ] && [ -n "$index" ]; then
-    $pip install --no-deps --index-url "$index" "$torch"
+    $pip install --no-deps --no-compile --index-url "$index" "$torch"
 elif [ -n "$torch" ]; then
     echo "install.sh: TORCH_INDEX_URL is empty: torch comes from pip's configured index (on PyPI a CUDA build);" \
          "for the CPU build set TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" >&2
