@@ -24,7 +24,7 @@ from device_profiles import get_profile
 from pfl_edge.algorithms import Algorithm, Metrics, Upload, get_algorithm
 from pfl_edge.arrays import Array as Tensor
 from pfl_edge.codec import encode
-from pfl_edge.errors import CodecError, ConfigError
+from pfl_edge.errors import CodecError, ConfigError, DivergedError
 from pfl_edge.federation import FederationConfig, check_device_config, model_id
 from pfl_edge.protocol import (
     API_PREFIX,
@@ -115,10 +115,10 @@ class Agent:
         self.data = self._load_data(data_cfg, enr)
         # training programs, and the card a device without torch takes its model's skeleton from, come from the
         # server's model card, downloaded and checked (docs/model.md)
+        backend = self.backend = device_backend(self.arrays, self.cfg.training_backend, self.profile.training_backend)
         self.programs = ProgramSource(self.http, self.enr.federation, self.store.root / "programs",
                                       model_id=model_id(self.data.spec), max_bytes=self.cfg.max_blob_bytes,
-                                      training_backend=None if self._backend_name() == self.profile.training_backend
-                                      else self._backend_name())
+                                      training_backend=None if backend == self.profile.training_backend else backend)
         self.model, evaluate = open_model(self.data, self.programs, threads, self.cfg.max_blob_bytes)
         shapes = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
         self.downloads = Downloads(self.http, enr.device_id, shapes, model_id(self.data.spec),
@@ -151,12 +151,9 @@ class Agent:
             return load_local_arrays(data_cfg, enr.index, data_dir=self.cfg.data_dir)
         return load_local_data(data_cfg, enr.index, data_dir=self.cfg.data_dir)
 
-    def _backend_name(self) -> str:
-        return device_backend(self.arrays, self.cfg.training_backend, self.profile.training_backend)
-
     def _training_backend(self) -> TrainingBackend:
         """The device's training backend (``device_backend``), from the one registry of backends."""
-        name = self._backend_name()
+        name = self.backend
         log.info("training with the %s backend on %d thread(s)", name, self.cfg.threads or self.profile.threads)
         return get_training_backend(name).for_device(BackendRequest(
             self.model, self.data.spec, self.profile, self.algo.training_program(), self.fed.batch_size,
@@ -269,7 +266,7 @@ class Agent:
                 self._flush_upload()  # trained before a restart: send what was kept
             else:
                 self._round(task, prog)
-        except CodecError as e:
+        except (CodecError, DivergedError) as e:
             # a received model with NaN/Inf, or training diverged: never send or keep that; sit this round out
             self._skipped.add(task.round)
             kind = "bad_model" if isinstance(e, UnusableModel) else "diverged"
@@ -292,7 +289,11 @@ class Agent:
         out = self.algo.device_round(self.dev, state, received, t, prev=t - 1 if prog.round >= 1 else 0,
                                      late=prog.late)
         if not all_finite(out.state):  # kept as it was: the next round starts from the last good model
-            raise CodecError(f"training diverged: NaN/Inf in the model of round {t}; not keeping or sending it")
+            raise DivergedError(f"training diverged: NaN/Inf in the model of round {t}; not keeping or sending it")
+        if out.dropped:  # a neighbour's model out of bounds (DisPFL's screen): averaged without it
+            log.warning("round %d: left out neighbour slot(s) %s: non-finite, or a norm past the bound", t,
+                        list(out.dropped))
+            self.on_event("dropped", {"round": t, "slots": list(out.dropped)})
         st = prog.stat(t)
         st.bytes_down, st.train_s = down, trainer.train_s
         st.step_ms = 1e3 * trainer.train_s / max(out.steps, 1)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["CodecError", "ConfigError", "DataError", "InternalError", "PflEdgeError", "UnknownNameError"]
+__all__ = ["CodecError", "ConfigError", "DataError", "DivergedError", "InternalError", "PflEdgeError",
+           "UnknownNameError"]
 
 
 class PflEdgeError(Exception):
@@ -39,6 +40,13 @@ class CodecError(PflEdgeError, ValueError):
     shapes that don't match, NaN/Inf, over the size limit). Nothing was changed."""
 
     exit_code = 4
+
+
+class DivergedError(PflEdgeError, ValueError):
+    """Training produced NaN or Inf (a learning rate too high, or a start a hostile peer pushed off): the round's
+    result is unusable. A device keeps its last good model and sits the round out; the simulator stops."""
+
+    exit_code = 5
 
 
 class InternalError(PflEdgeError, RuntimeError):

@@ -57,6 +57,7 @@ class DeviceRound:
     deployed: dict[str, Tensor] | None = None
     train_loss: float | None = None
     steps: int = 0
+    dropped: tuple[int, ...] = ()  # the neighbours' slots it left out of this round (DisPFL's screen)
 
 
 def sample_participants(seed: int, t: int, num_clients: int, fraction: float) -> Tensor:

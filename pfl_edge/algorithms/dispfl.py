@@ -11,15 +11,27 @@ for client i, from the round's snapshot:
 3. evaluate the trained model (what the client deploys this round);
 4. prune ``ceil(alpha_t · nnz)`` weights per tensor and regrow as many: the new mask for the next round; the
    trained weights and m_i become (weights, support).
+
+A neighbour's model enters step 1 only if it is finite and its L2 norm is at most ``neighbour_bound`` times the
+client's own (``DisPFLOptions``; ``screen``): one hostile or broken neighbour (values of +-20, 1e30, NaN) is left
+out of that client's average for the round, instead of pushing its training to NaN. Honest DisPFL models of one
+federation share an initialisation and a learning rate, so their norms stay within a small factor of each other
+(density changes a norm by at most its square root): the default bound, 10, never drops an honest neighbour in the
+runs of BENCHMARKS.md, so the simulator's results are unchanged by it. Training that still ends in NaN/Inf raises
+``DivergedError`` before the mask update (which cannot rank NaN scores).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..arrays import Array as Tensor
-from ..arrays import Stack, as_bool, as_float, copy, ones, ones_like, stack_states, unstack
+from ..arrays import Stack, as_bool, as_float, copy, ones, ones_like, stack_states, to_numpy, unstack
+from ..errors import ConfigError, DivergedError
 from ..neighbourhood import neighbourhood_average
 from ..seeding import Stream
 from ..sgd import TrainResult
@@ -27,7 +39,8 @@ from ..sparse import erk_densities, init_masks, mask_ones, prune_rate, prune_reg
 from .algorithm import Decentralised, DeviceRound, register_algorithm
 from .base import Clients, Metrics, Received, Upload, one_row
 
-__all__ = ["DisPFL", "SparseClients", "init_clients", "sent_masks", "start_models", "update_masks"]
+__all__ = ["DisPFL", "DisPFLOptions", "SparseClients", "init_clients", "screen", "sent_masks", "start_models",
+           "update_masks"]
 
 _SUPPORT = "support:"  # prefixes of a device's state dict: its weights, their support, its current mask
 _MASK = "mask:"
@@ -96,20 +109,73 @@ def sent_masks(support: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return {k: as_bool(m) for k, m in support.items() if not bool(m.all())}
 
 
-def round_step(cl: Clients, state: SparseClients, mixing: Tensor, t: int,
-               received: SparseClients | None = None) -> tuple[SparseClients, TrainResult, Stack]:
-    """One DisPFL round for the clients of ``cl``: returns their new state, the training result and the model
-    each deploys (the trained one). ``received``: the models that ``mixing``'s columns refer to (default: the
-    clients' own, every client's neighbours being among them, as in the simulator)."""
+@dataclass(frozen=True)
+class DisPFLOptions:
+    """``neighbour_bound``: a neighbour's model is left out of a client's average for the round where its L2 norm
+    exceeds this many times the client's own (0: no bound; a non-finite model is always left out)."""
+
+    neighbour_bound: float = 10.0
+
+    def __post_init__(self) -> None:
+        b = self.neighbour_bound
+        if isinstance(b, bool) or not isinstance(b, int | float) or not (b == 0 or 1 <= b <= 1e6):
+            raise ConfigError(f"neighbour_bound must be 0 (no bound) or a number in [1, 1e6], got {b!r:.40}")
+
+
+def _norms(weights: Stack) -> list[float]:
+    """Each row's L2 norm over every tensor, in float64; inf for a row holding NaN or Inf."""
+    first = next(iter(weights.values()))
+    sq = np.zeros(int(first.shape[0]), np.float64)
+    for v in weights.values():
+        a = to_numpy(v).reshape(int(v.shape[0]), -1).astype(np.float64)
+        with np.errstate(over="ignore", invalid="ignore"):
+            sq += np.einsum("ij,ij->i", a, a)
+    return [math.sqrt(x) if math.isfinite(x) else math.inf for x in sq.tolist()]
+
+
+def screen(weights: Stack, mixing: Tensor, own: Sequence[int], bound: float) -> tuple[Tensor, list[list[int]]]:
+    """``mixing`` without the neighbours each client leaves out this round (``DisPFLOptions``): row i keeps column
+    ``own[i]`` (its own model) and every column j whose model is finite with a norm at most ``bound`` times its
+    own's. Returns the screened mixing and, per row, the columns left out (usually none: then ``mixing`` itself)."""
+    norms = _norms(weights)
+    m = to_numpy(mixing)
+    dropped: list[list[int]] = []
+    for i in range(m.shape[0]):
+        limit = bound * norms[own[i]] if bound > 0 else math.inf
+        dropped.append([j for j in np.flatnonzero(m[i]).tolist()
+                        if j != own[i] and not (math.isfinite(norms[j]) and norms[j] <= limit)])
+    if not any(dropped):
+        return mixing, dropped
+    out = copy(mixing)
+    for i, cols in enumerate(dropped):
+        for j in cols:
+            out[i, j] = 0
+    return out, dropped
+
+
+def round_step(cl: Clients, state: SparseClients, mixing: Tensor, t: int, received: SparseClients | None = None,
+               own: Sequence[int] | None = None) -> tuple[SparseClients, TrainResult, Stack, list[list[int]]]:
+    """One DisPFL round for the clients of ``cl``: returns their new state, the training result, the model each
+    deploys (the trained one) and, per client, the columns of ``mixing`` it left out (``screen``). ``received``:
+    the models that ``mixing``'s columns refer to (default: the clients' own, every client's neighbours being
+    among them, as in the simulator); ``own``: the column of each client's own model (default: its row)."""
     pool = state if received is None else received
+    opts: DisPFLOptions = DisPFL.options_for(cl.cfg)
+    mixing, dropped = screen(pool.weights, mixing, list(range(len(cl))) if own is None else own,
+                             opts.neighbour_bound)
     start = start_models(pool.weights, pool.support, mixing, state.masks)
     res = train_round(cl, start, state.masks, t)
+    bad = [i for i, n in enumerate(_norms(res.stack)) if not math.isfinite(n)]
+    if bad:  # the mask update cannot rank NaN scores, and nothing of this round is usable
+        raise DivergedError(f"DisPFL round {t}: training diverged (NaN/Inf) for slot(s) "
+                            f"{[int(cl.slots[i]) for i in bad]}; lower the learning rate, or see who it averaged")
     new_masks = update_masks(cl, res.stack, state.masks, t)
-    return SparseClients(res.stack, state.masks, new_masks), res, res.stack
+    return SparseClients(res.stack, state.masks, new_masks), res, res.stack, dropped
 
 
 @register_algorithm("dispfl")
 class DisPFL(Decentralised):
+    Options = DisPFLOptions
     on_devices = True
     sparse_masks = True
     clips_unmasked = True  # as the reference does: the whole gradient is clipped, then masked
@@ -147,12 +213,14 @@ class DisPFL(Decentralised):
                          for n in received.neighbours if n.slot != me], key=lambda r: r[0])
         pool = SparseClients(stack_states([r[1] for r in rows]), stack_states([r[2] for r in rows]), {})
         like = next(iter(pool.weights.values()))
-        new, res, trained = round_step(dev, own, ones((1, len(rows)), like), t, received=pool)
+        mine = [next(c for c, r in enumerate(rows) if r[0] == me)]
+        new, res, trained, dropped = round_step(dev, own, ones((1, len(rows)), like), t, received=pool, own=mine)
         acc, loss = dev.trainer.evaluate(trained, dev.slots)
         state_out = pack(new)
         return DeviceRound(state_out, self.device_upload(state_out),
                            [Metrics(t, float(acc[0]), float(loss[0]))], deployed=unstack(new.weights, 0),
-                           train_loss=float(res.loss[0]), steps=int(res.steps[0]))
+                           train_loss=float(res.loss[0]), steps=int(res.steps[0]),
+                           dropped=tuple(rows[c][0] for c in dropped[0]))
 
 
 def _support(tensors: Mapping[str, Tensor], masks: Mapping[str, Tensor],

@@ -64,7 +64,7 @@ class DisPFLRunner(Runner):
         up, down, busiest, received = _traffic([self._payload(i) for i in range(len(cl))], nbrs)
         masks = self.state.masks  # what each client trains under this round
         summary = mask_summary(masks, self.label_counts)
-        self.state, res, trained = dispfl.round_step(cl, self.state, mixing_matrix(nbrs), t)
+        self.state, res, trained, _ = dispfl.round_step(cl, self.state, mixing_matrix(nbrs), t)
         flops = [cfg.local_epochs * int(ctx.train_data.n[i]) * 3
                  * forward_flops(ctx.model, ctx.input_shape, {k: m[i] for k, m in masks.items()}, self.sizes)
                  for i in range(len(cl))]

@@ -110,7 +110,8 @@ def test_round_step_trains_from_the_support_weighted_neighbourhood_average() -> 
     nbrs = [[1, 2], [0], [3, 4], [2], [0, 1, 3]]  # each client's in-neighbours (itself added by the mixing)
     mixing = mixing_matrix(nbrs)
     state = dispfl.SparseClients(weights, support, masks)
-    new, _, _ = dispfl.round_step(cl, state, mixing, 1)
+    new, _, _, dropped = dispfl.round_step(cl, state, mixing, 1)
+    assert dropped == [[]] * 5  # honest models of one scale: nobody is left out
     start = spy.starts[0]
     for i in range(5):
         hood = [j for j in range(5) if mixing[i, j] > 0]
@@ -129,3 +130,66 @@ def test_round_step_trains_from_the_support_weighted_neighbourhood_average() -> 
     # with), and the masks prune-and-regrow gave
     for k in masked:
         assert torch.equal(new.support[k], masks[k]) and torch.equal(new.weights[k], start[k])
+
+
+def test_the_screen_leaves_out_non_finite_and_oversized_neighbours_only() -> None:
+    """``screen``: each row keeps its own column and every neighbour that is finite with a norm at most ``bound``
+    times its own; a neighbour of +-20 everywhere (norm ~400x an honest one here), one of 1e30 and one with a NaN
+    are left out; an honest one of another scale within the bound stays; bound 0 keeps every finite neighbour (the
+    1e30 one too: finite). numpy stacks (a device without torch) give the same."""
+    g = torch.Generator().manual_seed(0)
+    honest = torch.randn(6, 200, generator=g) * 0.05
+    honest[2] *= 3.0  # another honest scale (a denser model): within the bound
+    honest[3] = 20.0 * torch.sign(torch.randn(200, generator=g))
+    honest[4] = 1e30
+    honest[5, 7] = float("nan")
+    mixing = torch.ones(6, 6)
+    for stack, mix in (({"w": honest}, mixing), ({"w": honest.numpy()}, mixing.numpy())):
+        screened, dropped = dispfl.screen(stack, mix, list(range(6)), 10.0)
+        assert dropped[0] == dropped[1] == dropped[2] == [3, 4, 5]
+        assert dropped[3] == [4, 5]  # its own stays (the bound protects a client from others, not from itself)
+        assert [float(x) for x in screened[0]] == [1, 1, 1, 0, 0, 0] and float(screened[3, 3]) == 1
+        _, unbounded = dispfl.screen(stack, mix, list(range(6)), 0)
+        assert unbounded[0] == [5]
+    same, none = dispfl.screen({"w": honest[:3]}, torch.ones(3, 3), [0, 1, 2], 10.0)
+    assert none == [[], [], []] and same is not None
+
+
+def test_a_hostile_neighbour_cannot_stop_a_devices_round() -> None:
+    """A device's DisPFL round with a neighbour of +-20 (and one of 1e30): it averages without them, trains, and
+    reports whom it left out, its model finite; with no bound the +-20 neighbour's start diverges, which is
+    DivergedError (the agent sits the round out), never a crash in the mask update."""
+    import pytest
+
+    from edge_runtime.data import load_local_data
+    from edge_runtime.trainer import DeviceTrainer, device_clients
+    from edge_runtime.training import TorchBackend
+    from pfl_edge.algorithms import Neighbour, Received, get_algorithm
+    from pfl_edge.errors import DivergedError
+    from pfl_edge.federation import init_state
+    from pfl_edge.sim import SimConfig
+
+    results = []
+    for bound in (10.0, 0.0):
+        cfg = SimConfig(algorithm="dispfl", dataset="synthetic", partition="pathological:2", clients=3, rounds=2,
+                        samples_per_client=48, test_per_client=16, local_epochs=1, batch_size=16, lr=0.05,
+                        density=0.5, topology="full", seed=1, options={"neighbour_bound": bound})
+        data = load_local_data(cfg, 0)
+        dev = device_clients(cfg, DeviceTrainer(data, TorchBackend(data.model)), 0)
+        algo = get_algorithm(cfg, data.model, 0)
+        state = algo.device_init(dev, init_state(cfg, data.spec), 0.5)
+        mine = algo.device_upload(state)
+        hostile = {k: torch.where(v != 0, 20.0 * torch.sign(torch.randn_like(v)), v) for k, v in mine.tensors.items()}
+        huge = {k: torch.where(v != 0, torch.full_like(v, 1e30), v) for k, v in mine.tensors.items()}
+        received = Received(neighbours=[Neighbour(1, hostile, mine.masks), Neighbour(2, huge, mine.masks)])
+        try:
+            out = algo.device_round(dev, state, received, 1)
+        except DivergedError as e:
+            results.append(("diverged", str(e)))
+            continue
+        results.append(("ok", out.dropped))
+        assert all(bool(v.isfinite().all()) for v in out.state.values())
+    assert results[0] == ("ok", (1, 2))
+    assert results[1][0] == "diverged" or results[1] == ("ok", (2,)), results[1]
+    with pytest.raises(Exception, match="neighbour_bound"):
+        SimConfig(algorithm="dispfl", dataset="synthetic", clients=3, options={"neighbour_bound": 0.5}).check()
