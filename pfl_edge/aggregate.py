@@ -2,8 +2,10 @@
 
 Robust aggregation (a server's round, or anyone holding a round's updates): every update's difference from the
 round's start model is first clipped to a norm bound (``AggregationRule.bound``: an absolute ``max_update_norm``,
-or by default ``norm_multiple`` (3) times the median update norm of the round -- a relative bound needs no tuning
-per model or learning rate, and one attacker of n >= 3 cannot move the median), then combined by the rule:
+or by default ``norm_multiple`` (3) times the low median update norm of the round -- a relative bound needs no
+tuning per model or learning rate; the low median (the lower middle value of an even count) is never above the
+median of the others for the largest update, so one attacker cannot raise its own bound, even in a round of 2; a
+round of fewer than 3 updates takes the previous round's norms into its median as well), then combined by the rule:
 ``mean`` (weighted by training samples, streamable), ``clipped-mean`` (equal weights: a device's weight is a
 number it reports), ``median`` (coordinate-wise) or ``trimmed-mean`` (coordinate-wise, ``trim`` of the updates
 dropped from each end). The last two ignore weights too.
@@ -25,6 +27,7 @@ from .errors import ConfigError
 from .neighbourhood import neighbourhood_average
 
 __all__ = [
+    "MIN_UPDATES",
     "RULES",
     "AggregationRule",
     "PartialAverage",
@@ -41,6 +44,7 @@ __all__ = [
 ]
 
 RULES = ("mean", "clipped-mean", "median", "trimmed-mean")
+MIN_UPDATES = 3  # a round with fewer updates bounds them with the previous round's norms too (AggregationRule.bound)
 # the dtypes a model's tensors come in, by name (a partial sum names them when it is stored)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
            "int64": torch.int64, "int32": torch.int32}
@@ -205,13 +209,15 @@ class AggregationRule:
         """Does the bound depend on the round's norms (so they must be known before averaging)?"""
         return self.max_update_norm is None and self.norm_multiple is not None
 
-    def bound(self, norms: Sequence[float]) -> float | None:
-        """The round's bound on an update's norm, from every update's norm (``update_norm``); None: no bound."""
+    def bound(self, norms: Sequence[float], history: Sequence[float] = ()) -> float | None:
+        """The round's bound on an update's norm, from every update's norm (``update_norm``) and, in a round of
+        fewer than ``MIN_UPDATES``, the previous round's (``history``); None: no bound."""
         if self.max_update_norm is not None:
             return self.max_update_norm
-        if self.norm_multiple is None or not norms:
+        pool = list(norms) if len(norms) >= MIN_UPDATES else [*norms, *history]
+        if self.norm_multiple is None or not pool:
             return None
-        return self.norm_multiple * statistics.median(norms)
+        return self.norm_multiple * statistics.median_low(pool)
 
 
 def update_norm(prev: Mapping[str, Tensor], state: Mapping[str, Tensor]) -> float:
@@ -294,14 +300,14 @@ def trimmed_mean(prev: Mapping[str, Tensor], states: Sequence[Mapping[str, Tenso
 
 
 def robust_aggregate(prev: Mapping[str, Tensor], updates: Sequence[tuple[Mapping[str, Tensor], float]],
-                     rule: AggregationRule) -> dict[str, Tensor]:
+                     rule: AggregationRule, history: Sequence[float] = ()) -> dict[str, Tensor]:
     """The round's new model under ``rule`` from all its updates ``(state, weight)`` (held in memory: n updates
     of the shared part at once, plus one float64 stack of one tensor; ``mean`` alone can stream, see
     ``clipped``). A tensor nobody sent keeps ``prev``'s value."""
     if not updates:
         raise ConfigError("cannot aggregate zero updates")
     norms = [update_norm(prev, s) for s, _ in updates]
-    bound = rule.bound(norms)
+    bound = rule.bound(norms, history)
     states = [clip_update(prev, s, bound, n) for (s, _), n in zip(updates, norms, strict=True)]
     if rule.rule == "median":
         return coordinate_median(prev, states)

@@ -169,8 +169,9 @@ class AggregationSettings(_Msg):
     """How the server bounds and combines a round's updates (``pfl_edge.aggregate.AggregationRule``): each
     update's difference from the round's start model is clipped to ``max_update_norm`` (absolute) or, unset, to
     ``norm_multiple`` times the round's median update norm (both null: unclipped); then ``rule``. A device's
-    sample count (the mean's weight) is clamped to what it declared at enrolment and to ``max_samples`` (unset:
-    the largest training share the federation's data set deals a client)."""
+    sample count (the mean's weight) is clamped to what it declared at enrolment, to the share the server dealt its
+    slot and to ``max_samples``; where devices bring their own data, to ``max_samples`` or else the config's
+    ``samples_per_client``, and with neither every update counts 1 (server/services/updates.py)."""
 
     rule: Literal["mean", "clipped-mean", "median", "trimmed-mean"] = Field(default="mean", description=(
         "mean: weighted by counted samples; clipped-mean: equal weights; median, trimmed-mean: per coordinate"))

@@ -16,7 +16,14 @@ from torch import Tensor
 from pfl_edge.algorithms import Algorithm, get_algorithm
 from pfl_edge.checkpoint import ModelSpec, build_model
 from pfl_edge.errors import ConfigError
-from pfl_edge.federation import FederationConfig, check_device_config, init_state, input_spec, model_id
+from pfl_edge.federation import (
+    FederationConfig,
+    check_device_config,
+    deal_labels,
+    init_state,
+    input_spec,
+    model_id,
+)
 from pfl_edge.models import BlockModel
 
 __all__ = ["FedModel", "fed_model"]
@@ -30,6 +37,7 @@ class FedModel:
     model_id: str
     shapes: dict[str, tuple[int, ...]]
     largest_share: int  # the most training samples the federation's deal gives one client (input_spec)
+    shares: tuple[int, ...] = ()  # each slot's training samples as dealt; () where devices bring their own data
     _algos: dict[int, Algorithm] = field(default_factory=dict)
 
     def algorithm(self, kp: int | None = None) -> Algorithm:
@@ -71,10 +79,16 @@ def fed_model(config: dict[str, Any]) -> FedModel:
         except TypeError as e:  # e.g. a list where a table was expected
             raise ConfigError(f"invalid config: {e}") from e
         check_device_config(cfg)
-        spec, largest = input_spec(cfg)
+        if cfg.own_data:
+            spec, largest = input_spec(cfg)
+            shares: tuple[int, ...] = ()
+        else:  # the deal the simulator and every device make: each slot's share is known here, from labels alone
+            part, spec = deal_labels(cfg)
+            shares = tuple(len(c.train_idx) for c in part.clients)
+            largest = max(shares)
         model = build_model(spec)
         shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-        fm = FedModel(cfg, spec, model, model_id(spec), shapes, largest)
+        fm = FedModel(cfg, spec, model, model_id(spec), shapes, largest, shares)
         fm.base_keys(cfg.kp)  # a kp the model cannot split is an error now, not at the first upload
         _CACHE[key] = fm
         return fm

@@ -18,7 +18,7 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 from torch import Tensor
 
-from pfl_edge.aggregate import AggregationRule, clip_update, robust_aggregate, update_norm
+from pfl_edge.aggregate import MIN_UPDATES, AggregationRule, clip_update, robust_aggregate, update_norm
 from pfl_edge.codec import encode
 from pfl_edge.errors import InternalError
 
@@ -151,15 +151,22 @@ class RoundMachine:
             taken = list(s.execute(select(Update, Device.kp).join(Device, Device.id == Update.device)
                                    .where(Update.federation == fed_id, Update.round == t).order_by(Device.slot)))
             ups = [(u.digest, u.n_samples, kp, u.delta_norm) for u, kp in taken]
+            history = [] if len(ups) >= MIN_UPDATES else [  # a small round's norm bound takes the last round's too
+                n for n in s.scalars(select(Update.delta_norm).where(Update.federation == fed_id,
+                                                                     Update.round == t - 1)) if n is not None]
             ids = [u.id for u, _ in taken]
             took = inputs_digest((u.device, u.digest) for u, _ in taken)
             sums = Partials.stored(s, fed_id, t) if self.partial_sums else []
         result: str | None = None
         if start is not None:  # a server model to aggregate into (none where devices exchange models)
             self.last_merge = (0, 0)
-            new = self.average(fm, start, ups, rule, sums=sums, ids=ids)
+            new = self.average(fm, start, ups, rule, sums=sums, ids=ids, history=history)
             self.merged[fed_id, t] = self.last_merge
-            result = self.blobs.store_server_blob(fed_id, encode(new, model_id=fm.model_id, round=t))
+            if all(bool(v.isfinite().all()) for v in new.values() if v.is_floating_point()):
+                result = self.blobs.store_server_blob(fed_id, encode(new, model_id=fm.model_id, round=t))
+            else:  # never announced: the base stays the round's start (the codec refuses NaN/Inf anyway)
+                log.error("federation %s: round %d's aggregate holds NaN/Inf; the base stays the round's start",
+                          fed_id, t)
         with self.store.write() as s:
             fed = self._advance(s, fed_id, tr)
             if fed is None:
@@ -170,11 +177,13 @@ class RoundMachine:
             r.inputs, r.inputs_digest = len(ups), took
             if result is not None:
                 fed.base_digest = result
+            elif start is not None:
+                r.base_digest = start
         log.info("federation %s: round %d closed with %d updates (%d of them in %d partial sums)", fed_id, t,
                  len(ups), *self.merged.get((fed_id, t), (0, 0)))
 
     def average(self, fm: FedModel, start: str, ups: Sequence[_Upload], rule: AggregationRule | None = None, *,
-                sums: Sequence[Sum] = (), ids: Sequence[int] = ()) -> dict[str, Tensor]:
+                sums: Sequence[Sum] = (), ids: Sequence[int] = (), history: Sequence[float] = ()) -> dict[str, Tensor]:
         """The aggregation of the uploads ``(digest, n_samples, kp[, norm])`` into the model ``start`` under ``rule``
         (default: the weighted mean, each update clipped to 3x the round's median update norm), in slot order
         (so the result does not depend on which device finished first). ``mean`` is the algorithm's own
@@ -188,10 +197,10 @@ class RoundMachine:
             return self.blobs.load(digest, fm, fm.expected(kp)).tensors
 
         if rule.rule != "mean":
-            return robust_aggregate(prev, [(load(d, kp), float(n)) for d, n, kp, _ in rows], rule)
+            return robust_aggregate(prev, [(load(d, kp), float(n)) for d, n, kp, _ in rows], rule, history)
         # each update's norm as the server computed it on accepting it; a pass over the blobs for any without
         norms = [norm if norm is not None else update_norm(prev, load(d, kp)) for d, _, kp, norm in rows]
-        bound = rule.bound(norms if rule.relative else [])
+        bound = rule.bound(norms if rule.relative else [], history)
         algo = fm.algorithm()
         merged, covered, k = (merge_sums(sums, ids, bound, fm.shapes) if sums and algo.merges_partial_sums()
                               else (None, set[int](), 0))

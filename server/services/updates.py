@@ -1,14 +1,18 @@
 """Updates: a device's upload for a round, checked (its round, its blob, exactly the tensors it may send) and
 counted exactly once (``UNIQUE(federation, round, device)``; a retry of the same update is answered again).
 
-A device's sample count is its averaging weight, and a number it reports about itself: the server counts
-``min(reported, declared at enrolment, the federation's cap)`` (``counted_samples``) and keeps that in
-``Update.n_samples``. The cap is the federation's ``aggregation.max_samples``, else ``SAMPLE_FACTOR`` times the
-largest training share its data set deals a client (slack for devices with their own images), or, where every
-device brings its own data (``partition = "device"``), ``SAMPLE_FACTOR`` times ``samples_per_client``. A device that
-declared nothing at enrolment (the agent learns its data only once enrolled) is bound by its first accepted
-update's count: it can never weigh more later. Each update's norm from its round's start model is computed here,
-where the upload is decoded anyway, and kept (``Update.delta_norm``) for the round's norm bound at close.
+A device's sample count is its averaging weight, and a number it reports about itself, so the server never takes
+more than it knows: ``min(reported, declared at enrolment, cap)`` (``counted_samples``), kept in
+``Update.n_samples``. The cap (``sample_cap``) is the share the server dealt the device's slot (a dealt federation:
+the server deals the labels as the simulator and every device do, so it knows each slot's count; an honest device
+reports exactly that), lowered by the federation's ``aggregation.max_samples`` where set. Where every device brings
+its own data (``partition = "device"``) the server knows nothing of a device's data: the cap is the operator's
+word, ``aggregation.max_samples`` or else the config's ``samples_per_client``, and with neither every update counts
+1 (equal weights: a device claiming 2^31-1 samples weighs what an honest one does). A device that declared
+nothing at enrolment (the agent learns its data only once enrolled) is bound by its first accepted update's count:
+it never weighs more later.
+Each update's norm from its round's start model is computed here, where the upload is decoded anyway, and kept
+(``Update.delta_norm``) for the round's norm bound at close.
 
 A DisPFL device's mask is its own, but not its density: that is the capacity the server gave it at enrolment
 (``Device.density``), and ERK at that density fixes each parameter tensor's count of ones (``int(density_l *
@@ -36,9 +40,8 @@ from ..states import ENROLMENT_ROUND, RoundState
 from .blob_access import BlobAccess
 from .store import Store
 
-__all__ = ["SAMPLE_FACTOR", "Updates", "aggregation_rule", "counted_samples", "mask_bound", "sample_cap"]
+__all__ = ["Updates", "aggregation_rule", "counted_samples", "mask_bound", "sample_cap"]
 
-SAMPLE_FACTOR = 2
 _CACHE_LOCK = threading.Lock()
 _ERK: weakref.WeakKeyDictionary[FedModel, dict[float, dict[str, int] | None]] = weakref.WeakKeyDictionary()
 
@@ -53,12 +56,15 @@ def aggregation_rule(fed: Federation) -> AggregationRule:
     return AggregationRule(a.rule, a.max_update_norm, a.norm_multiple, a.trim)
 
 
-def sample_cap(fed: Federation, fm: FedModel) -> int:
-    """The most samples one update counts for in ``fed`` (module docstring)."""
-    cap = _settings(fed).max_samples
-    if cap is not None:
-        return cap
-    return SAMPLE_FACTOR * fm.largest_share
+def sample_cap(fed: Federation, fm: FedModel, slot: int) -> int:
+    """The most samples one update of the device in ``slot`` counts for in ``fed`` (module docstring)."""
+    bound = _settings(fed).max_samples
+    if fm.shares:
+        share = fm.shares[slot] if 0 <= slot < len(fm.shares) else 1
+        return share if bound is None else min(share, bound)
+    if bound is None:  # own data: the operator's word for what one device holds, else equal weights
+        bound = fm.cfg.samples_per_client
+    return 1 if bound is None else bound
 
 
 def mask_bound(fm: FedModel, density: float) -> dict[str, int] | None:
@@ -97,7 +103,7 @@ class Updates:
             start = None if t == ENROLMENT_ROUND else fm.algorithm().shared_digest(
                 self.store.round(s, fed.id, t).start_digest)
         norm = self._check_payload(fm, dev, t, req.digest, start)  # decoded outside the lock
-        counted = counted_samples(req.n_samples, dev.declared_samples, sample_cap(fed, fm))
+        counted = counted_samples(req.n_samples, dev.declared_samples, sample_cap(fed, fm, dev.slot))
         with self.store.write() as s:
             fed = self.store.locked(s, dev.federation)
             dup = self._previous(s, fed.id, t, dev.id)

@@ -102,20 +102,44 @@ def test_one_attacker_of_five_stays_within_the_bound(client: TestClient, rule: s
 def test_plain_mean_with_the_default_bound_and_clamped_weights(client: TestClient) -> None:
     got = _round_with_an_attacker(client, "rm", None)
     base, honest, attack = got["base"], got["honest"], got["attack"]
-    # weights: declared 48 (slot 0 reported 98), the attacker's 2^31-1 clamped to 2 x the largest dealt share
-    assert got["counted"] == [48, 48, 48, 48, 96]
-    assert got["declared"] == [48, 48, 48, 48, 96]  # undeclared at enrolment: its first counted update binds
+    # weights: at most each slot's dealt share (48): slot 0 reported 98, the attacker 2^31-1; neither counts more
+    assert got["counted"] == [48, 48, 48, 48, 48]
+    assert got["declared"] == [48, 48, 48, 48, 48]  # undeclared at enrolment: its first counted update binds
     norms = [_norm(u, base) for u in [*honest, attack]]
     assert got["norms"] == pytest.approx(norms, rel=1e-9)  # computed by the server as it accepted each update
-    bound = 3 * statistics.median(norms)
+    bound = 3 * statistics.median_low(norms)
     clipped = {k: base[k] + (attack[k] - base[k]) * (bound / norms[4]) for k in base}
-    want = {k: (48 * sum(u[k] for u in honest) + 96 * clipped[k]) / (4 * 48 + 96) for k in base}
+    want = {k: (sum(u[k] for u in honest) + clipped[k]) / 5 for k in base}
     for k in base:
         assert torch.allclose(got["published"][k], want[k], atol=1e-5), k
     honest_avg = {k: sum(u[k] for u in honest) / 4 for k in base}
-    # the attacker's weight is 96 / 288 and its difference from the start is clipped to the bound
+    # the attacker's weight is 1/5 (its dealt share, as every slot's) and its difference is clipped to the bound
     moved = _norm(got["published"], honest_avg)
-    assert moved <= (bound + _norm(honest_avg, base)) / 3 + 1e-4 and moved <= bound
+    assert moved <= (bound + _norm(honest_avg, base)) / 5 + 1e-4 and moved <= bound
+
+
+def test_a_round_of_two_bounds_the_attacker_by_the_honest_norm_and_publishes_finite(client: TestClient) -> None:
+    """A round with 2 updates (min_devices 2 of 5: a sampled or thin round): the median of two was their mean, so
+    nothing was clipped and a 1e30 update was published. Now the bound is 3x the low median (the honest norm):
+    the attacker is clipped to it and the published base is finite, within 2x the honest step of the start."""
+    create(client, ADMIN, "r2", CONFIG, min_devices=2)
+    devs = [_Device(client, "r2", i, HONEST_N) for i in range(2)]
+    wait_for(lambda: fed_state(client, ADMIN, "r2") == (1, "collecting"), what="round 1 collecting")
+    r = client.get(f"/v1/blobs/{devs[0].e['init_digest']}", headers=devs[0].h)
+    base = {k: v.double() for k, v in decode(r.content).tensors.items()}
+    honest = perturbed(base, 0)
+    devs[0].send(1, {k: v.float() for k, v in honest.items()}, HONEST_N)
+    devs[1].send(1, {k: (v + 1e30).float() for k, v in base.items()}, HUGE)
+    wait_for(lambda: fed_state(client, ADMIN, "r2")[0] >= 2 or fed_state(client, ADMIN, "r2")[1] == "finished",
+             what="round 1 closed")
+    engine = client.app.state.pfl.engine  # type: ignore[attr-defined]
+    with engine.connect() as conn:
+        digest = conn.execute(select(Federation.base_digest).where(Federation.id == "r2")).scalar_one()
+    whole = decode(client.get(f"/v1/blobs/{digest}", headers=bearer(ADMIN)).content).tensors
+    published = {k: whole[k].double() for k in base}
+    assert all(bool(v.isfinite().all()) for v in published.values())
+    step = _norm({k: v.float().double() for k, v in honest.items()}, base)
+    assert _norm(published, base) <= 2 * step + 1e-4  # (honest + 3x honest) / 2 at the most
 
 
 @pytest.mark.parametrize("bad", [{"rule": "mode"}, {"trim": 0.5}, {"max_update_norm": 0}, {"norm_multiple": 0.5},

@@ -98,7 +98,7 @@ def test_fedper_rounds_average_like_weighted_average(tmp_path: Path, database_ur
             for i, d in enumerate(devs):
                 states[i] = train_one(data[i], {**states[i], **base}, cfg, t, d.index)
                 payload = base_payload(states[i], split, data[i], t)
-                n = data[i].n_train + 10 * i  # unequal weights
+                n = data[i].n_train - 10 * i  # unequal weights (at most its dealt share: more would be cut to it)
                 dg = d.put(payload)
                 r = d.update(t, dg, n)
                 assert r.status_code == 200 and r.json()["accepted"], r.text
