@@ -74,7 +74,8 @@ def _install(work: Path, pins: list[str], wheel: Path, *, no_deps: bool, python:
     flags = ["--no-deps"] if no_deps else []
     t0 = time.perf_counter()
     subprocess.run([python, "-m", "venv", str(venv)], check=True)
-    pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    # as install.sh installs: no byte-compiling ahead (Python compiles what the device imports, on first use)
+    pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-compile"]
     if torch:  # the torch-free set has none
         _quiet([*pip, "--no-deps", *torch])
     t1 = time.perf_counter()
