@@ -70,6 +70,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from machine import cpu_model
+
 HERE = Path(__file__).resolve()
 BENCH = HERE.parent
 REPO = HERE.parents[1]
@@ -527,14 +529,6 @@ def table(results: dict[str, dict[str, Any]], configs: dict[str, dict[str, Any]]
 
 
 # ------------------------------------------------------------------------------------------ main
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), platform.machine())
-    except OSError:
-        return platform.machine()
-
 
 def mem_total_gib() -> float:
     try:

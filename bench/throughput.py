@@ -43,6 +43,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from machine import cpu_model
+
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[1]
 
@@ -252,14 +254,6 @@ def run_sim(args: argparse.Namespace, tree: Path, algorithm: str) -> dict[str, A
     if not Path(res["pfl_edge"]).resolve().is_relative_to(tree.resolve()):
         raise RuntimeError(f"simulate child for {tree} imported {res['pfl_edge']}")
     return res
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), platform.machine())
-    except OSError:
-        return platform.machine()
 
 
 def git_rev(tree: Path) -> str:

@@ -59,6 +59,7 @@ import onnxruntime as ort
 import torch
 import torch.nn.functional as F
 from executorch.extension.pybindings import portable_lib
+from machine import cpu_model
 
 from device_profiles import get_profile
 from edge_runtime.training import ExecuTorchBackend, OnnxBackend, ProgramBackend
@@ -97,14 +98,6 @@ def busy_s() -> tuple[float, float]:
         v = [int(a) for a in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
     t = os.times()
     return (sum(v) - v[3] - v[4]) / CLK_TCK, t.user + t.system
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), platform.machine())
-    except OSError:
-        return platform.machine()
 
 
 def export_programs(prep: Prepared, args: argparse.Namespace) -> tuple[dict[str, Lowered], dict[str, float]]:
