@@ -65,6 +65,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         try:
             yield
         finally:
+            arts = getattr(app.state, "artefacts", None)  # made on first use (server.routers.models)
+            if arts is not None:
+                await run_in_threadpool(arts.close)
             await run_in_threadpool(_stop, st)
 
     app = FastAPI(title="pfl-edge server", version=str(PROTOCOL_VERSION), lifespan=lifespan,

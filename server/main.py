@@ -23,6 +23,11 @@ def serve(settings: Settings | None = None, host: str = "127.0.0.1", port: int =
     """Run the server until SIGINT/SIGTERM, then shut down cleanly. Every file it writes (database, blobs, the
     broker's port and password files) is private to its user (umask 077)."""
     os.umask(0o077)
+    import torch
+
+    # the close's float64 sums are memory-bound: a second OpenMP thread only spins on a busy host (measured: 29-39 s
+    # a close of 1,000 updates on 2 threads, 6 s on one), as in the decode workers (server.services.spool)
+    torch.set_num_threads(1)
     settings = settings if settings is not None else load_settings()
     app = create_app(settings)
     uvicorn.Server(uvicorn_config(app, settings, host, port, log_level=log_level)).run()

@@ -132,6 +132,8 @@ class Artefacts:
         self._running: set[str] = set()
         self._failed: dict[str, tuple[float, str]] = {}
         self._thread: threading.Thread | None = None
+        self._child: subprocess.Popen[bytes] | None = None  # the export running now, ended by close()
+        self._closed = False
         for stale in self.root.glob(".export-*"):  # the work dirs of a previous process's unfinished exports
             try:  # older than any export may run: another server sharing the directory may be exporting now
                 if time.time() - stale.stat().st_mtime > self.timeout_s:
@@ -257,11 +259,23 @@ class Artefacts:
             (work / "request.json").write_text(json.dumps([{"file": k.file, **k.to_json()} for k in batch]))
             log.info("exporting %s", ", ".join(k.file for k in batch))
             started = time.monotonic()
-            proc = subprocess.run([self.python, "-m", EXPORT_WORKER, str(work)], capture_output=True,
-                                  timeout=self.timeout_s, check=False)
-            if proc.returncode != 0:
-                tail = proc.stderr.decode(errors="replace")[-2000:]
-                return {k.file: f"exit {proc.returncode}: {tail}" for k in batch}
+            with self._lock:
+                if self._closed:
+                    return {k.file: "the server is stopping" for k in batch}
+                child = self._child = subprocess.Popen([self.python, "-m", EXPORT_WORKER, str(work)],
+                                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            try:
+                _, err = child.communicate(timeout=self.timeout_s)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.communicate()
+                raise
+            finally:
+                with self._lock:
+                    self._child = None
+            if child.returncode != 0:
+                tail = err.decode(errors="replace")[-2000:]
+                return {k.file: f"exit {child.returncode}: {tail}" for k in batch}
             results = json.loads((work / "result.json").read_text())
             errors: dict[str, str] = {}
             for res in results:
@@ -274,6 +288,19 @@ class Artefacts:
             return errors
         finally:
             shutil.rmtree(work, ignore_errors=True)
+
+    def close(self, grace_s: float = 10.0) -> None:
+        """Stop exporting: the running export child is ended (SIGTERM, then SIGKILL after ``grace_s``), none is
+        started after. The server's shutdown calls this, so a stopped server leaves no export worker running."""
+        with self._lock:
+            self._closed = True
+            child = self._child
+        if child is not None and child.poll() is None:
+            child.terminate()
+            try:
+                child.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                child.kill()
 
     def _install(self, work: Path, res: dict[str, Any]) -> None:
         file = str(res["file"])

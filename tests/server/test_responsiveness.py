@@ -260,6 +260,50 @@ def test_decode_processes_exit_with_a_killed_server(tmp_path: Path) -> None:
     deadline = time.monotonic() + 15
     left = set(workers) | forkservers
     while left and time.monotonic() < deadline:
-        left = {p for p in left if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE}
+        left = {p for p in left if _alive(p)}
         time.sleep(0.2)
     assert not left, f"still running: {left}"
+
+
+def _alive(pid: int) -> bool:
+    """Running and not a zombie; a process that exits while it is asked about is not alive (no race)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_a_server_stopped_with_sigterm_ends_its_export_worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM while the server exports a federation's programs (phone profiles train with ExecuTorch: each of
+    their programs is a child export of tens of seconds): the server's shutdown ends the export worker too (it
+    ran on, minutes, after its server was gone)."""
+    import signal
+
+    from edge_runtime.fleet import start_server
+    from pfl_edge.protocol import API_PREFIX
+
+    monkeypatch.setenv("PFL_EXPORT_ON_CREATE", "all")  # the tests' default is none
+    monkeypatch.setenv("PFL_PROGRAMS_DIR", str(tmp_path / "programs"))  # nothing exported yet
+    fed = start_server(tmp_path / "run")
+    try:
+        fed.create("x", {"algorithm": "fedper", "model": "cnn", "dataset": "synthetic", "clients": 2, "rounds": 1,
+                         "kp": 1, "batch_size": 8}, deadline_s=60.0)
+        fed.get(f"{API_PREFIX}/federations/x")
+        server = psutil.Process(fed.server.pid)
+        deadline = time.monotonic() + 120
+        workers: list[psutil.Process] = []
+        while not workers and time.monotonic() < deadline:  # the event: an export worker child is running
+            workers = [c for c in server.children(recursive=True)
+                       if _alive(c.pid) and "export.worker" in " ".join(c.cmdline())]
+            time.sleep(0.1)
+        assert workers, "no export worker started"
+        fed.server.send_signal(signal.SIGTERM)
+        fed.server.wait(60)
+        # the shutdown ended it before the server exited (without, it lived on until it next wrote to its closed
+        # stderr pipe: 2.2 s here, minutes in an export's quiet phase); 1 s for the kernel to reap it
+        deadline = time.monotonic() + 1
+        while any(_alive(w.pid) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(w.pid) for w in workers), "the export worker outlived its server"
+    finally:
+        fed.close()
