@@ -59,7 +59,7 @@ def is_loopback(url: str) -> bool:
 def _verify(base: str, ca_file: str | None) -> ssl.SSLContext | bool:
     """How the server is verified: against ``ca_file`` (its certificate must chain to that CA and name the host),
     or the system's CAs. Plain HTTP beyond this machine carries the enrolment secret and tokens in clear: said."""
-    if base.startswith("http://"):
+    if base.lower().startswith("http://"):  # HTTP:// is plain HTTP too
         if ca_file is not None:
             raise ConfigError(f"--ca-file is given but the server URL {base!r} is plain http://; use https://")
         if not is_loopback(base):

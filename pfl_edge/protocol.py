@@ -243,8 +243,8 @@ class EnrolRequest(_Msg):
     nonce: str | None = Field(default=None, pattern=r"^[0-9a-f]{32}$", description=(
         "32 lowercase hex chosen and stored by the device before asking: the same nonce again (a retry whose "
         "answer was lost) gets the same device and slot back with a fresh token"))
-    n_samples: int | None = Field(default=None, ge=1, le=2**31 - 1, description=(
-        "its training samples; an update's weight counts as at most this"))
+    n_samples: int | None = Field(default=None, ge=1, le=2**31 - 1, strict=True, description=(
+        "its training samples (a JSON integer: not \"100\", 1.0 or true); an update's weight counts as at most this"))
 
 
 class Enrolment(_Msg):
@@ -331,7 +331,9 @@ class UpdateRequest(_Msg):
     model), its sample count (FedPer's weight) and what it measured."""
 
     digest: Digest = Field(description="sha256 of the payload it PUT first")
-    n_samples: int = Field(ge=1, le=2**31 - 1, description="training samples (the averaging weight)")
+    n_samples: int = Field(ge=1, le=2**31 - 1, strict=True,
+                           description="training samples (the averaging weight; a JSON integer, never a string, a "
+                                       "float or a boolean)")
     train_loss: float | None = Field(default=None, ge=0, le=_MAX_FLOAT,
                                      description="mean training cross-entropy of the round")
     train_s: float | None = Field(default=None, ge=0, le=MAX_SECONDS, description="seconds spent training")

@@ -344,3 +344,28 @@ def test_a_device_cut_off_mid_upload_is_no_server_error(tmp_path: Path, broker_u
 def blob_count(tmp_path: Path) -> int:
     blobs = tmp_path / "data" / "blobs"
     return sum(1 for p in blobs.rglob("*") if p.is_file() and not p.name.startswith(".")) if blobs.exists() else 0
+
+
+@pytest.mark.parametrize("count", ['"100"', "100.0", "true"])
+def test_a_sample_count_must_be_a_json_integer(count: str) -> None:
+    """n_samples (an update's weight, an enrolment's declaration) is a JSON integer: "100", 100.0 and true were
+    taken as 100, 100 and 1."""
+    import pydantic
+
+    from pfl_edge.protocol import EnrolRequest, UpdateRequest
+
+    with pytest.raises(pydantic.ValidationError, match="n_samples"):
+        UpdateRequest.model_validate_json(f'{{"digest": "{"0" * 64}", "n_samples": {count}}}')
+    with pytest.raises(pydantic.ValidationError, match="n_samples"):
+        EnrolRequest.model_validate_json(f'{{"federation": "f", "enrol_secret": "s", "profile": "phone-mid", '
+                                         f'"n_samples": {count}}}')
+    assert UpdateRequest.model_validate_json(f'{{"digest": "{"0" * 64}", "n_samples": 100}}').n_samples == 100
+
+
+@pytest.mark.parametrize("scheme", ["http", "HTTP", "Http"])
+def test_a_ca_file_with_plain_http_is_refused_whatever_the_case(scheme: str) -> None:
+    from edge_runtime.http import Http
+    from pfl_edge.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="plain http"):
+        Http(f"{scheme}://pfl.example.org:8080", 5.0, ca_file="/nonexistent/ca.pem")
