@@ -86,7 +86,7 @@ def _requirements(out: Path, executorch: bool) -> None:
     assert ("executorch" in pins) == executorch and ("flatbuffers" in pins) == executorch
     assert not set(pins) & set(SERVER_ONLY + BUILD_ONLY), sorted(set(pins) & set(SERVER_ONLY + BUILD_ONLY))
     assert sorted(_pins(out / "requirements-aarch64.txt")) == sorted(pins)
-    assert "--no-deps -r" in (out / "install.sh").read_text()
+    assert "--no-deps --no-compile -r" in (out / "install.sh").read_text()
 
 
 def _check_contents(out: Path, fed: Federation, executorch: bool) -> None:
