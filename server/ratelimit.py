@@ -10,6 +10,7 @@ import errno
 import hashlib
 import hmac
 import logging
+import re
 import secrets
 import threading
 import time
@@ -25,7 +26,8 @@ from .db import RateBucket, hash_secret, verify_secret
 from .errors import Forbidden, TooManyRequests
 from .settings import Settings
 
-__all__ = ["Buckets", "EnrolGate", "FloodFilter", "SqlBuckets", "enrol_gate", "install_flood_filter"]
+__all__ = ["Buckets", "EnrolGate", "FloodFilter", "RedactHookToken", "SqlBuckets", "enrol_gate",
+           "install_flood_filter"]
 
 
 class Buckets:
@@ -151,6 +153,22 @@ class FloodFilter(logging.Filter):
 
 
 _FILTER = FloodFilter()
+_HOOK_PATH = re.compile(r"(/broker/hook/)[^/?\s]+")
+
+
+class RedactHookToken(logging.Filter):
+    """The broker hook's token is a path segment (``/v1/broker/hook/<token>/user``, as brokers ask it) and was in
+    every access-log line: written as ``***`` before any handler sees the record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple) and any(isinstance(a, str) and "/broker/hook/" in a for a in record.args):
+            record.args = tuple(_HOOK_PATH.sub(r"\1***", a) if isinstance(a, str) else a for a in record.args)
+        if isinstance(record.msg, str) and "/broker/hook/" in record.msg:
+            record.msg = _HOOK_PATH.sub(r"\1***", record.msg)
+        return True
+
+
+_REDACT = RedactHookToken()
 
 
 def install_flood_filter(*logger_names: str) -> FloodFilter:
@@ -163,6 +181,9 @@ def install_flood_filter(*logger_names: str) -> FloodFilter:
     for f in [*handlers, logging.getLogger("asyncio")]:  # asyncio's accept loop logs EMFILE to its own logger
         if _FILTER not in f.filters:
             f.addFilter(_FILTER)
+    for name in ("uvicorn.access", "uvicorn.error"):  # on the loggers: their records, whatever handler they reach
+        if _REDACT not in logging.getLogger(name).filters:
+            logging.getLogger(name).addFilter(_REDACT)
     return _FILTER
 
 

@@ -369,3 +369,33 @@ def test_a_ca_file_with_plain_http_is_refused_whatever_the_case(scheme: str) -> 
 
     with pytest.raises(ConfigError, match="plain http"):
         Http(f"{scheme}://pfl.example.org:8080", 5.0, ca_file="/nonexistent/ca.pem")
+
+
+def test_the_broker_hooks_token_never_reaches_a_log_line() -> None:
+    """uvicorn's access line of a broker's question (``POST /v1/broker/hook/<token>/user``) and any other record
+    naming the path: the token is written ``***`` before a handler formats the record."""
+    import logging
+
+    from server.ratelimit import install_flood_filter
+
+    install_flood_filter()
+    token = "s3cret-hook-token-0123456789"
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    keep = Keep()
+    for name, args in (("uvicorn.access", ("127.0.0.1:5555", "POST", f"/v1/broker/hook/{token}/user", "1.1", 200)),
+                       ("uvicorn.error", None)):
+        log = logging.getLogger(name)
+        log.addHandler(keep)
+        try:
+            if args:
+                log.warning('%s - "%s %s HTTP/%s" %d', *args)
+            else:
+                log.warning(f"refused /v1/broker/hook/{token}/topic")
+        finally:
+            log.removeHandler(keep)
+    assert len(seen) == 2 and all("/v1/broker/hook/***/" in s and token not in s for s in seen), seen
