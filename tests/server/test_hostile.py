@@ -124,6 +124,24 @@ def test_over_a_real_socket_the_body_is_never_read(tmp_path: Path, broker_url: s
         assert httpx.get(f"{srv.url}/healthz", timeout=5).status_code == 200
 
 
+def test_a_federation_body_without_the_admin_token_is_never_read(tmp_path: Path, broker_url: str) -> None:
+    """POST /v1/federations (a megabyte of JSON allowed) from a stranger: 401 at once, its body never read (the
+    stranger sends headers only; before, the server waited for the body, then parsed it, then refused it). With the
+    admin token the same route still reads and validates the body."""
+    from server.launch import start_background
+
+    with start_background(_settings(tmp_path, broker_url)) as srv:
+        host, port = srv.url.removeprefix("http://").split(":")
+        for auth in (b"", b"Authorization: Bearer wrong\r\n"):
+            with socket.create_connection((host, int(port)), timeout=10) as sock:
+                sock.sendall(b"POST /v1/federations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             + auth + b"Content-Length: 1000000\r\n\r\n")  # and no body: it would wait 30 s
+                answer = sock.recv(4096)
+            assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
+        r = httpx.post(f"{srv.url}/v1/federations", json={"id": "x"}, headers=bearer(ADMIN), timeout=10)
+        assert r.status_code == 422, r.text  # the admin's body is read and validated as before
+
+
 # -------------------------------------------------------------------------------------------- NaN, Infinity
 
 
@@ -142,6 +160,9 @@ def test_non_finite_numbers_anywhere_are_422_with_or_without_a_token(client: Tes
         for text in texts:
             body = text.replace('"@"', bad).replace("@", bad).encode()
             for token in (None, ADMIN):
+                if token is None and path == "/v1/federations":  # the admin's route: the token comes first
+                    refused(client, lambda p=path, b=body: post_raw(client, p, b, None), 401, "admin token")
+                    continue
                 d = refused(client, lambda p=path, b=body, t=token: post_raw(client, p, b, t), 422)
                 assert any(w in d["detail"] for w in ("NaN", "Infinity", "not finite", "digits")), d
 
