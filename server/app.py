@@ -7,6 +7,7 @@ and what is valid. Nothing unauthenticated changes state.
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -62,6 +63,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         st = await run_in_threadpool(_start, settings)
         app.state.pfl = st
+        # everything made so far (torch, the models, the routes) lives as long as the server: out of the cyclic
+        # GC's sight, so that a collection a request triggers walks what requests made, not the whole heap (issue
+        # 33 measured a JSON parse at 34 ms with the heap walked, 1.2 ms after freezing it)
+        gc.freeze()
         try:
             yield
         finally:

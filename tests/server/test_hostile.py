@@ -420,3 +420,12 @@ def test_the_broker_hooks_token_never_reaches_a_log_line() -> None:
         finally:
             log.removeHandler(keep)
     assert len(seen) == 2 and all("/v1/broker/hook/***/" in s and token not in s for s in seen), seen
+
+
+def test_the_heap_made_at_start_up_is_frozen(client: TestClient) -> None:
+    """After start-up the cyclic GC no longer walks what the server made to start (bench/gc_freeze.py: a 64 KiB
+    body of 21,800 lists answered in 8 ms median, 25 ms at worst, against 15 and 280 ms with the heap walked)."""
+    import gc
+
+    assert client.get("/healthz").status_code == 200
+    assert gc.get_freeze_count() > 10_000
