@@ -8,6 +8,7 @@ import logging
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Request, Response
+from fastapi.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from pfl_edge.protocol import DIGEST_RE, BlobStored
@@ -48,11 +49,14 @@ async def put_blob(request: Request, sha256: Digest, dev: DeviceAuth, blobs: Blo
                    response: Response) -> BlobStored | Response:
     """A payload of pfl_edge.codec, named by its sha256; checked to decode against the federation's model."""
     _check_digest(sha256)
+    # the quota and the device's uploads in flight before a byte of the body is read (both again when it is stored)
+    await run_in_threadpool(blobs.check_quota, dev, sha256)
     # to a temp file as it arrives (an upload in flight holds a chunk, not its body), then checked and stored by
     # the upload threads (decoded in the decode processes), apart from the thread pool of cheap requests
     try:
-        body = await spool_body(request.stream(), blobs.store.max_blob_bytes, blobs.spool_dir,
-                                request.headers.get("content-length"))
+        with blobs.receiving(dev):
+            body = await spool_body(request.stream(), blobs.store.max_blob_bytes, blobs.spool_dir,
+                                    request.headers.get("content-length"))
     except ClientDisconnect:  # cut or killed mid-upload: nothing was kept, and a device sends the blob again
         log.info("device %s went away during PUT of blob %s", dev.id, sha256)
         return Response(status_code=400)  # read by no one; not a server error to log with a traceback

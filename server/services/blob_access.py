@@ -4,8 +4,10 @@ who may read what, the blobs the server makes itself, and the base part of a mod
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 from sqlalchemy import func, select
@@ -34,6 +36,9 @@ class BlobAccess:
         # (federation, whole-model digest, kp) -> digest of its base part
         self._base_cache: dict[tuple[str, str, int], str] = {}
         self.upload_quota = 4  # uploads a device may hold that no update of it names (settings.upload_quota_pending)
+        self.in_flight = 2  # uploads of one device received at once, per server process (the rest: 429 unread)
+        self._receiving: dict[str, int] = {}
+        self._receiving_lock = threading.Lock()
         # uploads' decode checks (the app gives it processes: settings.decode_processes) and the threads that run
         # uploads, apart from the thread pool of cheap requests; temp files of bodies as they arrive
         self.decoder = DecodePool(0)
@@ -94,6 +99,33 @@ class BlobAccess:
             if new and row is not None:
                 row.uploaded_bytes = (row.uploaded_bytes or 0) + size
             return new
+
+    def check_quota(self, dev: Device, digest: str) -> None:
+        """``_check_quota`` in a session of its own, unless the device holds ``digest`` already (sending the same
+        bytes again costs nothing): the blob route asks before it reads a body."""
+        with self.store.read() as s:
+            if s.get(BlobRef, (digest, dev.federation, dev.id)) is None:
+                self._check_quota(s, dev)
+
+    @contextmanager
+    def receiving(self, dev: Device) -> Iterator[None]:
+        """One of the device's ``in_flight`` slots while its body arrives; 429 (before a byte of the body is read)
+        when they are taken: one device's silent uploads cannot fill the spool (20 of 48 MB held 960 MB)."""
+        with self._receiving_lock:
+            n = self._receiving.get(dev.id, 0)
+            if n >= self.in_flight:
+                raise TooManyRequests(f"device {dev.id} is already sending {n} uploads (at most {self.in_flight} at "
+                                      "once): finish one first")
+            self._receiving[dev.id] = n + 1
+        try:
+            yield
+        finally:
+            with self._receiving_lock:
+                left = self._receiving[dev.id] - 1
+                if left:
+                    self._receiving[dev.id] = left
+                else:
+                    del self._receiving[dev.id]
 
     def _check_quota(self, s: Session, dev: Device) -> None:
         """A device holds at most ``upload_quota`` uploads that none of its updates names yet (an upload waits

@@ -303,7 +303,8 @@ def test_fedper_round_with_the_spec_device(tmp_path: Path) -> None:
         assert own.round == t and set(own.tensors) == set(given)
         for k in given:
             np.testing.assert_array_equal(own.tensors[k].numpy(), given[k].numpy() + np.float32(0.01), err_msg=k)
-    log = _log(fed, SPEC_SLOT)
+    # the whole log: a connect early in the run falls out of _log's tail when a loaded machine logs more after it
+    log = (fed.root / "devices" / f"spec-{SPEC_SLOT:02d}.log").read_text()
     assert "mqtt: connected" in log and "mqtt: bell" in log  # its own credentials, its own task topic
 
 

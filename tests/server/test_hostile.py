@@ -429,3 +429,40 @@ def test_the_heap_made_at_start_up_is_frozen(client: TestClient) -> None:
 
     assert client.get("/healthz").status_code == 200
     assert gc.get_freeze_count() > 10_000
+
+
+def test_a_devices_unfinished_uploads_are_refused_before_they_take_disk(tmp_path: Path, broker_url: str) -> None:
+    """20 uploads of one device that send their headers (4 MB each announced) and a first KiB, then nothing: 2 are
+    received (their bodies wait), the other 18 are answered 429 at once, unread (before, every one spooled its
+    body, 960 MB for 20 of 48 MB); once they end, the device uploads again."""
+    from server.launch import start_background
+
+    with start_background(_settings(tmp_path, broker_url)) as srv:
+        c = httpx.Client(base_url=srv.url, timeout=30)
+        create(c, ADMIN, "up", FEDPER)
+        d = Dev(c, "up")
+        host, port = srv.url.removeprefix("http://").split(":")
+        socks, answers = [], []
+        try:
+            for i in range(20):
+                sock = socket.create_connection((host, int(port)), timeout=10)
+                socks.append(sock)
+                sock.sendall(f"PUT /v1/blobs/{i:064x} HTTP/1.1\r\nHost: x\r\nAuthorization: {d.h['Authorization']}"
+                             f"\r\nContent-Type: application/octet-stream\r\nContent-Length: {4_000_000}\r\n\r\n"
+                             .encode() + b"x" * 1024)
+                time.sleep(0.05)  # in order: the first two take the slots
+            for sock in socks[2:]:
+                answers.append(sock.recv(4096))
+            assert all(a.startswith(b"HTTP/1.1 429") for a in answers), answers[:2]
+            assert b"at most 2 at once" in answers[0]
+        finally:
+            for sock in socks:
+                sock.close()
+        payload = encode(perturbed(d.get(d.e["init_digest"]).tensors, 1), model_id=d.fm.model_id, round=1)
+        deadline = time.monotonic() + 30
+        while True:  # the two silent ones end when their sockets close; then the device's slots are free
+            r = c.put(f"/v1/blobs/{sha(payload)}", content=payload, headers=d.h)
+            if r.status_code != 429 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert r.status_code == 201, r.text
