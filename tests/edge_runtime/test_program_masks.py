@@ -409,6 +409,7 @@ def _max_where_agree(a: Mapping[str, Tensor], b: Mapping[str, Tensor], sa: Mappi
 
 
 # ------------------------------------------------------------------------------------------------- the tests
+@pytest.mark.slow  # the three federations side by side: 10-40 s for the module
 @pytest.mark.needs_fmnist
 def test_the_torch_devices_are_the_simulator(run: Run) -> None:
     """T is the reference the program devices are held to: the simulator's run, bit for bit."""
@@ -421,6 +422,7 @@ def test_the_torch_devices_are_the_simulator(run: Run) -> None:
             assert torch.equal(out.deployed[k], v), k
 
 
+@pytest.mark.slow  # the three federations side by side: 10-40 s for the module
 @pytest.mark.needs_fmnist
 def test_what_is_equal(run: Run) -> None:
     """(a): the same draws, the same initial masks, the same number of ones in every mask after every round, the
@@ -448,6 +450,7 @@ def test_what_is_equal(run: Run) -> None:
                 assert set(ref_rec.updates[0].masks) == set(rec.updates[0].masks)
 
 
+@pytest.mark.slow  # the three federations side by side: 10-40 s for the module
 @pytest.mark.needs_fmnist
 def test_one_round_of_a_program_from_the_simulators_inputs(run: Run) -> None:
     """(b), one round: S against T from the same start, so the masks the weights were trained under are the
@@ -478,6 +481,7 @@ def test_one_round_of_a_program_from_the_simulators_inputs(run: Run) -> None:
     assert changed > 1000  # the mask updates moved coordinates: the comparison is not of idle masks
 
 
+@pytest.mark.slow  # the three federations side by side: 10-40 s for the module
 @pytest.mark.needs_fmnist
 def test_a_federation_of_program_devices(run: Run) -> None:
     """(b), over the run: O (program devices exchanging their own models) against T. Where the masks the weights
