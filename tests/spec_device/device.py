@@ -112,6 +112,7 @@ class Doorbell:
         from paho.mqtt.enums import CallbackAPIVersion
 
         self.event = threading.Event()
+        self.connected = threading.Event()  # set by the broker's CONNACK (the subscriptions follow it)
         fed, dev = enr["federation"], enr["device_id"]
         self.fed, self.done = fed, -1  # done: the last round whose task it finished (the loop keeps it)
         self.topics = (f"pfl/{fed}/round", f"pfl/{fed}/device/{dev}/task")
@@ -134,6 +135,7 @@ class Doorbell:
     def _connected(self, client: Any, userdata: Any, flags: Any, reason: Any, props: Any = None) -> None:
         log.info("mqtt: connected (%s)", reason)
         client.subscribe([(t, 1) for t in self.topics])
+        self.connected.set()
         client.publish(self.status_topic, json.dumps({"device_id": self.dev, "state": "online"}), qos=1, retain=True)
 
     def _message(self, client: Any, userdata: Any, msg: Any) -> None:
@@ -358,6 +360,8 @@ def run(args: argparse.Namespace) -> None:
     enr = enrol(srv, args)
     srv.token = enr["token"]
     bell = Doorbell(enr) if args.mqtt else None
+    if bell is not None and not bell.connected.wait(60):  # the doorbell first, then the polls (bounded: the
+        log.warning("mqtt: not connected after 60 s; polling without the doorbell")  # polls work without it)
     device = DisPFL(srv, enr, args) if enr["config"]["algorithm"] == "dispfl" else FedPer(srv, enr, args)
     device.start()
     done = -1
