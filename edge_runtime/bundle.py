@@ -30,7 +30,7 @@ from urllib.parse import quote
 import httpx
 
 from pfl_edge.errors import ConfigError, PflEdgeError
-from pfl_edge.modelcard import ModelCard, ProgramInfo
+from pfl_edge.modelcard import TRAINING_RUNTIMES, ModelCard, ProgramInfo
 from pfl_edge.protocol import API_PREFIX
 
 from .bundle_files import BundleSpec, device_packages, render_files, requirements_text
@@ -250,7 +250,7 @@ def _fill(opts: BundleOptions, out: Path, backend: str) -> None:
         _write_private(out / "enrol-secret", opts.enrol_secret + "\n")
     if opts.ca_file is not None:
         shutil.copy2(opts.ca_file, out / "ca.pem")
-    program = backend in ("executorch", "onnxruntime")  # edge_runtime.training.PROGRAM_BACKENDS
+    program = backend in TRAINING_RUNTIMES
     train = training_program(card, backend) if program else None
     if program and train is None:
         log.warning("the card lists no %s training program: the device will fetch one at its start", backend)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from pfl_edge.arrays import Array as Tensor
 from pfl_edge.arrays import stack_states, unstack
 from pfl_edge.errors import ConfigError
+from pfl_edge.modelcard import TRAINING_RUNTIMES
 from pfl_edge.sgd import TrainConfig
 
 from .backend_types import BackendRequest, TrainingBackend, TrainStats
@@ -112,7 +113,7 @@ TRAINING_BACKENDS: dict[str, type[TorchBackend] | type[ProgramBackend]] = {
     "executorch": ExecuTorchBackend,
     "onnxruntime": OnnxBackend,
 }
-PROGRAM_BACKENDS = ("executorch", "onnxruntime")  # the backends that train with a program from the model card
+PROGRAM_BACKENDS = TRAINING_RUNTIMES  # the backends that train with a program from the model card
 
 
 def device_backend(arrays: str, asked: str | None, profile_backend: str) -> str:

@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # the card's classes import without torch; a card is built fr
 
 __all__ = [
     "CARD_FORMAT",
+    "TRAINING_RUNTIMES",
     "TRAINING_SIGNATURE",
     "BlockInfo",
     "InputInfo",
@@ -51,6 +52,9 @@ __all__ = [
 CARD_FORMAT: Literal["pfl-edge-model-card/1"] = "pfl-edge-model-card/1"
 # every training program's, whatever its runtime (ExecuTorch or ONNX Runtime): weights in, loss and gradients out
 TRAINING_SIGNATURE = "forward(x, y, weight, *params) -> (loss, *grads)"
+# the runtimes a training program is exported for (ProgramInfo.runtime of kind training): a device whose training
+# backend is one of these trains with the card's program; the server exports them, the device runs them
+TRAINING_RUNTIMES = ("executorch", "onnxruntime")
 
 _FROZEN = ConfigDict(extra="forbid", frozen=True)
 

@@ -123,14 +123,26 @@ class DisPFLOptions:
 
 
 def _norms(weights: Stack) -> list[float]:
-    """Each row's L2 norm over every tensor, in float64; inf for a row holding NaN or Inf."""
+    """Each row's L2 norm over every tensor, summed in float64 (a row at a time: no float64 copy of the whole
+    stack, which a simulator of many clients would pay every round); inf for a row holding NaN or Inf."""
     first = next(iter(weights.values()))
     sq = np.zeros(int(first.shape[0]), np.float64)
     for v in weights.values():
-        a = to_numpy(v).reshape(int(v.shape[0]), -1).astype(np.float64)
+        a = to_numpy(v).reshape(int(v.shape[0]), -1)
         with np.errstate(over="ignore", invalid="ignore"):
-            sq += np.einsum("ij,ij->i", a, a)
+            for i in range(a.shape[0]):
+                row = a[i].astype(np.float64)
+                sq[i] += float(np.dot(row, row))
     return [math.sqrt(x) if math.isfinite(x) else math.inf for x in sq.tolist()]
+
+
+def _finite_rows(weights: Stack) -> list[bool]:
+    """Whether each row holds only finite values (what the mask update needs), without any norm."""
+    first = next(iter(weights.values()))
+    ok = np.ones(int(first.shape[0]), bool)
+    for v in weights.values():
+        ok &= np.isfinite(to_numpy(v).reshape(int(v.shape[0]), -1)).all(axis=1)
+    return ok.tolist()
 
 
 def screen(weights: Stack, mixing: Tensor, own: Sequence[int], bound: float) -> tuple[Tensor, list[list[int]]]:
@@ -165,7 +177,7 @@ def round_step(cl: Clients, state: SparseClients, mixing: Tensor, t: int, receiv
                              opts.neighbour_bound)
     start = start_models(pool.weights, pool.support, mixing, state.masks)
     res = train_round(cl, start, state.masks, t)
-    bad = [i for i, n in enumerate(_norms(res.stack)) if not math.isfinite(n)]
+    bad = [i for i, ok in enumerate(_finite_rows(res.stack)) if not ok]
     if bad:  # the mask update cannot rank NaN scores, and nothing of this round is usable
         raise DivergedError(f"DisPFL round {t}: training diverged (NaN/Inf) for slot(s) "
                             f"{[int(cl.slots[i]) for i in bad]}; lower the learning rate, or see who it averaged")

@@ -14,14 +14,14 @@ from fastapi.responses import FileResponse
 from device_profiles import get_profile, list_profiles
 from pfl_edge.errors import UnknownNameError
 from pfl_edge.federation import device_capacity
-from pfl_edge.modelcard import Layer, ModelCard, ProgramInfo, build_card, describe_layers
+from pfl_edge.modelcard import TRAINING_RUNTIMES, Layer, ModelCard, ProgramInfo, build_card, describe_layers
 from pfl_edge.protocol import API_PREFIX
 
 from ..db import Device
 from ..deps import Coord, FederationReader
 from ..errors import NotFound, Unprocessable
 from ..fedmodel import FedModel
-from ..services.artefacts import TRAINING_RUNTIMES, Artefacts, ProgramKey, ProgramRecord
+from ..services.artefacts import Artefacts, ProgramKey, ProgramRecord
 
 __all__ = ["artefacts", "creation_keys", "program_keys", "router"]
 

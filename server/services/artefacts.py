@@ -44,7 +44,7 @@ from pfl_edge.federation import model_id
 
 from ..errors import ApiError
 
-__all__ = ["TRAINING_RUNTIMES", "Artefacts", "NotReady", "ProgramKey", "ProgramRecord"]
+__all__ = ["Artefacts", "NotReady", "ProgramKey", "ProgramRecord"]
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,6 @@ _RECORD = ".json"
 # (3: the ONNX program is traced with the weights as inputs, so GroupNorm models export too; 4: training programs
 # compute convolutions and linear layers through matrix products, export.matmul_conv)
 PROGRAM_FORMAT = 4
-TRAINING_RUNTIMES = ("executorch", "onnxruntime")  # what runs a training program (a profile's training backend)
 
 
 class NotReady(ApiError):
@@ -83,7 +82,7 @@ class ProgramKey:
     mode: str | None = None  # training: fedper | personal | dispfl
     kp: int | None = None  # mode personal: the blocks it trains
     batch_size: int | None = None  # training: the fixed batch
-    trainer: str = "executorch"  # training: the runtime that runs it (TRAINING_RUNTIMES)
+    trainer: str = "executorch"  # training: the runtime that runs it (pfl_edge.modelcard.TRAINING_RUNTIMES)
 
     @property
     def runtime(self) -> str:

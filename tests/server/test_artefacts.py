@@ -71,6 +71,21 @@ def _program(app: dict[str, Any], kind: str, mode: str | None = None) -> tuple[A
     return info, r.content
 
 
+def _against_autograd(backend: Any, state_seed: int, batch_seed: int, n: int) -> tuple[Any, ...]:
+    """A program backend's loss and gradients on ``n`` random samples at random weights, and autograd's on the
+    same (its loss, its model with ``.grad`` filled, the weights): (loss, grads, ref, model, state)."""
+    model = build_model(fed_model(CFG).spec)
+    state = _random_state(model, state_seed)
+    backend.load(state)
+    model.load_state_dict(state)
+    gen = torch.Generator().manual_seed(batch_seed)
+    x, y = torch.randn(n, 1, 28, 28, generator=gen), torch.randint(0, 10, (n,), generator=gen)
+    loss, grads = backend.gradients(x, y)
+    ref = F.cross_entropy(model(x), y)
+    ref.backward()
+    return loss, grads, ref, model, state
+
+
 def _random_state(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return {k: torch.randn(v.shape, generator=gen) * 0.1 for k, v in model.state_dict().items()}
@@ -221,16 +236,8 @@ def test_the_onnx_program_runs_the_model_with_the_devices_weights(app: dict[str,
 @pytest.mark.parametrize("mode", ["fedper", "personal"])
 def test_the_training_programs_gradients_are_autograds(app: dict[str, Any], mode: str) -> None:
     info, data = _program(app, "training", mode)
-    backend = ExecuTorchBackend(data, info.details)
-    model = build_model(fed_model(CFG).spec)
-    state = _random_state(model, 4)
-    backend.load(state)
-    model.load_state_dict(state)
-    gen = torch.Generator().manual_seed(5)
-    x, y = torch.randn(11, 1, 28, 28, generator=gen), torch.randint(0, 10, (11,), generator=gen)
-    loss, grads = backend.gradients(x, y)  # 11 real samples, padded to the program's 16 at weight 0
-    ref = F.cross_entropy(model(x), y)
-    ref.backward()
+    # 11 real samples, padded to the program's 16 at weight 0
+    loss, grads, ref, model, state = _against_autograd(ExecuTorchBackend(data, info.details), 4, 5, 11)
     trained = app["card"].personal_keys if mode == "personal" else list(state)
     assert sorted(grads) == sorted(trained) == sorted(info.details["trainable"])
     assert loss == pytest.approx(float(ref.detach()), abs=1e-5)
@@ -259,16 +266,7 @@ def test_an_onnx_runtime_devices_card_lists_onnx_training_programs_exported_with
     info = next(p for p in train if p.mode == "fedper")
     got = c.get(info.url, headers=d.h)
     assert got.status_code == 200 and hashlib.sha256(got.content).hexdigest() == info.sha256
-    backend = OnnxBackend(got.content, info.details)
-    model = build_model(fed_model(CFG).spec)
-    state = _random_state(model, 6)
-    backend.load(state)
-    model.load_state_dict(state)
-    gen = torch.Generator().manual_seed(7)
-    x, y = torch.randn(5, 1, 28, 28, generator=gen), torch.randint(0, 10, (5,), generator=gen)
-    loss, grads = backend.gradients(x, y)
-    ref = F.cross_entropy(model(x), y)
-    ref.backward()
+    loss, grads, ref, model, _ = _against_autograd(OnnxBackend(got.content, info.details), 6, 7, 5)
     assert loss == pytest.approx(float(ref.detach()), abs=1e-5)
     assert not gradient_mismatches(grads, {k: p.grad for k, p in model.named_parameters()})
     keys = program_keys(fed_model(CFG), kp=2, training_backend="onnxruntime")
