@@ -298,6 +298,8 @@ class Agent:
         st.bytes_down, st.train_s = down, trainer.train_s
         st.step_ms = 1e3 * trainer.train_s / max(out.steps, 1)
         metrics = self._metrics(out.metrics)
+        if self.algo.decentral:  # reported with the round's metrics: the dashboard counts them per device
+            metrics = [{**m, "dropped": len(out.dropped)} if m["round"] == t else m for m in metrics]
         self._save_model(out.state, t, metrics)
         if out.deployed is not None:  # what it deploys after this round
             self.store.save_tensors("final.safetensors", out.deployed, {"round": str(t)})
@@ -329,7 +331,7 @@ class Agent:
 
     def _metrics(self, ms: list[Metrics]) -> list[dict[str, Any]]:
         """Metrics to report: a NaN or Inf (e.g. a loss on a model gone wrong) is logged, never sent."""
-        out = [_metric(m, self.data.n_test) for m in ms]
+        out = [{"round": m.round, "accuracy": m.accuracy, "loss": m.loss, "n_test": self.data.n_test} for m in ms]
         for m in out:
             if not finite_metric(m):
                 log.error("round %s: not reporting non-finite metrics %s", m["round"], m)
@@ -384,13 +386,10 @@ class Agent:
         t = int(m["round"])
         st = prog.stats.get(str(t), RoundStats())
         report = MetricsReport(accuracy=m["accuracy"], loss=m["loss"], n_test=m["n_test"], bytes_up=st.bytes_up,
-                               bytes_down=st.bytes_down, step_ms=st.step_ms, train_s=st.train_s)
-        self.http.call("POST", f"{API_PREFIX}/rounds/{t}/metrics", json_body=report.model_dump())
+                               bytes_down=st.bytes_down, step_ms=st.step_ms, train_s=st.train_s,
+                               dropped=m.get("dropped"))
+        self.http.call("POST", f"{API_PREFIX}/rounds/{t}/metrics", json_body=report.model_dump(exclude_none=True))
         self.on_event("metrics", {"round": t, **report.model_dump()})
-
-
-def _metric(m: Metrics, n_test: int) -> dict[str, Any]:
-    return {"round": m.round, "accuracy": m.accuracy, "loss": m.loss, "n_test": n_test}
 
 
 def install_signal_handlers(agent: Agent) -> None:

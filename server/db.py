@@ -114,6 +114,7 @@ class Device(Base):
     token_expires: Mapped[float | None] = mapped_column(Float, nullable=True)  # unix time; None: never
     declared_samples: Mapped[int | None] = mapped_column(Integer, nullable=True)  # training samples at enrolment
     uploaded_bytes: Mapped[int] = mapped_column(BigInteger, default=0)  # distinct blob bytes it sent (its quota)
+    refused_updates: Mapped[int] = mapped_column(Integer, default=0)  # uploads the server refused (Updates.submit)
 
 
 class Round(Base):
@@ -168,6 +169,7 @@ class Metric(Base):
     bytes_down: Mapped[int] = mapped_column(BigInteger, default=0)
     step_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
     train_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    dropped: Mapped[int | None] = mapped_column(Integer, nullable=True)  # DisPFL: neighbours it left out (screen)
     reported_at: Mapped[float] = mapped_column(Float, default=now)
 
 

@@ -73,6 +73,11 @@ def _trust(conn: Connection) -> None:
     _add_column("pfl_updates", "delta_norm", "FLOAT")(conn)
 
 
+def _refusals(conn: Connection) -> None:
+    _add_column("pfl_devices", "refused_updates", "INTEGER NOT NULL DEFAULT 0")(conn)
+    _add_column("pfl_metrics", "dropped", "INTEGER")(conn)
+
+
 #: every upgrade since version 1, in order; the types are frozen here (the models may change later)
 STEPS: tuple[Step, ...] = (
     Step(2, "pfl_federations.min_devices (late joiners)", _add_column("pfl_federations", "min_devices", "INTEGER")),
@@ -85,6 +90,8 @@ STEPS: tuple[Step, ...] = (
          lambda conn: None),
     Step(7, "pfl_federations.mqtt_key: a retried enrolment's MQTT password the same on every replica",
          _add_column("pfl_federations", "mqtt_key", "VARCHAR(64)")),
+    Step(8, "pfl_devices.refused_updates and pfl_metrics.dropped: a device's refused uploads and the neighbours "
+            "it left out", _refusals),
 )
 SCHEMA_VERSION = STEPS[-1].version
 

@@ -13,7 +13,7 @@ which algorithm it follows.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
@@ -289,6 +289,12 @@ class Algorithm:
     def mask_ones(self, density: float) -> dict[str, int] | None:
         """The most ones each tensor's mask may hold in an update of a device at ``density`` (None: updates carry
         no masks)."""
+        return None
+
+    def upload_norm_bound(self, others: Sequence[float]) -> float | None:
+        """Where uploads are whole models that devices average among themselves: the largest L2 norm the server
+        accepts of one, given ``others``, the norms of the uploads it already holds for the round (and the
+        previous round's); None: no bound (a server that averages clips instead, ``AggregationRule``)."""
         return None
 
     def initial_upload(self) -> bool:

@@ -24,6 +24,7 @@ runs of BENCHMARKS.md, so the simulator's results are unchanged by it. Training 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -206,6 +207,19 @@ class DisPFL(Decentralised):
 
     def describe_upload(self, kp: int, density: float) -> str:
         return f"its sparse model (density {density:g})"
+
+    def upload_norm_bound(self, others: Sequence[float]) -> float | None:
+        """``neighbour_bound`` times the median (low) of the norms of the round's other uploads the server holds,
+        once there are ``MIN_UPDATES`` of them: the server refuses a model every honest neighbour's screen would
+        leave out (the screen bounds relative to its own norm, which honest models share within a small factor);
+        fewer than that, the devices' screens alone apply."""
+        from ..aggregate import MIN_UPDATES  # the server's side: it has torch
+
+        bound = self.options.neighbour_bound
+        finite = [n for n in others if math.isfinite(n)]
+        if bound == 0 or len(finite) < MIN_UPDATES:
+            return None
+        return bound * statistics.median_low(finite)
 
     def mask_ones(self, density: float) -> dict[str, int] | None:
         """``int(density_l * numel)`` per parameter tensor, as ``init_masks`` draws them (ERK), which

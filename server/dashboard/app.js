@@ -146,6 +146,10 @@
       cell(tr, bytes(d.bytes_up), "n");
       cell(tr, bytes(d.bytes_down), "n");
       cell(tr, pct(acc[d.device_id]), "n");
+      // uploads the server refused, and neighbours' models the device left out (DisPFL): a misbehaving device
+      // shows in the first, its neighbours in the second
+      cell(tr, String(d.refused || 0), d.refused ? "n warn" : "n");
+      cell(tr, sparse(info) ? String(d.dropped || 0) : "–", d.dropped ? "n warn" : "n");
       return tr;
     });
     body.replaceChildren(...rows);

@@ -41,15 +41,17 @@ def get_federation(fed: str, _reader: FederationReader, enrol: Enrol) -> Federat
     return enrol.federation_info(fed)
 
 
+# The admin's alone: a device needs nothing of its peers but what its task names (DisPFL: each in-neighbour's
+# slot, id and blob digest), never their names, profiles, liveness, traffic or accuracy.
 @router.get("/{fed}/metrics")
-def get_metrics(fed: str, _reader: FederationReader, metrics: MetricsDep) -> dict[str, Any]:
+def get_metrics(fed: str, _admin: AdminAuth, metrics: MetricsDep) -> dict[str, Any]:
     """Every round: per-device metrics and a summary (mean accuracy, updates, wall time of the round)."""
     return metrics.summary(fed)
 
 
 @router.get("/{fed}/devices")
-def get_devices(fed: str, _reader: FederationReader, metrics: MetricsDep) -> list[dict[str, Any]]:
-    """Enrolled devices: profile, index, density, K_P, online, last round, bytes."""
+def get_devices(fed: str, _admin: AdminAuth, metrics: MetricsDep) -> list[dict[str, Any]]:
+    """Enrolled devices: profile, index, density, K_P, online, last round, bytes, refused and dropped updates."""
     return metrics.devices(fed)
 
 

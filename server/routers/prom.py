@@ -137,6 +137,16 @@ def _federations(feds: list[FederationCounters]) -> Iterator[Metric]:
     yield _gauge("pfl_devices_enrolled", "Devices enrolled and not revoked.", fed, each("devices_enrolled"))
     yield _gauge("pfl_devices_online", "Devices online by their MQTT status (not revoked).", fed,
                  each("devices_online"))
+    yield _counter("pfl_updates_refused_total", "Uploads the server refused (payload, mask or norm bound).", fed,
+                   each("updates_refused"))
+    yield _counter("pfl_neighbours_dropped_total", "Neighbours' models the federation's DisPFL devices report "
+                   "leaving out of their averages (non-finite, or past the neighbour bound).", fed,
+                   each("neighbours_dropped"))
+    dev = ["federation", "device"]  # only devices with any: an honest fleet adds no series
+    yield _counter("pfl_device_updates_refused_total", "Uploads of this device the server refused.", dev,
+                   [([f.federation, d], r) for f in feds for d, r, _ in f.offenders if r])
+    yield _counter("pfl_device_neighbours_dropped_total", "Neighbours' models this device left out.", dev,
+                   [([f.federation, d], x) for f in feds for d, _, x in f.offenders if x])
 
 
 def _http(http: dict[tuple[str, str], RouteStats]) -> Iterator[Metric]:

@@ -32,6 +32,10 @@ class FederationCounters:
     bytes_down_reported: int  # bytes its devices say they downloaded, summed over their updates
     devices_enrolled: int  # not revoked
     devices_online: int  # not revoked, and online by their MQTT status
+    updates_refused: int = 0  # uploads the server refused (Device.refused_updates, summed)
+    neighbours_dropped: int = 0  # neighbours' models its devices report leaving out (Metric.dropped, summed)
+    # per device, only those with any (an honest fleet adds no series): device id -> (refused, dropped)
+    offenders: tuple[tuple[str, int, int], ...] = ()
 
 
 class Metrics:
@@ -40,7 +44,9 @@ class Metrics:
 
     def report(self, dev: Device, t: int, req: MetricsReport) -> None:
         """Metrics of a round that exists and this device was part of: from the round it joined in (a late
-        joiner evaluates what it starts from) to the federation's current one; never a future round."""
+        joiner evaluates what it starts from) to the federation's current one; never a future round, nor a
+        sampled round before the last that did not draw it (a device reports the round it trained in; at the
+        end every device reports the last round)."""
         with self.store.write() as s:
             fed = self.store.locked(s, dev.federation)
             if t > fed.round:
@@ -49,6 +55,13 @@ class Metrics:
             if t < dev.joined_round:
                 raise Conflict(f"metrics for round {t}: this device joined in round {dev.joined_round} and took no "
                                f"part in earlier rounds; report rounds {dev.joined_round}..{fed.round}")
+            fm = self.store.model(fed)
+            # a round's figures are its participants' alone; the last round's are every device's evaluation of
+            # what it deploys at the end (the final step), drawn or not
+            drawn = fm.algorithm().sampled(t) if 1 <= t < fm.cfg.rounds else None
+            if drawn is not None and dev.slot not in drawn:
+                raise Conflict(f"metrics for round {t}: round {t} sampled {len(drawn)} slots and this device's "
+                               f"({dev.slot}) was not one of them")
             row = s.get(Metric, (fed.id, t, dev.id))
             values = req.model_dump()
             if row is None:
@@ -72,27 +85,32 @@ class Metrics:
             for m in s.scalars(select(Metric).where(Metric.federation == fed_id)):
                 per.setdefault(m.round, {})[m.device] = {
                     "accuracy": m.accuracy, "loss": m.loss, "n_test": m.n_test, "bytes_up": m.bytes_up,
-                    "bytes_down": m.bytes_down, "step_ms": m.step_ms, "train_s": m.train_s}
+                    "bytes_down": m.bytes_down, "step_ms": m.step_ms, "train_s": m.train_s, "dropped": m.dropped}
         out = [_round_row(t, rounds.get(t), counts.get(t, 0), per.get(t, {}), quorum)
                for t in sorted(set(rounds) | set(per) | set(counts))]
         return {"federation": fed_id, "rounds": out}
 
     def devices(self, fed_id: str) -> list[dict[str, Any]]:
-        """Enrolled devices in slot order: profile, slot, density, K_P, liveness, last round, bytes up and down.
-        Bytes up are the distinct blob bytes the device uploaded (``Device.uploaded_bytes``: garbage collection of
-        old blobs does not shrink it), bytes down what it reported downloading with its updates."""
+        """Enrolled devices in slot order: profile, slot, density, K_P, liveness, last round, bytes up and down,
+        updates refused and neighbours dropped. Bytes up are the distinct blob bytes the device uploaded
+        (``Device.uploaded_bytes``: garbage collection of old blobs does not shrink it), bytes down what it reported
+        downloading with its updates; refused: its uploads the server refused (``Updates.submit``); dropped: the
+        neighbours' models it reported leaving out of its averages (DisPFL's screen), summed over rounds."""
         with self.store.read() as s:
             self.store.federation(s, fed_id)
             stats = {row[0]: row[1:] for row in s.execute(
                 select(Update.device, func.max(Update.round), func.coalesce(func.sum(Update.bytes_down), 0))
                 .where(Update.federation == fed_id).group_by(Update.device))}
+            dropped = dict(s.execute(select(Metric.device, func.sum(Metric.dropped)).where(
+                Metric.federation == fed_id).group_by(Metric.device)).all())
             out = []
             for d in s.scalars(select(Device).where(Device.federation == fed_id).order_by(Device.slot)):
                 last, down = stats.get(d.id, (None, 0))
                 out.append({"device_id": d.id, "name": d.name, "profile": d.profile, "index": d.slot,
                             "density": d.density, "kp": d.kp, "online": d.online, "last_seen": d.last_seen,
                             "joined_round": d.joined_round, "last_round": last, "bytes_up": int(d.uploaded_bytes or 0),
-                            "bytes_down": int(down), "revoked": d.revoked_at is not None})
+                            "bytes_down": int(down), "revoked": d.revoked_at is not None,
+                            "refused": int(d.refused_updates or 0), "dropped": int(dropped.get(d.id) or 0)})
         return out
 
     def federation_ids(self) -> list[str]:
@@ -115,12 +133,20 @@ class Metrics:
                 .where(live).group_by(Device.federation))}
             sent = dict(s.execute(select(Device.federation, func.coalesce(func.sum(Device.uploaded_bytes), 0))
                                   .group_by(Device.federation)).all())  # a revoked device's uploads still count
+            refused = {(f, d): int(n) for f, d, n in s.execute(select(Device.federation, Device.id,
+                       Device.refused_updates).where(Device.refused_updates > 0))}
+            dropped = {(f, d): int(n or 0) for f, d, n in s.execute(
+                select(Metric.federation, Metric.device, func.sum(Metric.dropped)).where(Metric.dropped > 0)
+                .group_by(Metric.federation, Metric.device))}
         out = []
         for f, t, state in feds:
             n, down = upd.get(f, (0, 0))
             enrolled, online = devs.get(f, (0, 0))
+            off = tuple((d, refused.get((f, d), 0), dropped.get((f, d), 0))
+                        for d in sorted({d for g, d in (*refused, *dropped) if g == f}))
             out.append(FederationCounters(f, int(t), str(state), int(closed.get(f, 0)), n, int(sent.get(f, 0)),
-                                          down, enrolled, online))
+                                          down, enrolled, online, sum(r for _, r, _ in off),
+                                          sum(x for _, _, x in off), off))
         return out
 
     def blob_store(self) -> tuple[int, int]:

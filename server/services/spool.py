@@ -105,7 +105,8 @@ def check_update(source: Path | bytes, expected: Mapping[str, Sequence[int]], mo
                  ones: Mapping[str, int] | None = None) -> tuple[int, float | None]:
     """An update's payload decoded whole against exactly ``expected`` (CodecError if refused): the round in its
     header, and its norm from the round's start model ``start`` = (digest, its source, the model's shapes), which
-    each process decodes once per round (None without one). ``ones``: DisPFL's most ones per tensor's mask
+    each process decodes once per round (None without one: then, where ``ones`` is given, the norm of the model
+    itself, a DisPFL upload being a whole model). ``ones``: DisPFL's most ones per tensor's mask
     (:func:`check_ones`; None: no mask check)."""
     from pfl_edge.aggregate import update_norm
 
@@ -114,7 +115,11 @@ def check_update(source: Path | bytes, expected: Mapping[str, Sequence[int]], mo
     if ones is not None:
         check_ones(d, ones)
     if start is None:
-        return d.round, None
+        if ones is None:
+            return d.round, None
+        import torch
+
+        return d.round, update_norm(dict.fromkeys(d.tensors, torch.zeros((), dtype=torch.float64)), d.tensors)
     digest, src, shapes = start
     prev = _STARTS.get(digest)
     if prev is None:

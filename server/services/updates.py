@@ -18,7 +18,10 @@ A DisPFL device's mask is its own, but not its density: that is the capacity the
 (``Device.density``), and ERK at that density fixes each parameter tensor's count of ones (``int(density_l *
 numel)``, pfl_edge.sparse; prune-and-regrow keeps it). An update whose mask holds more ones than that in any
 tensor (a tensor sent dense where ERK keeps it sparse counts as all ones), or none where ERK keeps some, is
-refused (``mask_bound``; docs/protocol.md, DisPFL masks)."""
+refused (``mask_bound``; docs/protocol.md, DisPFL masks). Its norm (of the whole model, kept in
+``Update.delta_norm``) must be within the algorithm's ``upload_norm_bound`` of the round's other uploads: a model
+every honest neighbour's screen would leave out is not served to them at all. Each refused upload counts in
+``Device.refused_updates``."""
 
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ from collections.abc import Callable
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from pfl_edge.aggregate import AggregationRule
+from pfl_edge.aggregate import MIN_UPDATES, AggregationRule
 from pfl_edge.errors import CodecError
 from pfl_edge.protocol import AggregationSettings, UpdateAccepted, UpdateRequest
 
@@ -90,6 +93,16 @@ class Updates:
         self.on_stored: Callable[[str, int, int], None] | None = None  # (federation, round, update id) committed
 
     def submit(self, dev: Device, t: int, req: UpdateRequest) -> UpdateAccepted:
+        try:
+            return self._submit(dev, t, req)
+        except Unprocessable:  # its payload refused: counted per device (the dashboard's devices, /metrics)
+            with self.store.write() as s:
+                row = s.get(Device, dev.id)
+                if row is not None:
+                    row.refused_updates = (row.refused_updates or 0) + 1
+            raise
+
+    def _submit(self, dev: Device, t: int, req: UpdateRequest) -> UpdateAccepted:
         with self.store.read() as s:
             fed = self.store.existing(s, dev.federation)
             fm = self.store.model(fed)
@@ -110,6 +123,8 @@ class Updates:
             if dup is not None:  # a concurrent retry won the race
                 return self._duplicate(s, dup, t, req)
             self._check_round(s, fed, fm, dev, t)  # the round may have closed meanwhile
+            if start is None and norm is not None:
+                self._check_norm(s, fm, fed.id, t, dev.id, norm)
             upd = Update(federation=fed.id, round=t, device=dev.id, digest=req.digest, n_samples=counted,
                          train_loss=req.train_loss, train_s=req.train_s, bytes_down=req.bytes_down,
                          delta_norm=norm)
@@ -136,6 +151,20 @@ class Updates:
         if rnd != t:
             raise Unprocessable(f"the payload's header is for round {rnd}, the update is posted for round {t}")
         return norm
+
+    @staticmethod
+    def _check_norm(s: Session, fm: FedModel, fed_id: str, t: int, dev_id: str, norm: float) -> None:
+        """A whole model (DisPFL) whose norm is far off the round's others' (``upload_norm_bound``: the
+        previous round's count too while this one holds fewer than ``MIN_UPDATES``) is refused."""
+        others = [n for n in s.scalars(select(Update.delta_norm).where(
+            Update.federation == fed_id, Update.round == t, Update.device != dev_id)) if n is not None]
+        if len(others) < MIN_UPDATES and t > ENROLMENT_ROUND:
+            others += [n for n in s.scalars(select(Update.delta_norm).where(
+                Update.federation == fed_id, Update.round == t - 1, Update.device != dev_id)) if n is not None]
+        bound = fm.algorithm().upload_norm_bound(others)
+        if bound is not None and not norm <= bound:
+            raise Unprocessable(f"update refused: its model's norm {norm:.4g} is past {bound:.4g}, the bound of "
+                                f"this round ({len(others)} other uploads' median times the neighbour bound)")
 
     @staticmethod
     def _previous(s: Session, fed_id: str, t: int, dev_id: str) -> Update | None:

@@ -155,6 +155,27 @@ def test_the_screen_leaves_out_non_finite_and_oversized_neighbours_only() -> Non
     assert none == [[], [], []] and same is not None
 
 
+def test_the_servers_bound_is_the_neighbour_bound_times_the_median_of_three_or_more() -> None:
+    """``DisPFL.upload_norm_bound``, hand-worked: fewer than 3 finite others, no bound (the devices' screens
+    alone); else ``neighbour_bound`` times the median (low: one of the norms, never a mean pulled by an outlier),
+    non-finite norms ignored; ``neighbour_bound`` 0 turns it off."""
+    from pfl_edge.algorithms import get_algorithm
+    from pfl_edge.models import get_model
+    from pfl_edge.sim import SimConfig
+
+    model = get_model("cnn", num_classes=10, in_channels=1)
+
+    def bound(others: list[float], nb: float = 10.0) -> float | None:
+        cfg = SimConfig(algorithm="dispfl", dataset="synthetic", clients=4, options={"neighbour_bound": nb})
+        return get_algorithm(cfg, model).upload_norm_bound(others)
+
+    assert bound([]) is None and bound([1.0, 2.0]) is None and bound([1.0, 2.0, float("inf")]) is None
+    assert bound([3.0, 1.0, 2.0]) == 20.0
+    assert bound([1e30, 1.0, 2.0, 3.0]) == 20.0  # median_low of four: the second smallest, not the outlier's pull
+    assert bound([1.0, 1e30, 1e30]) == 1e31  # a majority of outliers is past any median: the screens still apply
+    assert bound([3.0, 1.0, 2.0], nb=4.0) == 8.0 and bound([3.0, 1.0, 2.0], nb=0) is None
+
+
 def test_a_hostile_neighbour_cannot_stop_a_devices_round() -> None:
     """A device's DisPFL round with a neighbour of +-20 (and one of 1e30): it averages without them, trains, and
     reports whom it left out, its model finite; with no bound the +-20 neighbour's start diverges, which is

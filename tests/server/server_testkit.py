@@ -121,8 +121,9 @@ def with_nan(payload: bytes) -> bytes:
 
 
 def snapshot(engine: Engine) -> dict[str, list[str]]:
-    """Every row of every server table, as sorted JSON (device liveness excluded: MQTT may touch it; and the rate
-    limits' buckets, which a refused attempt is meant to spend: that is how a guesser is slowed)."""
+    """Every row of every server table, as sorted JSON (device liveness excluded: MQTT may touch it; the rate
+    limits' buckets, which a refused attempt is meant to spend: that is how a guesser is slowed; and a device's
+    count of refused updates, which a refused update is meant to raise)."""
     out: dict[str, list[str]] = {}
     md: MetaData = Base.metadata
     with engine.connect() as conn:
@@ -131,7 +132,7 @@ def snapshot(engine: Engine) -> dict[str, list[str]]:
                 continue
             rows = []
             for row in conn.execute(select(table)).mappings():
-                d = {k: v for k, v in row.items() if k not in ("online", "last_seen")}
+                d = {k: v for k, v in row.items() if k not in ("online", "last_seen", "refused_updates")}
                 rows.append(json.dumps(d, sort_keys=True, default=str))
             out[name] = sorted(rows)
     return out

@@ -106,7 +106,10 @@ def test_enrolment(client: TestClient) -> None:
     # the third enrolment starts round 1
     wait_for(lambda: fed_state(client, ADMIN, "f") == (1, "collecting"), what="round 1")
     refused(client, lambda: client.post("/v1/devices", json=ok), 409, "full")
-    devs = client.get("/v1/federations/f/devices", headers=a.h).json()
+    # a device reads nothing of its peers (their names, profiles, traffic, accuracy): the listing is the admin's
+    assert client.get("/v1/federations/f/devices", headers=a.h).status_code == 401
+    assert client.get("/v1/federations/f/metrics", headers=a.h).status_code == 401
+    devs = client.get("/v1/federations/f/devices", headers={"Authorization": f"Bearer {ADMIN}"}).json()
     assert [d["index"] for d in devs] == [0, 1, 2]
     assert {d["profile"] for d in devs} == {"phone-mid"}
 
@@ -217,7 +220,7 @@ def test_updates_and_metrics(client: TestClient) -> None:
     refused(client, lambda: client.post("/v1/rounds/5/metrics", json=m, headers=a.h), 409, "rounds 0..1")
     refused(client, lambda: client.post("/v1/rounds/0/metrics", json={**m, "accuracy": 2}, headers=a.h), 422,
             "accuracy")
-    got = client.get("/v1/federations/f/metrics", headers=a.h).json()
+    got = client.get("/v1/federations/f/metrics", headers={"Authorization": f"Bearer {ADMIN}"}).json()
     r0 = next(x for x in got["rounds"] if x["round"] == 0)
     assert r0["devices"][a.id]["accuracy"] == 0.75 and r0["mean_accuracy"] == 0.75
     r1 = next(x for x in got["rounds"] if x["round"] == 1)
@@ -250,9 +253,9 @@ def test_enrolment_retried_with_its_nonce_gets_the_same_device(client: TestClien
     a, b = first.json(), again.json()
     assert a["device_id"] == b["device_id"] and a["index"] == b["index"] and a["token"] != b["token"]
     # one device, holding only the newest token
-    devs = client.get("/v1/federations/n/devices", headers={"Authorization": f"Bearer {b['token']}"})
-    assert devs.status_code == 200 and len(devs.json()) == 1
-    old = client.get("/v1/federations/n/devices", headers={"Authorization": f"Bearer {a['token']}"})
+    assert client.get("/v1/federations/n", headers={"Authorization": f"Bearer {b['token']}"}).status_code == 200
+    assert len(client.get("/v1/federations/n/devices", headers={"Authorization": f"Bearer {ADMIN}"}).json()) == 1
+    old = client.get("/v1/federations/n", headers={"Authorization": f"Bearer {a['token']}"})
     assert old.status_code == 401
     # a different nonce is a different device; a malformed nonce is refused
     assert client.post("/v1/devices", json={**body, "nonce": "cd" * 16}).json()["device_id"] != a["device_id"]

@@ -81,7 +81,8 @@ def test_dispfl_tasks_name_the_published_neighbours(srv: BackgroundServer) -> No
 
 def test_sampled_rounds_task_only_the_simulators_participants(srv: BackgroundServer) -> None:
     """participation 0.5 of 4 slots: each round tasks exactly the simulator's draw (by slot); the others get 404
-    and their updates are refused; the round closes on the sampled updates alone, averaged with their weights."""
+    and their updates and metrics are refused; the round closes on the sampled updates alone, averaged with their
+    weights."""
     import torch
 
     from pfl_edge.aggregate import weighted_average
@@ -116,6 +117,13 @@ def test_sampled_rounds_task_only_the_simulators_participants(srv: BackgroundSer
             ns.append(20 + 7 * d.index)
             d.send(t, sent, n=ns[-1])
         expected = weighted_average(ups, ns)
+        m = {"accuracy": 0.5, "loss": 1.0, "n_test": 10}
+        if t < 3:  # a round's metrics are its participants' (the last round's: every device's final evaluation)
+            r = c.post(f"/v1/rounds/{t}/metrics", json=m, headers=out.h)
+            assert r.status_code == 409 and "not one of them" in r.json()["detail"], r.text
+        for d in devs:
+            if d.index in want or t == 3:
+                assert c.post(f"/v1/rounds/{t}/metrics", json=m, headers=d.h).status_code == 200
         if t < 3:
             wait_for(lambda t=t: fed_state(c, ADMIN, "sp") == (t + 1, "collecting"), what=f"round {t + 1}")
             nxt = next(_task(c, d).json() for d in devs if _task(c, d).status_code == 200)

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 from fastapi.testclient import TestClient
-from server_testkit import DISPFL, Dev, create, dispfl_initial, snapshot
+from server_testkit import DISPFL, Dev, bearer, create, dispfl_initial, snapshot
 
 from edge_runtime.data import load_local_data
 from pfl_edge.codec import encode
@@ -158,3 +158,50 @@ def test_profile_capacity_takes_the_density_from_the_profile(client: TestClient)
     assert (ones, most) == (at_mid[name], counts[name]) and "density 0.2" in detail, detail
     r = dev.update(0, dev.put(encode(w, model_id=dev.fm.model_id, round=0, masks=masks)))
     assert r.status_code == 200 and r.json()["accepted"], r.text
+
+
+def test_a_model_far_off_the_rounds_others_is_refused_and_counted(client: TestClient) -> None:
+    """The server's side of the neighbour screen (``DisPFL.upload_norm_bound``): once it holds 3 uploads of the
+    round, a model whose norm is past ``neighbour_bound`` (10) times their median (low) is refused, so no honest
+    neighbour is served it; honest models (norms within the square root of their densities' ratio) pass. Each
+    refusal counts for its device, in the devices' listing and in /metrics (the federation's total and the
+    device's own series; a device with none adds no series), as do the neighbours a device reports leaving out."""
+    from test_prometheus import get, parse
+
+    create(client, ADMIN, "n", {**DISPFL, "clients": 5})
+    devs = [Dev(client, "n", index=i) for i in range(5)]
+    models = [_honest(d) for d in devs]
+    norms = [math.sqrt(sum(float(v.double().square().sum()) for v in w.values())) for w, _ in models]
+    big = {k: v * 1000 for k, v in models[0][0].items()}
+    # the first upload has no others to be judged against: the devices' screens alone bound it
+    r = devs[0].update(0, devs[0].put(encode(big, model_id=devs[0].fm.model_id, round=0, masks=models[0][1])))
+    assert r.status_code == 200, r.text
+    for d, (w, m) in zip(devs[1:4], models[1:4], strict=True):
+        r = d.update(0, d.put(encode(w, model_id=d.fm.model_id, round=0, masks=m)))
+        assert r.status_code == 200, r.text
+    bound = 10 * sorted([1000 * norms[0], *norms[1:4]])[1]  # median_low of the 4 others dev 4 is judged against
+    attacker = devs[4]
+    w, m = models[4]
+    scale = 1.02 * bound / norms[4]  # just past the bound; the same model at 0.98 of it passes
+    detail = _refused(client, attacker, encode({k: v * scale for k, v in w.items()}, model_id=attacker.fm.model_id,
+                                               round=0, masks=m))
+    assert "norm" in detail and f"{bound:.4g}" in detail, detail
+    listed = {d["index"]: d for d in client.get("/v1/federations/n/devices", headers=bearer(ADMIN)).json()}
+    assert [listed[i]["refused"] for i in range(5)] == [0, 0, 0, 0, 1]
+    s, _ = parse(client.get("/metrics", headers=bearer(ADMIN)).text)
+    assert get(s, "pfl_updates_refused_total", federation="n") == 1
+    assert get(s, "pfl_device_updates_refused_total", federation="n", device=attacker.id) == 1
+    assert not [k for k in s if k[0] == "pfl_device_updates_refused_total" and ("device", devs[0].id) in k[1]]
+    r = attacker.update(0, attacker.put(encode({k: v * (0.98 * bound / norms[4]) for k, v in w.items()},
+                                               model_id=attacker.fm.model_id, round=0, masks=m)))
+    assert r.status_code == 200, r.text
+    # the neighbours a device reports leaving out (its screen), summed over its reports, listed and exposed
+    for d, n in ((devs[1], 2), (devs[2], 0)):
+        m0 = {"accuracy": 0.5, "loss": 1.0, "n_test": 10, "dropped": n}
+        assert client.post("/v1/rounds/0/metrics", json=m0, headers=d.h).status_code == 200
+    listed = {d["index"]: d for d in client.get("/v1/federations/n/devices", headers=bearer(ADMIN)).json()}
+    assert [listed[i]["dropped"] for i in range(5)] == [0, 2, 0, 0, 0]
+    s, _ = parse(client.get("/metrics", headers=bearer(ADMIN)).text)
+    assert get(s, "pfl_neighbours_dropped_total", federation="n") == 2
+    assert get(s, "pfl_device_neighbours_dropped_total", federation="n", device=devs[1].id) == 2
+    assert not [k for k in s if k[0] == "pfl_device_neighbours_dropped_total" and ("device", devs[2].id) in k[1]]
