@@ -1,11 +1,12 @@
 """Aggregation rules as pure functions over named tensors.
 
 Robust aggregation (a server's round, or anyone holding a round's updates): every update's difference from the
-round's start model is first clipped to a norm bound (``AggregationRule.bound``: an absolute ``max_update_norm``,
-or by default ``norm_multiple`` (3) times the low median update norm of the round -- a relative bound needs no
-tuning per model or learning rate; the low median (the lower middle value of an even count) is never above the
-median of the others for the largest update, so one attacker cannot raise its own bound, even in a round of 2; a
-round of fewer than 3 updates takes the previous round's norms into its median as well), then combined by the rule:
+round's start model is first clipped to a norm bound (``AggregationRule.bounds``: an absolute ``max_update_norm``,
+or by default ``norm_multiple`` (3) times the low median of the norms of the round's *other* updates -- a relative
+bound needs no tuning per model or learning rate, the update being judged never counts towards its own bound, and
+the low median (the lower middle value of an even count) is one of the honest norms while honest updates are at
+least half of the others; a round of fewer than 3 updates takes the previous round's norms into its median as
+well), then combined by the rule:
 ``mean`` (weighted by training samples, streamable), ``clipped-mean`` (equal weights: a device's weight is a
 number it reports), ``median`` (coordinate-wise) or ``trimmed-mean`` (coordinate-wise, ``trim`` of the updates
 dropped from each end). The last two ignore weights too.
@@ -220,6 +221,19 @@ class AggregationRule:
         return self.norm_multiple * statistics.median_low(pool)
 
 
+    def bounds(self, norms: Sequence[float], history: Sequence[float] = ()) -> list[float | None]:
+        """Each update's bound: ``bound`` over the round's other updates' norms (the one being judged never
+        raises its own bound), the previous round's too in a round of fewer than ``MIN_UPDATES``."""
+        if not self.relative:
+            return [self.bound(norms)] * len(norms)
+        extra = list(history) if len(norms) < MIN_UPDATES else []
+        out: list[float | None] = []
+        for i in range(len(norms)):
+            pool = [*norms[:i], *norms[i + 1:], *extra]
+            out.append(self.norm_multiple * statistics.median_low(pool) if pool and self.norm_multiple else None)
+        return out
+
+
 def update_norm(prev: Mapping[str, Tensor], state: Mapping[str, Tensor]) -> float:
     """||state - prev||_2 in float64 over the tensors ``state`` holds (integer buffers included)."""
     sq = 0.0
@@ -307,8 +321,8 @@ def robust_aggregate(prev: Mapping[str, Tensor], updates: Sequence[tuple[Mapping
     if not updates:
         raise ConfigError("cannot aggregate zero updates")
     norms = [update_norm(prev, s) for s, _ in updates]
-    bound = rule.bound(norms, history)
-    states = [clip_update(prev, s, bound, n) for (s, _), n in zip(updates, norms, strict=True)]
+    bounds = rule.bounds(norms, history)
+    states = [clip_update(prev, s, b, n) for (s, _), n, b in zip(updates, norms, bounds, strict=True)]
     if rule.rule == "median":
         return coordinate_median(prev, states)
     if rule.rule == "trimmed-mean":

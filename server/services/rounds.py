@@ -200,18 +200,20 @@ class RoundMachine:
             return robust_aggregate(prev, [(load(d, kp), float(n)) for d, n, kp, _ in rows], rule, history)
         # each update's norm as the server computed it on accepting it; a pass over the blobs for any without
         norms = [norm if norm is not None else update_norm(prev, load(d, kp)) for d, _, kp, norm in rows]
-        bound = rule.bound(norms if rule.relative else [], history)
+        bounds = rule.bounds(norms, history)  # each update's, from the others' norms
         algo = fm.algorithm()
-        merged, covered, k = (merge_sums(sums, ids, bound, fm.shapes) if sums and algo.merges_partial_sums()
+        # a sum is used whole only where none of its updates is clipped: the least of the bounds decides that
+        least = min((b for b in bounds if b is not None), default=None)
+        merged, covered, k = (merge_sums(sums, ids, least, fm.shapes) if sums and algo.merges_partial_sums()
                               else (None, set[int](), 0))
         if merged is not None:  # the replicas' sums, then each update no sum holds (server.services.partials)
             self.last_merge = (len(covered), k)
-            for (d, n, kp, _), norm, uid in zip(rows, norms, ids, strict=True):
+            for (d, n, kp, _), norm, b, uid in zip(rows, norms, bounds, ids, strict=True):
                 if uid not in covered:
-                    merged.add(clip_update(prev, load(d, kp), bound, norm), float(n))
+                    merged.add(clip_update(prev, load(d, kp), b, norm), float(n))
             return merged.result(prev)
-        new = algo.aggregate(prev, ((clip_update(prev, load(d, kp), bound, norm), float(n))
-                                    for (d, n, kp, _), norm in zip(rows, norms, strict=True)))
+        new = algo.aggregate(prev, ((clip_update(prev, load(d, kp), b, norm), float(n))
+                                    for (d, n, kp, _), norm, b in zip(rows, norms, bounds, strict=True)))
         if new is None:
             raise InternalError(f"algorithm {fm.cfg.algorithm!r} has a server model but aggregates nothing")
         return new

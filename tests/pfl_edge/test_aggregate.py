@@ -92,6 +92,20 @@ def test_default_bound_is_three_medians() -> None:
     assert AggregationRule(norm_multiple=None).bound([1.0, 500.0]) is None
 
 
+def test_each_updates_bound_leaves_it_out_by_hand() -> None:
+    """``bounds``: 3 x the low median of the *other* norms. Norms (1, 2, 10): the 10 is judged by (1, 2) -> 3, not
+    by the median of all three (2 -> 6); the 2 by (1, 10) -> 3; the 1 by (2, 10) -> 6. A round of 2 adds the last
+    round's norms; a lone update with no history is unbounded; an absolute bound is everyone's."""
+    rule = AggregationRule()
+    assert rule.bounds([1.0, 2.0, 10.0]) == [6.0, 3.0, 3.0]
+    assert rule.bounds([1.0, 2.0, 5.0, 2.0, 500.0]) == [6.0] * 5
+    assert rule.bounds([1.0, 50.0], history=[2.0, 2.0]) == [6.0, 6.0]
+    assert rule.bounds([1.0, 2.0, 10.0], history=[100.0, 100.0]) == [6.0, 3.0, 3.0]  # 3 or more: no history
+    assert rule.bounds([50.0], history=[2.0, 3.0]) == [6.0] and rule.bounds([50.0]) == [None]
+    assert AggregationRule(max_update_norm=4.0).bounds([1.0, 500.0]) == [4.0, 4.0]
+    assert AggregationRule(norm_multiple=None).bounds([1.0, 500.0]) == [None, None]
+
+
 def test_mean_with_the_default_bound_by_hand() -> None:
     # bound 3 * median(1, 2, 5, 2, 500) = 6: the attacker's (300, 400) is clipped to (3.6, 4.8); weights 1,1,1,1,6
     out = robust_aggregate(ZERO, list(zip(FIVE, [1.0, 1.0, 1.0, 1.0, 6.0], strict=True)), AggregationRule())
