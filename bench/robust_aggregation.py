@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from sqlalchemy.orm import sessionmaker  # no database: the averaging reads blobs only
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -52,7 +53,7 @@ def run(n: int) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp())
     man = sa.make_store(root, n)
     fm = fed_model(sa.CONFIG)
-    coord = Coordinator(None, DirBlobStore(root, max_bytes=1 << 30), None,  # type: ignore[arg-type]
+    coord = Coordinator(sessionmaker(), DirBlobStore(root, max_bytes=1 << 30), None,  # type: ignore[arg-type]
                         device_broker_url="mqtt://127.0.0.1:1883")
     ups3 = [(d, s, kp) for d, s, kp, _ in man["uploads"]]
     prev = coord.blob_access.load(man["start"], fm).tensors

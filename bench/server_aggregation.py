@@ -12,7 +12,7 @@ RSS is reset (``/proc/self/clear_refs`` = 5) after the imports and the model ske
 result is checked against ``pfl_edge.aggregate.weighted_average`` over the decoded states. Writes
 bench/results/server_aggregation.json.
 
-    .venv/bin/python bench/server_aggregation.py [--sizes 10 100 1000] [--quick]
+    .venv/bin/python bench/server_aggregation.py [--sizes 10 100 1000] [--threads 1 2] [--quick]
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from sqlalchemy.orm import sessionmaker  # no database: the averaging reads blobs only
 
 from edge_runtime.fleet import DemoConfig
 from pfl_edge.codec import decode, encode
@@ -70,17 +71,18 @@ def make_store(root: Path, n: int, seed: int = 0) -> dict[str, Any]:
     return {"start": start_digest, "uploads": ups}
 
 
-def child(store_dir: str, manifest: str, n: int, repeats: int) -> dict[str, Any]:
-    """In a fresh process: time the server's average over the first ``n`` uploads, then encode + store."""
+def child(store_dir: str, manifest: str, n: int, repeats: int, threads: int = 1) -> dict[str, Any]:
+    """In a fresh process: time the server's average over the first ``n`` uploads on ``threads`` torch threads,
+    then encode + store."""
     from server.coordinator import Coordinator
 
     man = json.loads(Path(manifest).read_text())
     fm = fed_model(CONFIG)
-    coord = Coordinator(None, DirBlobStore(store_dir, max_bytes=1 << 30), None,  # type: ignore[arg-type]
+    coord = Coordinator(sessionmaker(), DirBlobStore(store_dir, max_bytes=1 << 30), None,  # type: ignore[arg-type]
                         device_broker_url="mqtt://127.0.0.1:1883")
     ups = [(d, s, kp) for d, s, kp, _ in man["uploads"][:n]]
     payload_bytes = sum(size for *_, size in man["uploads"][:n])
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
     rss0 = status_kb("VmRSS")
     hwm0 = status_kb("VmHWM")
@@ -96,7 +98,8 @@ def child(store_dir: str, manifest: str, n: int, repeats: int) -> dict[str, Any]
     store_s = time.perf_counter() - t0
     hwm = status_kb("VmHWM")
     res: dict[str, Any] = {
-        "uploads": n, "payload_bytes": payload_bytes, "payload_bytes_each": man["uploads"][0][3],
+        "uploads": n, "torch_threads": threads, "payload_bytes": payload_bytes,
+        "payload_bytes_each": man["uploads"][0][3],
         "average_s": min(times), "average_s_all": times, "store_result_s": store_s,
         "mb_per_s": payload_bytes / min(times) / 1e6,
         "rss_before_mb": rss0 / 1024, "hwm_after_reset_mb": hwm0 / 1024, "peak_rss_mb": hwm / 1024,
@@ -121,11 +124,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed averages per size (best of), 1 at >= 1000")
     ap.add_argument("--store", type=Path, help="blob store directory (default: a temporary one)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "server_aggregation.json")
-    ap.add_argument("--child", nargs=4, metavar=("STORE", "MANIFEST", "N", "REPEATS"), help=argparse.SUPPRESS)
+    ap.add_argument("--threads", type=int, nargs="+", default=[1],
+                    help="torch threads of the averaging process, each measured side by side (the server runs 1)")
+    ap.add_argument("--child", nargs=5, metavar=("STORE", "MANIFEST", "N", "REPEATS", "THREADS"),
+                    help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        store, manifest, n, repeats = args.child
-        print(json.dumps(child(store, manifest, int(n), int(repeats))))
+        store, manifest, n, repeats, threads = args.child
+        print(json.dumps(child(store, manifest, int(n), int(repeats), int(threads))))
         return
     sizes = [10, 50] if args.quick else sorted(args.sizes)
     with tempfile.TemporaryDirectory(dir=args.store) as tmp:
@@ -137,22 +143,22 @@ def main() -> None:
         manifest = Path(tmp) / "manifest.json"
         manifest.write_text(json.dumps(man))
         rows = []
-        for n in sizes:
+        for n, th in [(n, th) for n in sizes for th in args.threads]:
             reps = 1 if n >= 1000 else args.repeats
-            env = {**os.environ, "OMP_NUM_THREADS": "1"}
-            out = subprocess.run([sys.executable, __file__, "--child", str(root), str(manifest), str(n), str(reps)],
-                                 check=True, capture_output=True, text=True, env=env).stdout
+            env = {**os.environ, "OMP_NUM_THREADS": str(th)}
+            out = subprocess.run([sys.executable, __file__, "--child", str(root), str(manifest), str(n), str(reps),
+                                  str(th)], check=True, stdout=subprocess.PIPE, text=True, env=env).stdout
             r = json.loads(out.strip().splitlines()[-1])
             rows.append(r)
             extra = (f"  max |diff| vs weighted_average {r['max_abs_diff_vs_weighted_average']:.2e}"
                      if "max_abs_diff_vs_weighted_average" in r else "")
-            print(f"{n:>5} uploads: {r['payload_bytes'] / 1e6:8.1f} MB in {r['average_s']:7.3f} s = "
+            print(f"{n:>5} uploads, {th} thread(s): {r['payload_bytes'] / 1e6:8.1f} MB in {r['average_s']:7.3f} s = "
                   f"{r['mb_per_s']:6.0f} MB/s; store result {r['store_result_s'] * 1e3:.1f} ms; peak RSS "
                   f"{r['peak_rss_mb']:.1f} MB ({r['peak_over_start_mb']:+.1f} MB over the start){extra}", flush=True)
     result = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
-                   f"torch {torch.__version__}, 1 thread",
+                   f"torch {torch.__version__}, torch threads {args.threads}",
         "load_average": os.getloadavg(),
         "config": CONFIG, "kp": KP,
         "rows": rows,
