@@ -10,11 +10,11 @@ until the server has accepted it, and the server treats a repeated update as the
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import queue
-import secrets
 import signal
 import threading
 from collections.abc import Callable
@@ -29,7 +29,6 @@ from pfl_edge.federation import FederationConfig, check_device_config, model_id
 from pfl_edge.protocol import (
     API_PREFIX,
     Enrolment,
-    EnrolRequest,
     MetricsReport,
     RoundAnnouncement,
     Task,
@@ -42,6 +41,7 @@ from .arrays_kind import array_kind, initial_model, open_model
 from .config import AgentConfig
 from .control import Control
 from .data import ArrayData, LocalData, load_image_folder, load_local_arrays, load_local_data
+from .enrol import enrol, renew
 from .http import Http, ServerError, ServerUnavailable
 from .programs import ProgramSource
 from .state import Progress, RoundStats, StateDir
@@ -72,29 +72,7 @@ class Agent:
 
     # ------------------------------------------------------------------------------------------------ setup
     def enrol(self) -> Enrolment:
-        saved = self.store.enrolment
-        if saved is not None:
-            enr = Enrolment.model_validate(saved)
-            if enr.federation != self.cfg.federation:
-                raise ConfigError(f"state dir {self.cfg.state_dir} belongs to federation {enr.federation!r}, "
-                                  f"not {self.cfg.federation!r}; use another --state-dir")
-            return enr
-        # the nonce is kept before asking: a retry (here, or after a restart) whose first answer was lost gets
-        # this device back instead of enrolling a second one
-        pending = self.store.read_json("enrol-nonce.json") or {}
-        nonce = pending.get("nonce")
-        if not isinstance(nonce, str):
-            nonce = secrets.token_hex(16)
-            self.store.write_json("enrol-nonce.json", {"nonce": nonce}, private=True)
-        if not self.cfg.enrol_secret:
-            raise ConfigError("this device is not enrolled yet and has no enrolment secret: give --enrol-secret-file "
-                              "(or PFL_ENROL_SECRET, or --enrol-secret)")
-        req = EnrolRequest(federation=self.cfg.federation, enrol_secret=self.cfg.enrol_secret,
-                           profile=self.cfg.profile, name=self.cfg.name, index=self.cfg.partition_id, nonce=nonce)
-        r = self.http.call("POST", f"{API_PREFIX}/devices", json_body=req.model_dump())
-        enr = Enrolment.model_validate(r.json())
-        self.store.save_enrolment(enr.model_dump())
-        return enr
+        return enrol(self.store, self.http, self.cfg)
 
     def _setup(self) -> None:
         enr = self.enrol()
@@ -187,9 +165,11 @@ class Agent:
         ctl = Control(self.enr, self.inbox, ca_file=self.cfg.ca_file, http=self.http)
         self.http.stop = self._stop
         try:
-            self._wake()  # the server's task now: a retained message may never come
+            self._renewing(self._wake)  # the server's task now: a retained message may never come
             while not self._stop.is_set() and not self.done:
                 self.http.rotate_if_due()  # long before the token expires
+                if self.http.chain_ended:
+                    self._renew()
                 try:
                     batch = [self.inbox.get(timeout=0.5)]
                 except queue.Empty:
@@ -199,7 +179,7 @@ class Agent:
                         batch.append(self.inbox.get_nowait())
                     except queue.Empty:
                         break
-                self._handle(batch)
+                self._renewing(functools.partial(self._handle, batch))
         finally:
             ctl.close()
             self.http.client.close()
@@ -207,6 +187,21 @@ class Agent:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def _renewing(self, step: Callable[[], None]) -> None:
+        """``step``, and once more after enrolling again if the server refused the token (401: expired, or its
+        chain past the server's absolute lifetime: a device away longer than that)."""
+        try:
+            step()
+        except ServerError as e:
+            if e.status != 401:
+                raise
+            log.warning("%s: the device enrols again", e)
+            self._renew()
+            step()
+
+    def _renew(self) -> None:
+        self.enr = renew(self.store, self.http, self.cfg, self.enr)
 
     def _handle(self, batch: list[tuple[str, bytes]]) -> None:
         """MQTT rings the bell (module ``edge_runtime.tasks``): a task or round message of ours (not a sampled round
@@ -298,7 +293,7 @@ class Agent:
         st.bytes_down, st.train_s = down, trainer.train_s
         st.step_ms = 1e3 * trainer.train_s / max(out.steps, 1)
         metrics = self._metrics(out.metrics)
-        if self.algo.decentral:  # reported with the round's metrics: the dashboard counts them per device
+        if self.algo.relays_uploads():  # neighbours it left out, reported with the round's metrics (dashboard)
             metrics = [{**m, "dropped": len(out.dropped)} if m["round"] == t else m for m in metrics]
         self._save_model(out.state, t, metrics)
         if out.deployed is not None:  # what it deploys after this round

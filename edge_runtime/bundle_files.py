@@ -186,7 +186,7 @@ server {spec.server}, model {spec.model_id}.
 Contents
   device.json              what this device is: server URL, federation, profile, name, and the files below
                            (paths relative to this folder; null where absent)
-  enrol-secret             the federation's enrolment secret (mode 0600; only needed until the device enrols)
+  enrol-secret             the federation's enrolment secret (mode 0600; kept: it enrols again every 30 days)
   ca.pem                   the CA the server's HTTPS certificate chains to (when the bundle was made with one)
   model/card.json          the model card: input, normalisation, layers, blocks, tensors, the personal part,
                            local training settings and the programs below (docs/model.md in the repository)

@@ -90,6 +90,7 @@ class Http:
         self._expires: float | None = None
         self._next_try = 0.0
         self._enrolled = ""  # the tag of the enrolment the token descends from
+        self.chain_ended = False  # a rotation was refused (401): the device must enrol again (``Agent``)
 
     def call(self, method: str, path: str, *, json_body: Any = None, content: bytes | None = None,
              max_bytes: int = MAX_JSON_BYTES) -> httpx.Response:
@@ -152,7 +153,7 @@ class Http:
     def use_token(self, token_file: Path, enrolled: str) -> None:
         """The device's token: the one saved in ``token_file`` by its last rotation, or else (a fresh enrolment,
         or an enrolment newer than that file) ``enrolled``."""
-        self.token_file, self._enrolled = token_file, _tag(enrolled)
+        self.token_file, self._enrolled, self.chain_ended = token_file, _tag(enrolled), False
         self.token, self._issued, self._expires = enrolled, time.time(), None
         try:
             saved = json.loads(token_file.read_text())
@@ -175,6 +176,10 @@ class Http:
         try:
             got = self.call("POST", ROTATE_PATH).json()
         except (ServerError, ServerUnavailable) as e:
+            if isinstance(e, ServerError) and e.status == 401:  # expired, or past its chain's absolute lifetime
+                self.chain_ended = True
+                log.warning("token rotation refused (%s): the device enrols again", e)
+                return False
             log.warning("token rotation failed (%s); will retry", e)
             return False
         record = {"token": got["token"], "issued": now, "expires": float(got["expires"]),

@@ -101,6 +101,9 @@ class StateDir:
             raise ConfigError(f"state dir {self.root} is not writable")
 
     # --- JSON documents
+    def remove(self, name: str) -> None:
+        (self.root / name).unlink(missing_ok=True)
+
     def read_json(self, name: str) -> dict[str, Any] | None:
         p = self.root / name
         if not p.exists():

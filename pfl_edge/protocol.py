@@ -359,9 +359,8 @@ class MetricsReport(_Msg):
     bytes_down: int = Field(default=0, ge=0, le=MAX_COUNT, description="bytes it downloaded in round t")
     step_ms: float | None = Field(default=None, ge=0, le=MAX_SECONDS, description="ms per training step")
     train_s: float | None = Field(default=None, ge=0, le=MAX_SECONDS, description="seconds it trained in round t")
-    dropped: int | None = Field(default=None, ge=0, le=MAX_NEIGHBOURS, description=(
-        "DisPFL: the neighbours' models it left out of its average in round t (non-finite, or a norm beyond "
-        "neighbour_bound times its own)"))
+    dropped: int | None = Field(default=None, ge=0, le=MAX_NEIGHBOURS, description="DisPFL: neighbours' models it "
+                                "left out of its average in round t (non-finite, or past neighbour_bound x its own)")
 
 
 class TokenIssued(_Msg):

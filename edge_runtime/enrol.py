@@ -1,0 +1,57 @@
+"""A device's enrolment: once with the federation's secret (``enrol``; a retry whose answer was lost gets the same
+device back through the nonce kept in the state dir), and again when its token chain ends (``renew``: the server
+refused a rotation or a call with 401, the token expired or its chain reached the server's absolute lifetime):
+the same nonce brings back the same device and slot with a new chain, and the state dir carries on."""
+
+from __future__ import annotations
+
+import secrets
+
+from pfl_edge.errors import ConfigError
+from pfl_edge.protocol import API_PREFIX, Enrolment, EnrolRequest
+
+from .config import AgentConfig
+from .http import Http
+from .state import StateDir
+
+__all__ = ["enrol", "renew"]
+
+
+def enrol(store: StateDir, http: Http, cfg: AgentConfig) -> Enrolment:
+    """The device's enrolment: the saved one, or a new one (with ``cfg``'s secret)."""
+    saved = store.enrolment
+    if saved is not None:
+        enr = Enrolment.model_validate(saved)
+        if enr.federation != cfg.federation:
+            raise ConfigError(f"state dir {cfg.state_dir} belongs to federation {enr.federation!r}, "
+                              f"not {cfg.federation!r}; use another --state-dir")
+        return enr
+    # the nonce is kept before asking: a retry (here, or after a restart) whose first answer was lost gets
+    # this device back instead of enrolling a second one; it stays, for ``renew``
+    pending = store.read_json("enrol-nonce.json") or {}
+    nonce = pending.get("nonce")
+    if not isinstance(nonce, str):
+        nonce = secrets.token_hex(16)
+        store.write_json("enrol-nonce.json", {"nonce": nonce}, private=True)
+    if not cfg.enrol_secret:
+        raise ConfigError("this device is not enrolled yet and has no enrolment secret: give --enrol-secret-file "
+                          "(or PFL_ENROL_SECRET, or --enrol-secret)")
+    req = EnrolRequest(federation=cfg.federation, enrol_secret=cfg.enrol_secret,
+                       profile=cfg.profile, name=cfg.name, index=cfg.partition_id, nonce=nonce)
+    r = http.call("POST", f"{API_PREFIX}/devices", json_body=req.model_dump())
+    enr = Enrolment.model_validate(r.json())
+    store.save_enrolment(enr.model_dump())
+    return enr
+
+
+def renew(store: StateDir, http: Http, cfg: AgentConfig, old: Enrolment) -> Enrolment:
+    """Enrol again (module docstring); ``http`` then holds the new token. A revoked device is refused (403,
+    ``ServerError``), which ends it; a device the server does not give back is a ConfigError."""
+    store.remove("enrolment.json")
+    store.remove("token.json")
+    enr = enrol(store, http, cfg)
+    if (enr.device_id, enr.index) != (old.device_id, old.index):
+        raise ConfigError(f"enrolling again gave device {enr.device_id} (slot {enr.index}), not {old.device_id} "
+                          f"(slot {old.index}): this state dir is not its; use another --state-dir")
+    http.use_token(store.root / "token.json", enr.token)
+    return enr
