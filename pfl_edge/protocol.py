@@ -239,7 +239,7 @@ class EnrolRequest(_Msg):
     profile: str = Field(max_length=64, description="device profile name (device_profiles/), e.g. 'pixel-7'")
     name: str = Field(default="", max_length=64, description="a label for tables; not an identity")
     index: int | None = Field(default=None, ge=0, lt=MAX_CLIENTS, description=(
-        "the slot (data partition) it asks for; null: the lowest free one"))
+        "the slot (data partition) it asks for; null: the lowest free one; ignored where rounds sample"))
     nonce: str | None = Field(default=None, pattern=r"^[0-9a-f]{32}$", description=(
         "32 lowercase hex chosen and stored by the device before asking: the same nonce again (a retry whose "
         "answer was lost) gets the same device and slot back with a fresh token"))

@@ -126,6 +126,7 @@ def _start_guarded(settings: Settings, guard: IO[bytes] | None) -> AppState:
         gc_keep_rounds=settings.gc_keep_rounds, leadership=leadership_for(engine),
         partial_sums=settings.partial_sums, partial_flush_s=settings.partial_flush_s)
     holder.append(coordinator)
+    coordinator.enrolment.token_max_lifetime_s = settings.device_token_max_lifetime_s
     _uploads(coordinator, settings)
     link.start()
     coordinator.start()

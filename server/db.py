@@ -112,6 +112,9 @@ class Device(Base):
     mqtt_hash: Mapped[str | None] = mapped_column(String(200), nullable=True)
     revoked_at: Mapped[float | None] = mapped_column(Float, nullable=True)  # set: no HTTP, no MQTT, no rounds
     token_expires: Mapped[float | None] = mapped_column(Float, nullable=True)  # unix time; None: never
+    # the start of its token chain: when it last enrolled with the secret or the admin issued it a token; its own
+    # rotations keep it, and none reaches past it + device_token_max_lifetime_s (None: before schema 9)
+    token_origin: Mapped[float | None] = mapped_column(Float, nullable=True)
     declared_samples: Mapped[int | None] = mapped_column(Integer, nullable=True)  # training samples at enrolment
     uploaded_bytes: Mapped[int] = mapped_column(BigInteger, default=0)  # distinct blob bytes it sent (its quota)
     refused_updates: Mapped[int] = mapped_column(Integer, default=0)  # uploads the server refused (Updates.submit)

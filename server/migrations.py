@@ -92,6 +92,8 @@ STEPS: tuple[Step, ...] = (
          _add_column("pfl_federations", "mqtt_key", "VARCHAR(64)")),
     Step(8, "pfl_devices.refused_updates and pfl_metrics.dropped: a device's refused uploads and the neighbours "
             "it left out", _refusals),
+    Step(9, "pfl_devices.token_origin: a device's token chain has an absolute lifetime (rows without one start "
+            "theirs at their next rotation)", _add_column("pfl_devices", "token_origin", "FLOAT")),
 )
 SCHEMA_VERSION = STEPS[-1].version
 

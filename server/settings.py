@@ -59,6 +59,12 @@ class Settings(BaseSettings):
     broker_hook_vhost: str = "/"  # the only virtual host a device may use
     embedded_broker_host: str = "127.0.0.1"  # where the embedded broker listens; 0.0.0.0 for devices elsewhere
     embedded_broker_port: int | None = Field(default=None, ge=1, le=65535)  # None: last run's port, else free one
+    # connections one client address may hold open on the embedded broker, refused on accept (0: no cap; loopback
+    # has none); devices behind one NAT share an address: raise it for them
+    embedded_broker_max_per_address: int = Field(default=64, ge=0, le=1_000_000)
+    # who may tell the server a client's address (X-Forwarded-For): the load balancer's addresses or networks,
+    # comma-separated (uvicorn's forwarded_allow_ips); "" trusts nobody: the connection's own address counts
+    forwarded_allow_ips: str = ""
     # the embedded broker listens with TLS (mqtts://) with this certificate chain and key (both or neither)
     broker_tls_cert: Path | None = None
     broker_tls_key: Path | None = None
@@ -79,6 +85,9 @@ class Settings(BaseSettings):
     enrol_burst_per_address: int = Field(default=20, ge=1, le=1_000_000)
     enrol_rate_per_federation: float = Field(default=5.0, gt=0, le=1e6)
     enrol_burst_per_federation: int = Field(default=100, ge=1, le=1_000_000)
+    enrol_kdf_slots: int = Field(default=2, ge=1, le=64)  # threads for enrolment's scrypt (never a request thread)
+    # a device's token chain (its own rotations since it last showed the enrol secret) ends this long after it began
+    device_token_max_lifetime_s: float = Field(default=30 * 86400.0, ge=60, le=10 * 365 * 86400.0)
     # disk: uploads a device holds that no update of it names yet (a round's upload waits for its update)
     upload_quota_pending: int = Field(default=4, ge=1, le=1000)
     gc_keep_rounds: int = Field(default=2, ge=1, le=1_000_000)  # blobs of the current and last K rounds are kept
@@ -94,6 +103,11 @@ class Settings(BaseSettings):
     http_backlog: int = Field(default=2048, ge=16, le=65535)
     http_keep_alive_s: float = Field(default=15.0, gt=0, le=3600)  # an idle kept-alive connection is closed
     http_header_timeout_s: float = Field(default=10.0, gt=0, le=3600)  # a connection without a whole request header
+    http_first_byte_timeout_s: float = Field(default=5.0, gt=0, le=3600)  # a new connection that sent no byte yet
+    # open connections one TCP peer address may hold; more are reset at once, unread (0: no limit). Behind a proxy
+    # or NAT every client has its address: forwarded_allow_ips are never capped; else raise it, or 0
+    http_max_connections_per_address: int = Field(default=64, ge=0, le=1_000_000)
+    http_body_idle_timeout_s: float = Field(default=30.0, gt=0, le=3600)  # a blob PUT's body that stops arriving
     http_max_header_bytes: int = Field(default=16 * 1024, ge=1024, le=1 << 20)
 
     @field_validator("broker_url")

@@ -15,17 +15,19 @@ router = APIRouter(prefix="/devices", tags=["devices"])
 
 
 @router.post("", response_model=Enrolment, status_code=201)
-def enrol(body: EnrolRequest, enrol: Enrol, request: Request) -> Enrolment:
+async def enrol(body: EnrolRequest, enrol: Enrol, request: Request) -> Enrolment:
     """Rate-limited per client address and per federation (429 with Retry-After); a wrong secret and an unknown
-    federation get the same 403."""
-    return enrol.enrol(body, address=request.client.host if request.client else "")
+    federation get the same 403. ``async``: the secret's scrypt runs on the enrolment gate's own threads and the
+    database work in the threadpool, so guesses never hold the threads that device calls are served on."""
+    return await enrol.enrol_async(body, address=request.client.host if request.client else "")
 
 
 @router.post("/me/token", response_model=TokenIssued)
 def rotate_own_token(dev: DeviceAuth, enrol: Enrol) -> TokenIssued:
     """A fresh token for the calling device; its current one is dead once this answers. The device saves the
-    new one before it uses it (a device that lost it enrols again with its nonce)."""
-    token, expires = enrol.rotate_token(dev.id)
+    new one before it uses it (a device that lost it enrols again with its nonce). Rotations never reach past
+    ``device_token_max_lifetime_s`` after the device last enrolled with the secret: then 401 (it must enrol again)."""
+    token, expires = enrol.rotate_token(dev.id, own=True)
     return TokenIssued(device_id=dev.id, token=token, expires=expires)
 
 

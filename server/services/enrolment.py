@@ -4,6 +4,7 @@ and a token; idempotent by the device's nonce), and authentication of device tok
 from __future__ import annotations
 
 import logging
+import random
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from sqlalchemy import exists, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, aliased
+from starlette.concurrency import run_in_threadpool
 
 from device_profiles import Profile, get_profile, list_profiles
 from pfl_edge.codec import encode
@@ -29,6 +31,7 @@ from .store import Store
 __all__ = ["EnrolmentService"]
 
 log = logging.getLogger(__name__)
+_PROBES = 16  # random probes for a free slot of a sampled federation before the lowest free one
 
 
 @dataclass(frozen=True)
@@ -47,9 +50,12 @@ class _Enrolled:
 class EnrolmentService:
     def __init__(self, store: Store, blobs: BlobAccess, *, device_broker_url: str, device_mqtt_password: str,
                  on_enrolled: Callable[[], None], on_created: Callable[[str], None], token_ttl_s: float = 30 * 86400.0,
-                 gate: EnrolGate | None = None, on_revoked: Callable[[str], None] | None = None) -> None:
+                 gate: EnrolGate | None = None, on_revoked: Callable[[str], None] | None = None,
+                 token_max_lifetime_s: float = 30 * 86400.0) -> None:
         self.store = store
         self.token_ttl_s = token_ttl_s  # a device token's lifetime; the agent rotates its own before the end
+        self.token_max_lifetime_s = token_max_lifetime_s  # a token chain's (rotate_token)
+        self.rng: random.Random = random.SystemRandom()  # draws sampled federations' slots (tests seed their own)
         self.gate = gate or EnrolGate(Buckets(1.0, 20), Buckets(5.0, 100))
         self.on_revoked = on_revoked or (lambda dev_id: None)  # the broker forgets the device's credentials
         self.blobs = blobs
@@ -125,9 +131,19 @@ class EnrolmentService:
         return dev
 
     def enrol(self, req: EnrolRequest, address: str = "") -> Enrolment:
-        """Enrol a device (``address``: the client's, for the rate limit): one write transaction, on the
-        federation's locked row."""
-        profile = self._admit(req, address)
+        """Enrol a device (``address``: the client's, for the rate limit), from a thread of the caller's."""
+        self.gate.check(req.federation, req.enrol_secret, self._secret_hash(req.federation), address)
+        return self._enrol_admitted(req, self._profile(req))
+
+    async def enrol_async(self, req: EnrolRequest, address: str = "") -> Enrolment:
+        """:meth:`enrol` for the event loop: the database work in the threadpool, the secret's KDF awaited on the
+        gate's own pool, so guesses (a scrypt each) never hold the request threads that device calls need."""
+        stored = await run_in_threadpool(self._secret_hash, req.federation)
+        await self.gate.acheck(req.federation, req.enrol_secret, stored, address)
+        return await run_in_threadpool(self._enrol_admitted, req, self._profile(req))
+
+    def _enrol_admitted(self, req: EnrolRequest, profile: Profile) -> Enrolment:
+        """Enrol a device whose secret the gate passed: one write transaction, on the federation's locked row."""
         token = secrets.token_urlsafe(32)
         with self.store.write() as s:
             fed = self.store.locked(s, req.federation)
@@ -152,13 +168,16 @@ class EnrolmentService:
                          init_digest=self.blobs.base_for(req.federation, fm, got.init_digest, got.kp),
                          init_model=got.init_digest)
 
-    def _admit(self, req: EnrolRequest, address: str) -> Profile:
-        """The device's profile, once its federation exists and its secret is right (an unknown federation is
-        refused as a wrong secret is; rate limits and the verify cache: ``server.ratelimit.EnrolGate``)."""
+    def _secret_hash(self, fed_id: str) -> str | None:
+        """The federation's secret hash, None if there is no such federation (the gate refuses it as a wrong
+        secret; rate limits and the verify cache: ``server.ratelimit.EnrolGate``)."""
         with self.store.read() as s:
-            fed = s.get(Federation, req.federation)
-            secret_hash = None if fed is None else fed.enrol_secret_hash
-        self.gate.check(req.federation, req.enrol_secret, secret_hash, address)
+            fed = s.get(Federation, fed_id)
+            return None if fed is None else fed.enrol_secret_hash
+
+    @staticmethod
+    def _profile(req: EnrolRequest) -> Profile:
+        """The device's profile (asked once the gate passed its secret)."""
         try:
             return get_profile(req.profile)
         except UnknownNameError:
@@ -175,7 +194,8 @@ class EnrolmentService:
             return None
         if again.revoked_at is not None:
             raise Forbidden(f"device {again.id} was revoked by the operator; it cannot enrol again")
-        again.token_hash, again.token_expires = hash_token(token), now() + self.token_ttl_s
+        at = now()  # it showed the secret: a new token chain
+        again.token_hash, again.token_expires, again.token_origin = hash_token(token), self._expiry(at, at), at
         if mqtt is not None:
             again.mqtt_hash = mqtt
         return _Enrolled(again.id, again.slot, again.density, again.kp, again.joined_round, fed.init_digest,
@@ -203,23 +223,31 @@ class EnrolmentService:
         if kp > fm.num_blocks:
             raise Unprocessable(f"profile {profile.name!r} keeps {kp} personal blocks but model "
                                 f"{fm.cfg.model!r} has only {fm.num_blocks}: {fm.model.block_names}")
-        dev_id = "dev-" + secrets.token_hex(8)
+        dev_id, at = "dev-" + secrets.token_hex(8), now()
         s.add(Device(id=dev_id, federation=fed.id, token_hash=hash_token(token), profile=profile.name,
                      name=req.name, slot=slot, density=density, kp=kp, online=False, joined_round=fed.round,
                      enrol_nonce=req.nonce, declared_samples=req.n_samples, mqtt_hash=mqtt,
-                     token_expires=now() + self.token_ttl_s))
+                     token_expires=self._expiry(at, at), token_origin=at))
         return _Enrolled(dev_id, slot, density, kp, fed.round, fed.init_digest, fed.config)
 
-    @staticmethod
-    def _slot(s: Session, fed: Federation, asked: int | None) -> int:
+    def _slot(self, s: Session, fed: Federation, asked: int | None) -> int:
         """The slot asked for if it is free, else the lowest free one (in SQL, on the (federation, slot) index:
-        an enrolment must not load every device of a large fleet)."""
-        clients = fed_model(fed.config).cfg.clients
+        an enrolment must not load every device of a large fleet). Where rounds sample their devices, the draw
+        is public (the config's seed), so a device must not pick a slot a round draws: the one asked for is
+        ignored and a free slot is drawn at random (a few probes, then the lowest free)."""
+        cfg = fed_model(fed.config).cfg
+        clients = cfg.clients
         mine = (Device.federation == fed.id,)
         if (s.scalar(select(func.count()).select_from(Device).where(*mine)) or 0) >= clients:
             raise Conflict(f"federation {fed.id!r} is full: all {clients} slots are taken")
         if asked is not None and asked >= clients:
             raise Unprocessable(f"index {asked} out of range: the federation has slots 0..{clients - 1}")
+        if cfg.participation < 1:
+            asked = None
+            for _ in range(_PROBES):
+                probe = self.rng.randrange(clients)
+                if s.scalar(select(Device.id).where(*mine, Device.slot == probe)) is None:
+                    return probe
         if asked is not None and s.scalar(select(Device.id).where(*mine, Device.slot == asked)) is None:
             return asked
         if s.scalar(select(Device.id).where(*mine, Device.slot == 0)) is None:
@@ -233,15 +261,30 @@ class EnrolmentService:
 
     # ------------------------------------------------------------------------ rotation and revocation
 
-    def rotate_token(self, dev_id: str) -> tuple[str, float]:
-        """A fresh token for the device (the old one is dead at once) and when it expires."""
-        token, expires = secrets.token_urlsafe(32), now() + self.token_ttl_s
+    def _expiry(self, origin: float, at: float) -> float:
+        """When a token issued at ``at`` in a chain that began at ``origin`` expires."""
+        return min(at + self.token_ttl_s, origin + self.token_max_lifetime_s)
+
+    def rotate_token(self, dev_id: str, *, own: bool = False) -> tuple[str, float]:
+        """A fresh token for the device (the old one is dead at once) and when it expires. ``own``: the device
+        rotates its own token, in its chain: the new one expires no later than ``token_max_lifetime_s`` after
+        the chain began (its last enrolment with the secret, or the admin's last rotation), and past that the
+        rotation is refused (401; the device enrols again with its secret and nonce), so a stolen token cannot
+        be kept alive by rotating it. The admin's rotation (not ``own``) starts a new chain."""
+        token, at = secrets.token_urlsafe(32), now()
         with self.store.write() as s:
             dev = s.get(Device, dev_id, with_for_update=True)
             if dev is None or dev.revoked_at is not None:
                 raise Unauthorized(f"device {dev_id} is unknown or revoked")
-            dev.token_hash, dev.token_expires = hash_token(token), expires
-        log.info("device %s: token rotated", dev_id)
+            # a row from before schema 9 has no origin: its chain starts at this rotation
+            origin = dev.token_origin if own and dev.token_origin is not None else at
+            if at - origin >= self.token_max_lifetime_s:
+                raise Unauthorized(f"the tokens of device {dev_id} descend from an enrolment older than the "
+                                   f"server's device_token_max_lifetime_s ({self.token_max_lifetime_s:.0f} s): "
+                                   "enrol again with the enrolment secret and the device's nonce")
+            expires = self._expiry(origin, at)
+            dev.token_hash, dev.token_expires, dev.token_origin = hash_token(token), expires, origin
+        log.info("device %s: token rotated%s", dev_id, "" if own else " (by the admin: a new chain)")
         return token, expires
 
     def device_of(self, fed_id: str, dev_id: str) -> Device:

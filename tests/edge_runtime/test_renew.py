@@ -57,8 +57,8 @@ def test_a_refused_rotation_makes_the_device_enrol_again_as_itself(srv: Backgrou
     http.use_token(store.root / "token.json", first.token)
     assert http.rotate_if_due() and not http.chain_ended  # a fresh enrolment rotates at once: the chain works
     _age(srv, first.device_id, expired=False)
-    http._next_try = 0.0  # noqa: SLF001  # (due again: its retry clock, not time, decides here)
-    http._expires = None  # noqa: SLF001
+    http._next_try = 0.0  # (due again: its retry clock, not time, decides here)
+    http._expires = None
     assert not http.rotate_if_due() and http.chain_ended  # 401: past the chain's lifetime
     again = renew(store, http, cfg, first)
     assert (again.device_id, again.index) == (first.device_id, first.index) and again.token != first.token

@@ -139,3 +139,26 @@ def test_sampled_rounds_task_only_the_simulators_participants(srv: BackgroundSer
     rounds = c.get("/v1/federations/sp/metrics", headers={"Authorization": f"Bearer {ADMIN}"}).json()["rounds"]
     assert [r["updates"] for r in rounds] == [2, 2, 2]
     watch.close()
+
+
+def test_a_device_cannot_choose_its_slot_where_rounds_sample(srv: BackgroundServer) -> None:
+    """The draw of a sampled federation is public (its seed), so the slot a device asks for is ignored there and
+    a free one drawn at random (the server's generator, seeded here to check the draws against the same
+    generator's: random probes among the 16 slots until a free one); without sampling the slot asked for is
+    given, as before."""
+    import random
+
+    assert srv.app_state is not None
+    srv.app_state.coordinator.enrolment.rng = random.Random(7)
+    c = httpx.Client(base_url=srv.url, timeout=30)
+    create(c, ADMIN, "ns", {**FEDPER, "clients": 16, "participation": 0.25})
+    got = [Dev(c, "ns", index=3).index for _ in range(6)]
+    ref, want = random.Random(7), []
+    for _ in range(6):
+        slot = ref.randrange(16)
+        while slot in want:
+            slot = ref.randrange(16)
+        want.append(slot)
+    assert got == want and got[0] != 3, got
+    create(c, ADMIN, "all", {**FEDPER, "clients": 16})
+    assert [Dev(c, "all", index=i).index for i in (3, 9)] == [3, 9]

@@ -183,11 +183,13 @@ def test_enrol_gate_federation_bucket_cache_and_unknown_federation(monkeypatch: 
     assert times[1] > 0.3 * times[0] and len(calls) == 3
     with pytest.raises(Forbidden):  # from yet other addresses: the federation's bucket (2) is spent
         gate.check("f", "wrong-again", stored, "10.2.0.1")
-    with pytest.raises(TooManyRequests) as tm:
-        gate.check("f", SECRET, stored, "10.2.0.2")
+    gate.check("f", SECRET, stored, "10.2.0.2")  # the verified secret needs no federation token (EnrolGate's rule)
+    with pytest.raises(TooManyRequests) as tm:  # a guess does
+        gate.check("f", "wrong-3", stored, "10.2.0.3")
     assert tm.value.retry_after is not None and tm.value.headers == {"Retry-After": "1"}
     t[0] += 1.0  # refilled
-    gate.check("f", SECRET, stored, "10.2.0.3")
+    with pytest.raises(Forbidden):
+        gate.check("f", "wrong-3", stored, "10.2.0.4")
 
 
 def test_enrol_gate_verifies_a_fleets_first_wave_once(monkeypatch: pytest.MonkeyPatch) -> None:
