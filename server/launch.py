@@ -6,15 +6,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
+import logging
 import os
 import resource
+import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
+import h11
 import httpx
 import uvicorn
 from fastapi import FastAPI
@@ -29,6 +36,7 @@ from .settings import Settings, ensure_admin_token
 
 __all__ = [
     "BackgroundServer",
+    "PeerLimit",
     "SubprocessServer",
     "start_background",
     "start_subprocess",
@@ -38,30 +46,102 @@ __all__ = [
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
+_log = logging.getLogger("uvicorn.error")  # where uvicorn's own lines about connections go
+
+
+@dataclass
+class PeerLimit:
+    """Open connections per TCP peer address, shared by the protocol instances of one server (each server's
+    protocol class has its own: ``uvicorn_config``). Touched only on that server's event loop: no lock. ``cap``:
+    the most one address may hold open (0: no limit, counted all the same). The peer is the TCP peer: behind a
+    reverse proxy every client is the proxy, so ``proxy`` (the addresses of ``forwarded_allow_ips``) are never
+    capped: limiting its clients is the proxy's business."""
+
+    cap: int
+    proxy: Callable[[str], bool] = lambda _host: False
+    open: dict[str, int] = field(default_factory=dict)
+    refused: int = 0  # connections reset at once since the start, for tests and the log
+    log_every_s: float = 10.0
+    _unlogged: int = 0
+    _logged_at: float = -float("inf")
+
+    def admit(self, host: str) -> bool:
+        n = self.open.get(host, 0)
+        if 0 < self.cap <= n and not self.proxy(host):  # asked only at the cap: a proxy's many pay the parse
+            self.refused += 1
+            self._log(host)
+            return False
+        self.open[host] = n + 1
+        return True
+
+    def release(self, host: str) -> None:
+        n = self.open.get(host, 0) - 1
+        if n > 0:
+            self.open[host] = n
+        else:
+            self.open.pop(host, None)  # an address with nothing open costs no memory
+
+    def _log(self, host: str) -> None:
+        # one line per log_every_s however fast a flood comes (a line per refusal would be the flood's own log)
+        self._unlogged += 1
+        now = time.monotonic()
+        if now - self._logged_at >= self.log_every_s:
+            _log.warning("resetting connections at once from addresses over http_max_connections_per_address "
+                         "(%d): %d since the last such line, the last from %s", self.cap, self._unlogged, host)
+            self._logged_at, self._unlogged = now, 0
+
 
 class _HeaderTimeout(H11Protocol):
-    """uvicorn's h11 protocol, plus a bound on how long a connection may take to send a whole request header
-    (uvicorn has none: a connection that sends nothing, or a header one byte a minute, holds its descriptor
-    forever). Between requests, uvicorn's keep-alive timeout applies as before."""
+    """uvicorn's h11 protocol, plus: a connection from an address that already holds ``peers.cap`` open ones is
+    reset at once, before uvicorn counts it (its ``limit_concurrency`` counts every open connection: 4,200 idle
+    sockets of one stranger made every request 503); a new connection that sends no byte within
+    ``first_byte_timeout_s`` is reset, and one that has not sent a whole request header within
+    ``header_timeout_s`` (uvicorn bounds neither: a connection that sends nothing, or a header one byte a minute,
+    held its descriptor forever). Between requests, uvicorn's keep-alive timeout applies as before."""
 
     header_timeout_s = 10.0
+    first_byte_timeout_s = 5.0
+    peers: ClassVar[PeerLimit] = PeerLimit(0)  # each server's subclass has its own (uvicorn_config)
     _header_timer: asyncio.TimerHandle | None = None
+    _first_byte_timer: asyncio.TimerHandle | None = None
+    _peer: str | None = None  # the address this connection counts against, until it is lost
+    _gone = False  # refused, or handed to the WebSocket protocol: none of this connection is ours any more
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        peer = transport.get_extra_info("peername")  # cached by the transport: no system call
+        if isinstance(peer, tuple) and peer:
+            if not self.peers.admit(str(peer[0])):
+                # before uvicorn's own connection_made: never in its connections, no timer, no h11 state used
+                self._gone = True
+                _reset(transport)
+                return
+            self._peer = str(peer[0])
         super().connection_made(transport)
         self._arm()
+        if not transport.is_closing():
+            self._first_byte_timer = self.loop.call_later(self.first_byte_timeout_s, self._first_byte_timed_out)
 
     def _arm(self) -> None:
-        if self._header_timer is None and not self.transport.is_closing():
+        if self._header_timer is None and not self._gone and not self.transport.is_closing():
             self._header_timer = self.loop.call_later(self.header_timeout_s, self._header_timed_out)
 
     def _disarm(self) -> None:
         if self._header_timer is not None:
             self._header_timer.cancel()
             self._header_timer = None
+        if self._first_byte_timer is not None:
+            self._first_byte_timer.cancel()
+            self._first_byte_timer = None
 
     def data_received(self, data: bytes) -> None:
+        if self._gone:
+            return
+        if self._first_byte_timer is not None:
+            self._first_byte_timer.cancel()
+            self._first_byte_timer = None
         super().data_received(data)
+        if self._gone:  # upgraded to a WebSocket: the header timer must not close that connection later
+            return
         if self.cycle is None or self.cycle.response_complete:
             self._arm()  # bytes of a request whose header is not complete yet
         else:
@@ -71,14 +151,66 @@ class _HeaderTimeout(H11Protocol):
         super().on_response_complete()
         self._disarm()  # idle between requests: the keep-alive timeout's business
 
-    def connection_lost(self, exc: Exception | None) -> None:
+    def handle_websocket_upgrade(self, event: h11.Request) -> None:
+        # the WebSocket protocol takes the transport, and its connection_lost is not ours: let go of it now
         self._disarm()
+        self._release()
+        self._gone = True
+        super().handle_websocket_upgrade(event)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._gone:  # refused (uvicorn never saw it), or no longer ours
+            return
+        self._disarm()
+        self._release()
         super().connection_lost(exc)
+
+    def _release(self) -> None:
+        if self._peer is not None:
+            self.peers.release(self._peer)
+            self._peer = None
+
+    def _first_byte_timed_out(self) -> None:
+        self._first_byte_timer = None
+        if not self.transport.is_closing():
+            _reset(self.transport)  # not a byte sent: nothing to answer, nothing to flush
 
     def _header_timed_out(self) -> None:
         self._header_timer = None
         if (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing():
             self.transport.close()
+
+
+def _proxies(spec: str) -> Callable[[str], bool]:
+    """Whether an address is one of ``spec`` (``forwarded_allow_ips``: addresses or networks, comma-separated;
+    ``*``: any), as uvicorn reads that setting."""
+    items = {x.strip() for x in spec.split(",") if x.strip()}
+    if "*" in items:
+        return lambda _host: True
+    nets = []
+    for x in items:
+        with contextlib.suppress(ValueError):  # not an address: compared as text
+            nets.append(ipaddress.ip_network(x, strict=False))
+
+    def proxy(host: str) -> bool:
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            return host in items
+        return any(ip in net for net in nets)
+
+    return proxy
+
+
+def _reset(transport: asyncio.Transport) -> None:
+    """Close a stranger's connection now, leaving nothing behind: a reset (SO_LINGER 0) leaves no TIME_WAIT
+    socket in the kernel (a flood of refused connections made one each), and abort, not close, for a TLS close
+    would wait for the stranger's close_notify."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
 
 
 def _raise_nofile() -> None:
@@ -94,16 +226,24 @@ def _raise_nofile() -> None:
 def uvicorn_config(app: FastAPI, settings: Settings, host: str, port: int, *,
                    log_level: str = "info") -> uvicorn.Config:
     """How the server is served: HTTPS when ``tls_cert``/``tls_key`` are set; at most ``http_limit_concurrency``
-    connections or tasks (more are answered 503); closed when a request header takes longer than
-    ``http_header_timeout_s`` or a kept-alive connection idles ``http_keep_alive_s``; headers bounded by
-    ``http_max_header_bytes``; and log lines about an exhausted descriptor table at most one per 10 s."""
+    connections or tasks (more are answered 503), and at most ``http_max_connections_per_address`` open
+    connections per TCP peer address but a trusted proxy's (more are reset at once, unread, uncounted by uvicorn;
+    0: no limit); closed when a new connection sends no byte within ``http_first_byte_timeout_s``, a request
+    header takes longer than ``http_header_timeout_s`` or a kept-alive connection idles ``http_keep_alive_s``;
+    headers bounded by ``http_max_header_bytes``; and log lines about an exhausted descriptor table at most one
+    per 10 s."""
     _raise_nofile()
-    proto = type("PflH11Protocol", (_HeaderTimeout,), {"header_timeout_s": settings.http_header_timeout_s})
+    proto = type("PflH11Protocol", (_HeaderTimeout,), {  # a class per server: its own count of peers
+        "header_timeout_s": settings.http_header_timeout_s,
+        "first_byte_timeout_s": settings.http_first_byte_timeout_s,
+        "peers": PeerLimit(settings.http_max_connections_per_address, _proxies(settings.forwarded_allow_ips))})
     cfg = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, lifespan="on", http=proto,
         limit_concurrency=settings.http_limit_concurrency, backlog=settings.http_backlog,
         timeout_keep_alive=settings.http_keep_alive_s,  # type: ignore[arg-type]  # a float works as well
         h11_max_incomplete_event_size=settings.http_max_header_bytes,
+        # X-Forwarded-For only from the configured balancer (uvicorn's default trusts 127.0.0.1: any local client)
+        proxy_headers=bool(settings.forwarded_allow_ips), forwarded_allow_ips=settings.forwarded_allow_ips,
         ssl_certfile=settings.tls_cert, ssl_keyfile=settings.tls_key)
     install_flood_filter()  # after uvicorn configured its loggers
     return cfg

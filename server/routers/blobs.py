@@ -9,6 +9,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Request, Response
 from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
 from pfl_edge.protocol import DIGEST_RE, BlobStored
@@ -17,7 +18,8 @@ from ..db import Device
 from ..deps import BlobReader, Blobs, DeviceAuth
 from ..errors import Unprocessable
 from ..services.blob_access import BlobAccess
-from ..services.spool import Spooled, spool_body
+from ..services.spool import BodyStalled, Spooled, spool_body
+from ..settings import Settings
 
 __all__ = ["BlobStored", "router"]
 
@@ -41,6 +43,14 @@ def _put(blobs: BlobAccess, dev: Device, sha256: str, body: Spooled) -> bool:
         body.discard()
 
 
+def _idle_timeout_s(request: Request) -> float:
+    """The server's ``http_body_idle_timeout_s`` (its default for an app without the server's state)."""
+    st = getattr(request.app.state, "pfl", None)
+    if st is None:
+        return float(Settings.model_fields["http_body_idle_timeout_s"].default)
+    return float(st.settings.http_body_idle_timeout_s)
+
+
 @router.put("/{sha256}", response_model=BlobStored,
             responses={201: {"model": BlobStored}, 413: {"description": "over max_blob_bytes"}},
             openapi_extra={"requestBody": {"required": True, "content": {
@@ -56,10 +66,14 @@ async def put_blob(request: Request, sha256: Digest, dev: DeviceAuth, blobs: Blo
     try:
         with blobs.receiving(dev):
             body = await spool_body(request.stream(), blobs.store.max_blob_bytes, blobs.spool_dir,
-                                    request.headers.get("content-length"))
+                                    request.headers.get("content-length"), _idle_timeout_s(request))
     except ClientDisconnect:  # cut or killed mid-upload: nothing was kept, and a device sends the blob again
         log.info("device %s went away during PUT of blob %s", dev.id, sha256)
         return Response(status_code=400)  # read by no one; not a server error to log with a traceback
+    except BodyStalled as e:  # its slot and spool file are free already; the connection ends with the answer
+        log.info("device %s stalled during PUT of blob %s: %s", dev.id, sha256, e)
+        return JSONResponse({"detail": f"request body stalled: {e}"}, status_code=408,
+                            headers={"Connection": "close"})  # the rest of the body is never read
     job = blobs.upload_threads.submit(_put, blobs, dev, sha256, body)
     try:
         created = await asyncio.wrap_future(job)

@@ -5,6 +5,7 @@ than the server's own process, so that cheap requests stay cheap while uploads a
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import hashlib
@@ -23,7 +24,7 @@ from pfl_edge.errors import CodecError
 
 from ..errors import TooLarge
 
-__all__ = ["DecodePool", "Spooled", "check_ones", "check_payload", "check_update", "spool_body"]
+__all__ = ["BodyStalled", "DecodePool", "Spooled", "check_ones", "check_payload", "check_update", "spool_body"]
 
 T = TypeVar("T")
 
@@ -45,11 +46,17 @@ class Spooled:
         self.path.unlink(missing_ok=True)
 
 
+class BodyStalled(TimeoutError):
+    """A body that stopped arriving: no chunk for the idle timeout."""
+
+
 async def spool_body(chunks: AsyncIterator[bytes], limit: int, directory: Path,
-                     declared: str | None = None) -> Spooled:
+                     declared: str | None = None, idle_timeout_s: float | None = None) -> Spooled:
     """The body of ``chunks`` written to a temp file in ``directory`` and hashed as it arrives; TooLarge past
-    ``limit`` bytes (at once when ``declared``, the Content-Length, says so). Each write goes to the page cache
-    (a few microseconds a chunk), so it is done on the event loop rather than with a thread hop per chunk."""
+    ``limit`` bytes (at once when ``declared``, the Content-Length, says so); BodyStalled when no chunk comes for
+    ``idle_timeout_s`` (the header was whole, so no timeout of the HTTP server's applies any more). Either way the
+    file is gone. Each write goes to the page cache (a few microseconds a chunk), so it is done on the event loop
+    rather than with a thread hop per chunk."""
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise TooLarge(f"blob of {declared} bytes is over the limit of {limit} bytes")
     directory.mkdir(parents=True, exist_ok=True)
@@ -57,16 +64,23 @@ async def spool_body(chunks: AsyncIterator[bytes], limit: int, directory: Path,
     path = Path(name)
     h = hashlib.sha256()
     size = 0
+    loop = asyncio.get_running_loop()
+    idle = asyncio.timeout(idle_timeout_s)  # one timer for the whole body, pushed on by each chunk
     try:
-        with os.fdopen(fd, "wb", buffering=0) as f:
-            async for chunk in chunks:
-                size += len(chunk)
-                if size > limit:  # a body without (or with a lying) Content-Length
-                    raise TooLarge(f"blob is over the limit of {limit} bytes")
-                h.update(chunk)
-                f.write(chunk)
-    except BaseException:
+        async with idle:
+            with os.fdopen(fd, "wb", buffering=0) as f:
+                async for chunk in chunks:
+                    if idle_timeout_s is not None:
+                        idle.reschedule(loop.time() + idle_timeout_s)
+                    size += len(chunk)
+                    if size > limit:  # a body without (or with a lying) Content-Length
+                        raise TooLarge(f"blob is over the limit of {limit} bytes")
+                    h.update(chunk)
+                    f.write(chunk)
+    except BaseException as e:
         path.unlink(missing_ok=True)
+        if isinstance(e, TimeoutError) and idle.expired():
+            raise BodyStalled(f"no byte of the body for {idle_timeout_s:g} s (after {size} bytes)") from None
         raise
     return Spooled(path, size, h.hexdigest())
 

@@ -95,7 +95,8 @@ def test_a_thousand_idle_connections_do_not_take_the_server_down(tmp_path: Path,
         resource.setrlimit(resource.RLIMIT_NOFILE, (2400, hard))
     log = tmp_path / "server.log"
     srv = start_subprocess({"PFL_ADMIN_TOKEN": ADMIN, "PFL_DATA_DIR": str(tmp_path / "data"),
-                            "PFL_BROKER_URL": broker_url, "PFL_HTTP_HEADER_TIMEOUT_S": "1"},
+                            "PFL_BROKER_URL": broker_url, "PFL_HTTP_HEADER_TIMEOUT_S": "1",
+                            "PFL_HTTP_MAX_CONNECTIONS_PER_ADDRESS": "0"},  # (else the cap resets them first)
                            nofile=1024, log=log)  # the usual limit: 1,100 idle clients exhaust it
     host, port = srv.url.removeprefix("http://").split(":")
     socks: list[socket.socket] = []
