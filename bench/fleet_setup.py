@@ -105,7 +105,9 @@ def server_env(data_dir: Path, *, database_url: str | None, broker_url: str | No
     env = {"PFL_DATA_DIR": str(data_dir), "PFL_ADMIN_TOKEN": admin_token,
            "PFL_ENROL_RATE_PER_ADDRESS": "1000000", "PFL_ENROL_BURST_PER_ADDRESS": "1000000",
            "PFL_ENROL_RATE_PER_FEDERATION": "1000000", "PFL_ENROL_BURST_PER_FEDERATION": "1000000",
-           "PFL_HTTP_LIMIT_CONCURRENCY": "100000", "PFL_HTTP_BACKLOG": "4096"}
+           "PFL_HTTP_LIMIT_CONCURRENCY": "100000", "PFL_HTTP_BACKLOG": "4096",
+           # a fleet of virtual devices comes from a handful of loopback addresses: no per-address caps
+           "PFL_HTTP_MAX_CONNECTIONS_PER_ADDRESS": "0", "PFL_EMBEDDED_BROKER_MAX_PER_ADDRESS": "0"}
     if database_url:
         env["PFL_DATABASE_URL"] = database_url
     if broker_url:

@@ -6,7 +6,10 @@ Devices see one URL. HAProxy sends each request to a replica that answers ``/hea
 two failures take a replica out, one success puts it back), round robin. A request whose connection to a replica
 fails (a replica that has just died) is sent to another (``retry-on conn-failure`` with ``option redispatch``);
 one that fails after its body was sent is the device's to retry, as against a single server (every write of the
-protocol is idempotent: docs/protocol.md)."""
+protocol is idempotent: docs/protocol.md). HAProxy adds the device's address (``option forwardfor``), which a
+replica believes only from the balancer (``forwarded_allow_ips``). A broker that asks the replicas' HTTP hook
+(RabbitMQ) reaches it on a listener of its own, ``hook_bind``, which serves nothing else; the devices' listener
+then refuses the hook's paths, so the hook's token is no use from the devices' network."""
 
 from __future__ import annotations
 
@@ -32,12 +35,14 @@ HAPROXY = shutil.which("haproxy") or ("/usr/sbin/haproxy" if Path("/usr/sbin/hap
 
 
 def haproxy_config(bind: str, servers: Sequence[str], *, max_body_s: int = 300,
-                   mode: Literal["http", "tcp"] = "http", dns: str | None = None) -> str:
+                   mode: Literal["http", "tcp"] = "http", dns: str | None = None, hook_bind: str | None = None) -> str:
     """HAProxy's configuration: listen on ``bind`` (``host:port``), balance over ``servers`` (``host:port``
     each). ``max_body_s``: the longest a request or response may take (a large model's upload on a slow link).
     ``mode="tcp"``: connections balanced as they are (MQTT over a broker cluster's nodes; each connection stays
     on its node for its life). ``dns``: a name server (``host:port``) that HAProxy asks again at run time, where
-    replicas are names whose addresses change (containers: Docker's ``127.0.0.11:53``)."""
+    replicas are names whose addresses change (containers: Docker's ``127.0.0.11:53``). ``hook_bind``: the broker
+    hook's own listener (only ``/v1/broker/hook/``; ``bind`` then answers those paths 404, percent-encoded ones
+    too, as the replicas decode them)."""
     if not servers:
         raise ConfigError("a load balancer needs at least one server")
     if mode == "tcp":
@@ -59,9 +64,16 @@ def haproxy_config(bind: str, servers: Sequence[str], *, max_body_s: int = 300,
         "    retries 3",
         "    option redispatch 1",
         "    retry-on conn-failure empty-response response-timeout",
+        "    option forwardfor",  # the device's address, for the replicas' per-address limits
         "",
         "frontend pfl",
         f"    bind {bind}",
+    ]
+    hook = "{ path,url_dec -m beg /v1/broker/hook/ }"
+    if hook_bind:
+        lines += [f"    http-request deny deny_status 404 if {hook}", "    default_backend replicas", "",
+                  "frontend hook", f"    bind {hook_bind}", f"    http-request deny deny_status 404 unless {hook}"]
+    lines += [
         "    default_backend replicas",
         "",
         "backend replicas",
@@ -186,7 +198,9 @@ def start_replicas(folder: Path, n: int, env: dict[str, str], *, timeout_s: floa
         raise ConfigError("haproxy is not installed (Debian: apt-get install haproxy)")
     folder.mkdir(parents=True, exist_ok=True)
     ports, lb = [free_port() for _ in range(n)], port or free_port()
-    env = {"PFL_BLOB_DIR": str(folder / "blobs"), **env, "PFL_PUBLIC_URL": f"http://127.0.0.1:{lb}"}
+    # the replicas believe the devices' addresses that their HAProxy, on loopback, adds
+    env = {"PFL_BLOB_DIR": str(folder / "blobs"), "PFL_FORWARDED_ALLOW_IPS": "127.0.0.1", **env,
+           "PFL_PUBLIC_URL": f"http://127.0.0.1:{lb}"}
     reps = Replicas(folder, env, ports, [None] * n)
     try:
         for i in range(n):

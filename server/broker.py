@@ -64,14 +64,15 @@ def loopback(host: str) -> bool:
 class EmbeddedBroker:
     """``start()`` returns the broker's URL as this process reaches it (``mqtt://`` or, with a certificate,
     ``mqtts://``); ``stop()`` shuts the broker and its thread down. ``authenticate`` decides who may connect and
-    what each may read and write (``server.broker_core``); None admits everyone to every topic (tests only)."""
+    what each may read and write (``server.broker_core``); None admits everyone to every topic (tests only).
+    ``max_per_address``: connections one client address may hold open (0: no cap; loopback has none)."""
 
     def __init__(self, host: str = "127.0.0.1", port: int | None = None, *,
                  authenticate: Authenticator | None = None, tls_cert: Path | None = None,
-                 tls_key: Path | None = None) -> None:
+                 tls_key: Path | None = None, max_per_address: int = 64) -> None:
         self.host = host
         self.port = port
-        self.core = BrokerCore(authenticate)
+        self.core = BrokerCore(authenticate, max_per_address=max_per_address)
         self._ssl = self._ssl_context(tls_cert, tls_key)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.Server | None = None

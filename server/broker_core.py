@@ -8,9 +8,12 @@ QoS 1, as MQTT 3.1.1 section 3.8.4 allows: subscribers see each message at least
 delivered by topic filter only, last wills, persistent sessions (clean_session False) whose QoS 1 messages wait
 while the client is away and are sent again on reconnect, client-id takeover (a second connection with a client
 id closes the first, without its will, and gets the session), keepalive (a connection silent for 1.5 x its
-keepalive is closed and its will published; keepalive 0 gets ``idle_s``), and bounded memory (connections,
-packet size, per-session queue, write buffer: a client that stops reading is disconnected instead of buffered
-forever; CONNECT must come within ``connect_timeout_s``).
+keepalive is closed and its will published; keepalive 0 gets ``idle_s``), and bounded memory (connections, in all
+and per address, refused on accept; packet size, CONNECT's a few KB; per-session queue; write buffer: a client
+that stops reading is disconnected, except the server's own link, which loses QoS 0 messages instead; CONNECT
+within ``connect_timeout_s``). A client with write rules (a device) publishes at most ``device_payload`` bytes a
+message, ``device_rate`` a second after a burst of ``device_burst``; the rest are acknowledged and dropped. Log
+lines a client can cause are counted in ``noted`` and pass one :class:`~.broker_wire.LogGate`.
 
 Access: ``authenticate(client_id, username, password)`` (called in a worker thread: it may query a database)
 answers an :class:`Identity` or None (refused). An identity reads (subscribes to, receives, gets retained) only
@@ -24,36 +27,17 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from collections import deque
+import time
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from . import broker_wire as w
+from .broker_wire import ANYONE, Authenticator, Identity
 
-__all__ = ["ANYONE", "MAX_PACKET", "Authenticator", "BrokerCore", "Identity"]
+__all__ = ["ANYONE", "MAX_CONNECT", "MAX_DEVICE_PAYLOAD", "MAX_PACKET", "Authenticator", "BrokerCore", "Identity"]
 
 log = logging.getLogger("server.broker")
-
-
-@dataclass(frozen=True)
-class Identity:
-    username: str
-    read: frozenset[str] | None = None  # exact topics it may subscribe to and receive; None: any
-    write: frozenset[str] | None = None  # topics it may publish to (its will included); None: any
-    client_id: str | None = None  # the one client id it may connect with; None: any
-
-    def may_read(self, topic: str) -> bool:
-        return self.read is None or topic in self.read
-
-    def may_subscribe(self, a_filter: str) -> bool:
-        return self.read is None or a_filter in self.read
-
-    def may_write(self, topic: str) -> bool:
-        return self.write is None or topic in self.write
-
-
-ANYONE = Identity("")  # what every client is when the broker has no authenticator (tests only)
-Authenticator = Callable[[str, str | None, bytes | None], Identity | None]
 
 
 @dataclass(eq=False)
@@ -81,21 +65,35 @@ class _Conn:
     writer: asyncio.StreamWriter
     session: _Session
     will: w.Publish | None
+    bucket: w.Bucket  # its publishes (a client with write rules)
     dead: bool = False
+    refused: Counter[str] = field(default_factory=Counter)  # what it was refused or lost, by kind
 
 
 # The largest packet a client may send (its remaining length): refused before it is read. pfl-edge's own messages
 # are far below it (the largest, a Task with MAX_NEIGHBOURS neighbours, is ~180 KB: tests/server); models travel
 # over HTTP, never MQTT. docs/protocol.md states it.
 MAX_PACKET = 256 * 1024
+# The first packet (CONNECT: a client id, a user name, a password, a will of ~100 bytes) is bounded far lower
+# before authentication: 1,500 half-sent CONNECTs of 256 KiB held over 400 MB of the broker's memory.
+MAX_CONNECT = 4 * 1024
+# What a client with write rules (a device: its status, ~100 bytes of JSON) may publish; server.mqtt drops a
+# longer status too, whatever the broker: 256 KiB garbage statuses once flooded the server's own link.
+MAX_DEVICE_PAYLOAD = 1024
 
 
 class BrokerCore:
     def __init__(self, authenticate: Authenticator | None = None, *, max_packet: int = MAX_PACKET,
                  max_queue: int = 1000, max_inflight: int = 100, max_buffer: int = 4 << 20,
-                 connect_timeout_s: float = 10.0, idle_s: float = 600.0, max_connections: int = 20_000) -> None:
+                 connect_timeout_s: float = 10.0, idle_s: float = 600.0, max_connections: int = 20_000,
+                 max_per_address: int = 64, max_connect: int = MAX_CONNECT, device_payload: int = MAX_DEVICE_PAYLOAD,
+                 device_rate: float = 1.0, device_burst: int = 10, clock: Callable[[], float] = time.monotonic) -> None:
         self.authenticate = authenticate
         self.max_connections, self._open = max_connections, 0
+        self.max_per_address, self._by_address = max_per_address, Counter[str]()  # 0: no cap (w.crowded)
+        self.max_connect, self.device_payload, self.device_rate, self.device_burst, self.clock = \
+            max_connect, device_payload, device_rate, device_burst, clock
+        self.log_gate, self.noted = w.LogGate(clock=clock), Counter[str]()  # noted: refusals and losses by kind
         self.max_packet, self.max_queue, self.max_inflight, self.max_buffer = max_packet, max_queue, max_inflight, \
             max_buffer
         self.connect_timeout_s, self.idle_s = connect_timeout_s, idle_s
@@ -105,17 +103,27 @@ class BrokerCore:
         self._wild: set[str] = set()  # the filters in _subs with a wildcard
 
     # ------------------------------------------------------------------------------------------ connections
+    def _note(self, kind: str, level: int, msg: str, *args: object, conn: _Conn | None = None,
+              exc_info: bool = False) -> None:
+        """A refusal or a loss a client caused: counted (broker-wide, and per connection), logged through the gate."""
+        self.noted[kind] += 1
+        if conn is not None:
+            conn.refused[kind] += 1
+        self.log_gate(log, level, kind, msg, *args, exc_info=exc_info)
+
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One client connection, from CONNECT to its end."""
         conn: _Conn | None = None
-        if self._open >= self.max_connections:
-            log.warning("MQTT connection from %s refused: %d connections open", writer.get_extra_info("peername"),
-                        self._open)
+        host = w.peer_host(writer)
+        why = w.crowded(self._by_address, host, self.max_per_address)
+        if self._open >= self.max_connections or why:
+            self._note("accept", logging.WARNING, "MQTT connection from %s refused: %s", w.shown(host),
+                       why or f"{self._open} connections open")
             writer.transport.abort()
             return
-        self._open += 1
+        self._open, self._by_address[host] = self._open + 1, self._by_address[host] + 1
         try:
-            kind, _flags, body = await asyncio.wait_for(w.read_packet(reader, self.max_packet),
+            kind, _flags, body = await asyncio.wait_for(w.read_packet(reader, self.max_connect),
                                                         self.connect_timeout_s)
             if kind != w.CONNECT:
                 raise w.WireError("the first packet is not CONNECT")
@@ -132,17 +140,22 @@ class BrokerCore:
                 if not conn.dead:
                     self._packet(conn, kind, flags, body)
         except TimeoutError:
-            log.info("MQTT client %s silent past its keepalive: closed", conn.session.client_id if conn else "?")
+            self._note("silent", logging.INFO, "MQTT client %s silent past its keepalive: closed",
+                       w.shown(conn.session.client_id if conn else "?"))
         except (w.WireError, UnicodeError) as e:
-            log.warning("MQTT connection from %s closed: %s", writer.get_extra_info("peername"), e)
+            self._note("malformed", logging.WARNING, "MQTT connection from %s closed: %s", w.shown(host), e)
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
             pass
         except asyncio.CancelledError:  # the broker stops: end quietly (asyncio's stream callback would log it)
             pass
         finally:
             self._open -= 1
+            w.leave(self._by_address, host)
             if conn is not None:
                 self._drop(conn, will=True)
+                if conn.refused.total() > 1:  # the gate may have held its lines back: one line of them all
+                    self._note("summary", logging.WARNING, "MQTT client %s refused or lost in its connection: %s",
+                               w.shown(conn.session.client_id), dict(conn.refused))
             writer.close()
 
     async def _connect(self, c: w.Connect, writer: asyncio.StreamWriter) -> _Conn | None:
@@ -162,28 +175,36 @@ class BrokerCore:
                 got = await asyncio.get_running_loop().run_in_executor(None, self.authenticate, client_id,
                                                                          c.username, c.password)
             except Exception:  # e.g. the database is away: "server unavailable", the client retries
-                log.exception("MQTT client %r: authentication failed", client_id)
+                self._note("auth-error", logging.ERROR, "MQTT client %s: authentication failed", w.shown(client_id),
+                           exc_info=True)
                 writer.write(w.connack(False, 3))
                 return None
             if got is None:
-                log.warning("MQTT client %r (user %r) refused: unknown user or wrong password", client_id, c.username)
+                self._note("connect", logging.WARNING, "MQTT client %s (user %s) refused: unknown user or wrong "
+                           "password", w.shown(client_id), w.shown(c.username))
                 writer.write(w.connack(False, 4 if c.username else 5))
                 return None
             ident = got
         if ident.client_id is not None and ident.client_id != client_id:
-            log.warning("MQTT user %r refused: client id %r is not its own", ident.username, client_id)
+            self._note("connect", logging.WARNING, "MQTT user %s refused: client id %s is not its own",
+                       w.shown(ident.username), w.shown(client_id))
             writer.write(w.connack(False, 2))
             return None
-        if c.will is not None and not ident.may_write(c.will.topic):
-            log.warning("MQTT user %r refused: may not leave a will on %r", ident.username, c.will.topic)
+        if c.will is not None and not (ident.may_write(c.will.topic) and self._fits(ident, c.will)):
+            self._note("connect", logging.WARNING, "MQTT user %s refused: may not leave a will of %d bytes on %s",
+                       w.shown(ident.username), len(c.will.payload), w.shown(c.will.topic))
             writer.write(w.connack(False, 5))
             return None
         return self._attach(client_id, ident, c, writer)
 
+    def _fits(self, ident: Identity, p: w.Publish) -> bool:  # a device's message, its will included
+        return ident.write is None or len(p.payload) <= self.device_payload
+
     def _attach(self, client_id: str, ident: Identity, c: w.Connect, writer: asyncio.StreamWriter) -> _Conn:
         old = self.sessions.get(client_id)
         if old is not None and old.conn is not None:
-            log.info("MQTT client %r connected again: the old connection is closed (takeover)", client_id)
+            self._note("takeover", logging.INFO, "MQTT client %s connected again: the old connection is closed "
+                       "(takeover)", w.shown(client_id))
             self._drop(old.conn, will=False)
         if old is not None and (c.clean or old.clean or old.identity.username != ident.username):
             self._forget(old)
@@ -191,7 +212,7 @@ class BrokerCore:
         sess = old if old is not None else _Session(client_id, ident, c.clean)
         sess.identity = ident
         self.sessions[client_id] = sess
-        conn = _Conn(writer, sess, c.will)
+        conn = _Conn(writer, sess, c.will, w.Bucket(self.device_rate, self.device_burst, self.clock))
         sess.conn = conn
         self._send(conn, w.connack(old is not None, 0))
         for p in list(sess.inflight.values()):
@@ -220,12 +241,17 @@ class BrokerCore:
         for f in list(sess.subs):
             self._unsubscribe(sess, f)
 
+    def _full(self, conn: _Conn) -> bool:
+        return conn.writer.transport.get_write_buffer_size() > self.max_buffer
+
     def _send(self, conn: _Conn, data: bytes) -> None:
         if conn.dead:
             return
         conn.writer.write(data)
-        if conn.writer.transport.get_write_buffer_size() > self.max_buffer:
-            log.warning("MQTT client %r does not read: disconnected", conn.session.client_id)
+        # the server's link stays: what it is sent is bounded (QoS 1 by max_inflight, QoS 0 dropped in _deliver)
+        if self._full(conn) and not conn.session.identity.own:
+            self._note("slow", logging.WARNING, "MQTT client %s does not read: disconnected",
+                       w.shown(conn.session.client_id))
             self._drop(conn, will=True)
 
     # ---------------------------------------------------------------------------------------------- packets
@@ -266,10 +292,17 @@ class BrokerCore:
             self._send(conn, w.pubrec(p.pid))
             return
         ident = sess.identity
-        if ident.may_write(p.topic):
-            self._route(p)
+        if not ident.may_write(p.topic):
+            self._note("publish", logging.WARNING, "MQTT user %s may not publish to %s: dropped",
+                       w.shown(ident.username), w.shown(p.topic), conn=conn)
+        elif not self._fits(ident, p):
+            self._note("oversize", logging.WARNING, "MQTT user %s published %d bytes to %s, over %d: dropped",
+                       w.shown(ident.username), len(p.payload), w.shown(p.topic), self.device_payload, conn=conn)
+        elif ident.write is not None and not conn.bucket.take():
+            self._note("rate", logging.WARNING, "MQTT user %s publishes faster than %g a second: dropped",
+                       w.shown(ident.username), self.device_rate, conn=conn)
         else:
-            log.warning("MQTT user %r may not publish to %r: dropped", ident.username, p.topic)
+            self._route(p)
         if p.qos == 1:
             self._send(conn, w.puback(p.pid))
         elif p.qos == 2:
@@ -280,7 +313,8 @@ class BrokerCore:
         sess, codes, granted = conn.session, [], []
         for f, qos in subs:
             if not w.valid_filter(f) or not sess.identity.may_subscribe(f):
-                log.warning("MQTT user %r may not subscribe to %r: refused", sess.identity.username, f)
+                self._note("subscribe", logging.WARNING, "MQTT user %s may not subscribe to %s: refused",
+                           w.shown(sess.identity.username), w.shown(f), conn=conn)
                 codes.append(0x80)
                 continue
             qos = min(qos, 1)
@@ -328,13 +362,16 @@ class BrokerCore:
 
     def _deliver(self, sess: _Session, p: w.Publish) -> None:
         if p.qos == 0:
-            if sess.conn is not None:
+            if sess.conn is not None and sess.identity.own and self._full(sess.conn):  # lost, not disconnected
+                self._note("own-slow", logging.WARNING, "the server's MQTT link reads slowly: a QoS 0 message lost")
+            elif sess.conn is not None:
                 self._send(sess.conn, w.publish(p))
             return
         sess.queue.append(p)
         if len(sess.queue) > self.max_queue:
             sess.queue.popleft()
-            log.warning("MQTT client %r has %d messages waiting: the oldest dropped", sess.client_id, self.max_queue)
+            self._note("queue", logging.WARNING, "MQTT client %s has %d messages waiting: the oldest dropped",
+                       w.shown(sess.client_id), self.max_queue, conn=sess.conn)
         self._flush_queue(sess)
 
     def _flush_queue(self, sess: _Session) -> None:

@@ -2,15 +2,21 @@
 CONNECT, PUBLISH, SUBSCRIBE, UNSUBSCRIBE and the acknowledgements, plus topic filter matching.
 
 Every byte comes from the network: lengths are bounded before anything is read, strings must be UTF-8 without
-NUL, and anything malformed raises :class:`WireError` (the broker closes that connection)."""
+NUL, and anything malformed raises :class:`WireError` (the broker closes that connection). What the network makes
+the broker write to its log is bounded too: names cut short (:func:`shown`) and lines rate-limited
+(:class:`LogGate`). And who a client is (:class:`Identity`): the topics it may read and write."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import struct
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 __all__ = [
+    "ANYONE",
     "CONNACK",
     "CONNECT",
     "DISCONNECT",
@@ -25,20 +31,28 @@ __all__ = [
     "SUBSCRIBE",
     "UNSUBACK",
     "UNSUBSCRIBE",
+    "Authenticator",
+    "Bucket",
     "Connect",
+    "Identity",
+    "LogGate",
     "Publish",
     "WireError",
     "connack",
+    "crowded",
+    "leave",
     "matches",
     "parse_connect",
     "parse_publish",
     "parse_subscribe",
     "parse_unsubscribe",
+    "peer_host",
     "puback",
     "pubcomp",
     "publish",
     "pubrec",
     "read_packet",
+    "shown",
     "suback",
     "unsuback",
     "valid_filter",
@@ -55,7 +69,9 @@ class WireError(Exception):
 
 
 async def read_packet(reader: asyncio.StreamReader, max_bytes: int) -> tuple[int, int, bytes]:
-    """(packet type, flags, body) of the next packet; ``max_bytes`` bounds the body before it is read."""
+    """(packet type, flags, body) of the next packet; ``max_bytes`` bounds the body before it is read: a longer
+    one raises as soon as its remaining length is known, so a client that announces a large packet and sends it
+    slowly never makes the broker hold more than ``max_bytes`` of it."""
     first = (await reader.readexactly(1))[0]
     length, mult = 0, 1
     for _ in range(4):
@@ -70,6 +86,81 @@ async def read_packet(reader: asyncio.StreamReader, max_bytes: int) -> tuple[int
         raise WireError(f"packet of {length} bytes exceeds the broker's limit of {max_bytes}")
     body = await reader.readexactly(length) if length else b""
     return first >> 4, first & 0x0F, body
+
+
+def shown(value: object, limit: int = 120) -> str:
+    """``repr(value)`` for a log line, cut to ``limit`` characters: client ids, user names, topics and filters
+    come from the network (before the cut, a SUBSCRIBE of 60,000 refused filters wrote 16.7 times its bytes)."""
+    r = repr(value)
+    return r if len(r) <= limit else f"{r[:limit]}... ({len(r)} characters)"
+
+
+def peer_host(writer: asyncio.StreamWriter) -> str:
+    peer = writer.get_extra_info("peername")
+    return str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+
+
+# exempt from the per-address cap: the server's own link comes from loopback (and so does every device behind a
+# TCP proxy on this host)
+_LOOPBACK = frozenset({"127.0.0.1", "::1", "::ffff:127.0.0.1"})
+
+
+def crowded(open_by_address: Mapping[str, int], host: str, cap: int) -> str:
+    """Why a new connection from ``host`` is refused ("" if it is not): ``cap`` connections already open from that
+    address (0: no cap; loopback has none)."""
+    n = open_by_address.get(host, 0)
+    return f"{n} connections open from that address" if cap and n >= cap and host not in _LOOPBACK else ""
+
+
+def leave(open_by_address: dict[str, int], host: str) -> None:
+    """A connection from ``host`` ended (an address with none open is forgotten)."""
+    n = open_by_address[host] - 1
+    if n > 0:
+        open_by_address[host] = n
+    else:
+        del open_by_address[host]
+
+
+class Bucket:
+    """A token bucket: ``burst`` tokens, refilled at ``rate`` a second (one client's publishes)."""
+
+    def __init__(self, rate: float, burst: int, clock: Callable[[], float]) -> None:
+        self.rate, self.burst, self.clock = rate, float(burst), clock
+        self.tokens, self.at = self.burst, clock()
+
+    def take(self) -> bool:
+        now = self.clock()
+        self.tokens, self.at = min(self.burst, self.tokens + (now - self.at) * self.rate), now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
+
+
+class LogGate:
+    """At most ``burst`` log lines of a kind per ``every_s`` seconds; the lines held back are counted, and the next
+    line of that kind let through says how many. What a flood of clients makes the broker write stays bounded
+    whatever they send, and a refusal is still seen. For one thread (the broker's loop; a link's network thread)."""
+
+    def __init__(self, every_s: float = 10.0, burst: int = 5, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every_s, self.burst, self.clock = every_s, burst, clock
+        self._kinds: dict[str, tuple[float, int, int]] = {}  # kind -> (window start, lines let through, held back)
+
+    def __call__(self, logger: logging.Logger, level: int, kind: str, msg: str, *args: object,
+                 exc_info: bool = False) -> bool:
+        """Log ``msg % args`` unless ``kind`` has had its lines in this window; whether it was logged."""
+        now = self.clock()
+        start, let, held = self._kinds.get(kind, (now, 0, 0))
+        if now - start >= self.every_s:
+            start, let = now, 0
+        if let >= self.burst:
+            self._kinds[kind] = (start, let, held + 1)
+            return False
+        self._kinds[kind] = (start, let + 1, 0)
+        if held:
+            msg = f"{msg} (and {held} more like it not logged)"
+        logger.log(level, msg, *args, exc_info=exc_info)
+        return True
 
 
 def _header(kind: int, flags: int, length: int) -> bytes:
@@ -153,7 +244,7 @@ def parse_connect(body: bytes) -> Connect:
     name = r.text()
     level = r.u8()
     if name != "MQTT":
-        raise WireError(f"protocol {name!r} is not MQTT")
+        raise WireError(f"protocol {shown(name)} is not MQTT")
     flags = r.u8()
     if flags & 0x01:
         raise WireError("reserved CONNECT flag set")
@@ -257,3 +348,28 @@ def matches(a_filter: str, topic: str) -> bool:
         if i >= len(t) or (level != "+" and level != t[i]):
             return False
     return len(f) == len(t)
+
+
+# ------------------------------------------------------------------------ who may use which topics
+@dataclass(frozen=True)
+class Identity:
+    username: str
+    read: frozenset[str] | None = None  # exact topics it may subscribe to and receive; None: any
+    write: frozenset[str] | None = None  # topics it may publish to (its will included); None: any
+    client_id: str | None = None  # the one client id it may connect with; None: any
+    # the server's own link: never disconnected for reading slowly (its QoS 0 messages are dropped meanwhile;
+    # its QoS 1 ones wait in its queue), so no flood of device messages can cut the server off its broker
+    own: bool = False
+
+    def may_read(self, topic: str) -> bool:
+        return self.read is None or topic in self.read
+
+    def may_subscribe(self, a_filter: str) -> bool:
+        return self.read is None or a_filter in self.read
+
+    def may_write(self, topic: str) -> bool:
+        return self.write is None or topic in self.write
+
+
+ANYONE = Identity("")  # what every client is when the broker has no authenticator (tests only)
+Authenticator = Callable[[str, str | None, bytes | None], Identity | None]

@@ -15,11 +15,17 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 from pydantic import BaseModel
 
-__all__ = ["STATUS_FILTER", "MqttLink", "broker_tls", "parse_broker_url"]
+from .broker_core import MAX_DEVICE_PAYLOAD
+from .broker_wire import LogGate
+
+__all__ = ["STATUS_FILTER", "STATUS_MAX_BYTES", "MqttLink", "broker_tls", "parse_broker_url"]
 
 log = logging.getLogger(__name__)
 
 STATUS_FILTER = "pfl/+/device/+/status"
+# A status is ~100 bytes of JSON; a longer one is dropped before it is parsed, whatever the broker (an external one
+# passes what its own limits allow: Mosquitto's default is 256 MB)
+STATUS_MAX_BYTES = MAX_DEVICE_PAYLOAD
 # paho numbers QoS 1 messages 1..65,535 and refuses one whose number is still unacknowledged ("Message queue
 # full"): a final step told to 100,000 devices at once lost 34,023 tasks so. Publishing waits for acknowledgements
 # once this many are outstanding.
@@ -60,6 +66,8 @@ class MqttLink:
         self._handlers: dict[str, Callable[[str, bytes], None]] = {}
         self._ever_connected = False
         self._connected = threading.Event()
+        self.dropped_statuses = 0  # over STATUS_MAX_BYTES
+        self._log_gate = LogGate()  # paho's network thread only
         # clean session: the server re-publishes every current task when it (re)starts, so it needs no backlog
         self.client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"pfl-server-{uuid.uuid4().hex[:12]}",
                                   clean_session=True)
@@ -145,6 +153,11 @@ class MqttLink:
                 if mqtt.topic_matches_sub(f, msg.topic):
                     handler(msg.topic, bytes(msg.payload))
                     return
+            if len(msg.payload) > STATUS_MAX_BYTES:
+                self.dropped_statuses += 1
+                self._log_gate(log, logging.WARNING, "status", "MQTT status of %d bytes on %s, over %d: dropped",
+                               len(msg.payload), msg.topic[:120], STATUS_MAX_BYTES)
+                return
             self._on_status(msg.topic, bytes(msg.payload))
         except Exception:  # a bad message must not kill the network thread
-            log.exception("MQTT message on %s", msg.topic)
+            log.exception("MQTT message on %s", msg.topic[:120])

@@ -31,8 +31,9 @@ PLUGINS = ("rabbitmq_mqtt", "rabbitmq_auth_backend_http")
 def rabbitmq_conf(hook_url: str, *, mqtt_listener: str = "1883", amqp_listener: str | None = None,
                   nodes: tuple[str, ...] = ()) -> str:
     """rabbitmq.conf for devices on MQTT authenticated by the server's hook at ``hook_url``
-    (``<server>/v1/broker/hook/<broker_hook_token>``); ``nodes``: a cluster's node names (classic peer
-    discovery: the nodes find each other at their first start)."""
+    (``<server>/v1/broker/hook/<broker_hook_token>``: a listener devices cannot reach, such as HAProxy's
+    ``hook_bind`` in compose's replicated set, since the token is the hook's only secret); ``nodes``: a cluster's
+    node names (classic peer discovery: the nodes find each other at their first start)."""
     lines = [
         f"mqtt.listeners.tcp.default = {mqtt_listener}",
         "mqtt.allow_anonymous = false",

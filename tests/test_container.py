@@ -397,6 +397,25 @@ def test_the_replicated_set_shares_one_database_blob_store_and_broker(monkeypatc
         == REPLICATED_SECRETS["PFL_BROKER_HOOK_TOKEN"]
 
 
+def test_the_hook_listener_is_internal_and_only_the_balancer_is_believed_about_addresses() -> None:
+    """RabbitMQ asks the hook on HAProxy's own hook listener (8081), which compose does not publish; the devices'
+    port (8080) is the only one published; every replica believes X-Forwarded-For from HAProxy's fixed address
+    only, which lies in the compose network's subnet, outside the range other containers are given."""
+    import ipaddress
+
+    spec = dict(yaml.safe_load(REPLICATED.read_text()))
+    lb = spec["services"]["haproxy"]
+    assert lb["ports"] == ["8080:8080"] and "8081" in [str(p) for p in lb.get("expose", [])]
+    cfg = (DOCKER / "haproxy.cfg").read_text()
+    assert "bind *:8081" in cfg and "option forwardfor" in cfg
+    assert "haproxy:8081/v1/broker/hook/" in (DOCKER / "rabbitmq-entrypoint.sh").read_text()
+    address = ipaddress.ip_address(lb["networks"]["default"]["ipv4_address"])
+    ipam = spec["networks"]["default"]["ipam"]["config"][0]
+    assert address in ipaddress.ip_network(ipam["subnet"]) and address not in ipaddress.ip_network(ipam["ip_range"])
+    for name in ("replica-1", "replica-2", "replica-3"):
+        assert spec["services"][name]["environment"]["PFL_FORWARDED_ALLOW_IPS"] == str(address)
+
+
 def test_the_balancer_and_broker_configs_are_the_servers_own(tmp_path: Path) -> None:
     """docker/haproxy.cfg is server.balancer.haproxy_config's for the three replicas, and HAProxy accepts it;
     the RabbitMQ container's entrypoint writes server.rabbitmq.rabbitmq_conf's lines for the hook behind the
@@ -407,7 +426,7 @@ def test_the_balancer_and_broker_configs_are_the_servers_own(tmp_path: Path) -> 
     cfg = (DOCKER / "haproxy.cfg").read_text()
     body = "".join(ln + "\n" for ln in cfg.splitlines() if not ln.startswith("#"))
     assert body == haproxy_config("*:8080", ["replica-1:8080", "replica-2:8080", "replica-3:8080"],
-                                  dns="127.0.0.11:53")
+                                  dns="127.0.0.11:53", hook_bind="*:8081")
     if HAPROXY is not None:
         check = subprocess.run([HAPROXY, "-c", "-f", str(DOCKER / "haproxy.cfg")], capture_output=True, text=True)
         assert check.returncode == 0, check.stderr
@@ -417,7 +436,7 @@ def test_the_balancer_and_broker_configs_are_the_servers_own(tmp_path: Path) -> 
     ran = subprocess.run(["sh", str(DOCKER / "rabbitmq-entrypoint.sh"), "sh", "-c", "echo started"], env=env,
                          capture_output=True, text=True, timeout=30)
     assert ran.returncode == 0 and ran.stdout.strip() == "started", ran.stderr
-    assert out.read_text() == rabbitmq_conf(f"http://haproxy:8080/v1/broker/hook/{token}")
+    assert out.read_text() == rabbitmq_conf(f"http://haproxy:8081/v1/broker/hook/{token}")
     assert out.stat().st_mode & 0o077 == 0  # the token is a secret
     missing = subprocess.run(["sh", str(DOCKER / "rabbitmq-entrypoint.sh"), "true"], capture_output=True, text=True,
                              env={"PATH": os.environ["PATH"], "PFL_RABBITMQ_CONF": str(tmp_path / "no.conf")})

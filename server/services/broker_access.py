@@ -20,7 +20,9 @@ last will is there too). Three modes, by the server's settings:
   EMQX and VerneMQ have the like): at every CONNECT (:meth:`hook_user`) and for every virtual host, queue,
   exchange and topic a client touches (:meth:`hook_vhost`, :meth:`hook_resource`, :meth:`hook_topic`), by the
   same rules as the embedded broker, read from the database. Nothing is provisioned per device; a revoked
-  device is refused at the broker's next question. The routes: ``server.routers.broker_hook``.
+  device is refused at the broker's next question. The routes: ``server.routers.broker_hook``. Wrong passwords
+  for the server's own user name are throttled (:meth:`hook_user`): device passwords are random, the server's is
+  the operator's.
 - ``shared``: an external broker the server does not manage (the old mode): every device is told
   ``device_mqtt_password``, and the broker's own configuration decides what it may do.
 """
@@ -34,7 +36,9 @@ import json
 import logging
 import secrets
 import threading
+import time
 import uuid
+from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any, Literal, Protocol
 
@@ -42,9 +46,10 @@ from sqlalchemy import update
 
 from pfl_edge.protocol import mqtt_client_id, round_topic, status_topic, task_topic
 
-from ..broker_core import Identity
+from ..broker_wire import Identity, LogGate
 from ..db import Device
 from ..errors import ApiError
+from ..ratelimit import Buckets
 from .store import Store
 
 __all__ = ["DYNSEC_TOPIC", "BrokerAccess", "BrokerUnavailable", "Mode", "device_identity", "device_password",
@@ -95,9 +100,12 @@ def device_identity(fed_id: str, device_id: str) -> Identity:
 
 
 class BrokerAccess:
+    """``guess_rate``, ``guess_burst``: the hook's bucket of wrong passwords for the server's own user name."""
+
     def __init__(self, store: Store, mode: Mode, *, server_username: str = "", server_password: str = "",
                  broker: _Kicker | None = None, link: _Link | None = None, shared_password: str = "",
-                 timeout_s: float = 10.0) -> None:
+                 timeout_s: float = 10.0, guess_rate: float = 0.1, guess_burst: int = 10,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if mode == "embedded" and broker is None:
             raise ValueError("embedded broker access needs the broker")
         if mode == "dynsec" and link is None:
@@ -108,6 +116,8 @@ class BrokerAccess:
         self.shared_password, self.timeout_s = shared_password, timeout_s
         self._pending: dict[str, tuple[dict[str, dict[str, Any]], int, threading.Event]] = {}
         self._lock = threading.Lock()
+        self._guesses, self._guess_log = Buckets(guess_rate, guess_burst, clock=clock), LogGate(clock=clock)
+        self._guess_lock = threading.Lock()  # check and spend as one: racing guesses must not overdraw the bucket
         if link is not None and mode == "dynsec":
             link.listen(DYNSEC_TOPIC + "/response", self._on_response)
 
@@ -157,7 +167,7 @@ class BrokerAccess:
         if not username or password is None:
             return None
         if self.server_username and username == self.server_username:
-            return Identity(username) if hmac.compare_digest(password, self._server_password) else None
+            return Identity(username, own=True) if hmac.compare_digest(password, self._server_password) else None
         with self.store.read() as s:
             dev = s.get(Device, username)
             if dev is None or dev.revoked_at is not None or not dev.mqtt_hash:
@@ -179,11 +189,34 @@ class BrokerAccess:
             return device_identity(dev.federation, dev.id)
 
     def hook_user(self, username: str, password: str, client_id: str | None = None) -> bool:
-        """A CONNECT: the password is the user's, and the client id (where the broker tells it) its own."""
+        """A CONNECT: the password is the user's, and the client id (where the broker tells it) its own. For the
+        server's own user name, see :meth:`_server_login`."""
+        if self.server_username and username == self.server_username:
+            return self._server_login(password)
         ident = self.authenticate("", username, password.encode())
         if ident is None:
             return False
         return client_id is None or ident.client_id is None or client_id == ident.client_id
+
+    def _server_login(self, password: str) -> bool:
+        """The hook's ``user`` question for the server's own name: whoever holds the hook's token could otherwise
+        guess the server's password (an operator's choice) at HTTP speed (200 guesses in 0.6 s). Each wrong one
+        spends a token of a bucket (``guess_burst``, refilled at ``guess_rate`` a second); while it is empty every
+        answer for that name is deny, unchecked, the right password's too: an answer that let the right one in
+        would tell a guesser, unthrottled, when it guessed right. The price: a guesser keeps the servers' links
+        from (re)connecting while it guesses (a connected link is not asked again: RabbitMQ asks at CONNECT only;
+        a link retries every few seconds and is in within ~1/``guess_rate`` s of the guessing stopping). Per
+        replica: replicas behind a balancer each keep a bucket of their own."""
+        with self._guess_lock:
+            if self._guesses.wait_s("server") > 0:
+                self._guess_log(log, logging.WARNING, "locked", "broker hook: a password for the server's MQTT user "
+                                "while wrong ones are throttled: denied unchecked")
+                return False
+            if self._server_password and hmac.compare_digest(password.encode(), self._server_password):
+                return True
+            self._guesses.spend("server")
+            self._guess_log(log, logging.WARNING, "wrong", "broker hook: a wrong password for the server's MQTT user")
+            return False
 
     def hook_vhost(self, username: str, vhost: str, vhost_allowed: str = "/") -> bool:
         return vhost == vhost_allowed and self.identity(username) is not None

@@ -122,3 +122,51 @@ def test_hook_settings_are_checked() -> None:
         Settings(broker_url="mqtt://h:1883", broker_hook_token=SecretStr("short"))
     with pytest.raises(ValidationError, match="external broker"):
         Settings(broker_url="mqtt://h:1883", broker_dynsec=True, broker_hook_token=SecretStr(HOOK))
+
+
+def test_guessing_the_servers_password_through_the_hook_is_throttled(srv: BackgroundServer) -> None:
+    """After a burst of wrong passwords for the server's own user name, every answer for that name is deny,
+    unchecked (the right password's too: else allow/deny would test guesses for free); devices, whose passwords
+    are random, answer as before."""
+    c = httpx.Client(base_url=srv.url, timeout=30)
+    create(c, TOKEN, "f", FEDPER)
+    a = Dev(c, "f")
+    import inspect
+
+    from server.services.broker_access import BrokerAccess
+
+    burst = inspect.signature(BrokerAccess).parameters["guess_burst"].default  # what the server runs with
+    assert _ask(c, "user", username=SERVER[0], password=SERVER[1]) == "allow"
+    answers = [_ask(c, "user", username=SERVER[0], password=f"guess-{i}") for i in range(burst + 5)]
+    assert answers == ["deny"] * len(answers)
+    assert _ask(c, "user", username=SERVER[0], password=SERVER[1]) == "deny"  # locked out, right or not
+    assert _ask(c, "user", username=a.id, password=a.e["mqtt_password"]) == "allow"
+    assert _ask(c, "vhost", username=SERVER[0], vhost="/") == "allow"  # a link already in is not asked again
+    c.close()
+
+
+def test_the_servers_guess_bucket_refills_and_only_wrong_answers_spend_it() -> None:
+    from typing import cast
+
+    from server.services.broker_access import BrokerAccess
+    from server.services.store import Store
+
+    now = [0.0]
+    acc = BrokerAccess(cast(Store, None), "hook", server_username=SERVER[0], server_password=SERVER[1],
+                       guess_rate=0.1, guess_burst=3, clock=lambda: now[0])
+    for _ in range(20):  # the right one spends nothing
+        assert acc.hook_user(SERVER[0], SERVER[1])
+    assert [acc.hook_user(SERVER[0], "wrong") for _ in range(3)] == [False] * 3
+    assert not acc.hook_user(SERVER[0], SERVER[1])  # empty: denied unchecked
+    now[0] += 9.9
+    assert not acc.hook_user(SERVER[0], SERVER[1])
+    now[0] += 0.1  # one token back after 1 / guess_rate s
+    assert acc.hook_user(SERVER[0], SERVER[1])
+    assert not acc.hook_user(SERVER[0], "wrong")  # spends it
+    assert not acc.hook_user(SERVER[0], SERVER[1])
+    # guesses while locked out spend nothing more: the lockout ends when the bucket says, not later
+    for _ in range(50):
+        acc.hook_user(SERVER[0], "wrong")
+    now[0] += 10.0
+    assert acc.hook_user(SERVER[0], SERVER[1])
+    assert not BrokerAccess(cast(Store, None), "hook", server_username=SERVER[0]).hook_user(SERVER[0], "")
