@@ -149,3 +149,29 @@ def test_bad_aggregation_settings_are_refused(client: TestClient, bad: dict[str,
     r = client.post("/v1/federations", json={"id": "bad", "enrol_secret": SECRET, "config": CONFIG,
                                              "aggregation": bad}, headers=bearer(ADMIN))
     assert r.status_code == 422, r.text
+
+
+@pytest.mark.parametrize(("extra", "aggregation", "want"), [
+    ({}, None, [1, 1, 1]),  # the operator said nothing of the devices' data: every update counts 1
+    ({"samples_per_client": 500}, None, [500, 300, 500]),  # the config's word: at most 500 an update
+    ({}, {"max_samples": 400}, [400, 300, 400]),  # the aggregation's cap
+])
+def test_an_own_data_device_weighs_what_the_operator_allows(
+        client: TestClient, extra: dict[str, Any], aggregation: dict[str, Any] | None, want: list[int]) -> None:
+    """Own data (``partition = "device"``): the server knows nothing of a device's data, so an update counts
+    min(reported, declared, the operator's cap), the cap being ``max_samples``, else ``samples_per_client``, else 1
+    for everyone. Before, the cap defaulted to 60,000 and a device claiming 2^31-1 took 98 % of the weight."""
+    cfg = {k: v for k, v in CONFIG.items() if k != "samples_per_client"}
+    fed = f"own{len(extra)}{aggregation is not None}"
+    create(client, ADMIN, fed, {**cfg, "clients": 3, "partition": "device", **extra},
+           **({} if aggregation is None else {"aggregation": aggregation}))
+    devs = [_Device(client, fed, i, None) for i in range(3)]
+    wait_for(lambda: fed_state(client, ADMIN, fed) == (1, "collecting"), what="round 1 collecting")
+    r = client.get(f"/v1/blobs/{devs[0].e['init_digest']}", headers=devs[0].h)
+    base = {k: v.double() for k, v in decode(r.content).tensors.items()}
+    for i, (d, n) in enumerate(zip(devs, [HUGE, 300, 10**6], strict=True)):
+        d.send(1, {k: v.float() for k, v in perturbed(base, i).items()}, n)
+    engine = client.app.state.pfl.engine  # type: ignore[attr-defined]
+    with engine.connect() as conn:
+        counted = dict(conn.execute(select(Update.device, Update.n_samples).where(Update.federation == fed)).all())
+    assert [counted[d.e["device_id"]] for d in devs] == want
