@@ -122,7 +122,10 @@ class Agent:
     def _load_data(self, data_cfg: FederationConfig, enr: Enrolment) -> LocalData | ArrayData:
         if self.cfg.image_dir is not None:
             return load_image_folder(self.cfg.image_dir, self.fed, slot=enr.index, arrays=self.arrays)
-        if self.cfg.partition_id is not None and self.cfg.partition_id != enr.index:
+        if self.cfg.partition_id not in (None, enr.index) and self.fed.participation < 1:
+            log.info("slot %d drawn (asked for %s): where rounds sample, the server draws", enr.index,
+                     self.cfg.partition_id)
+        elif self.cfg.partition_id is not None and self.cfg.partition_id != enr.index:
             raise ConfigError(f"asked for partition {self.cfg.partition_id} but the server gave slot {enr.index} "
                               f"(that partition's slot is taken); pick a free --partition-id or leave it out")
         if self.arrays == "numpy":
@@ -356,10 +359,13 @@ class Agent:
         try:
             self.http.call("POST", f"{API_PREFIX}/rounds/{prog.round}/updates", json_body=upd.model_dump())
         except ServerError as e:
-            if e.status != 409:
+            if e.status not in (409, 422):
                 raise
-            # the round closed without this update (deadline, quorum): nothing to resend; wait for the next task
-            log.warning("round %d closed without this device's update: %s", prog.round, e)
+            # the round closed without this update (deadline, quorum), or the server refused it (a bound it
+            # failed): nothing to resend; it keeps its model and waits for the next task
+            log.log(logging.ERROR if e.status == 422 else logging.WARNING,
+                    "round %d goes on without this device's update: %s", prog.round, e)
+            self.on_event("update_refused" if e.status == 422 else "round_closed", {"round": prog.round})
             prog.posted, prog.abandoned, prog.pending_metrics = True, prog.round, []
             self.store.save_progress(prog)
             return

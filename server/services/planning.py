@@ -55,6 +55,17 @@ class Planner:
         return s.scalar(q) or 0
 
     @staticmethod
+    def count_refused(s: Session, fed: Federation, fm: FedModel) -> int:
+        """Devices (not revoked) whose initial model the server refused and none accepted since, where the
+        algorithm asks for one; 0 elsewhere."""
+        if not fm.algorithm().initial_upload():
+            return 0
+        return s.scalar(select(func.count()).select_from(Device).where(
+            Device.federation == fed.id, Device.revoked_at.is_(None), Device.refused_updates > 0,
+            ~exists().where(Update.federation == fed.id, Update.device == Device.id,
+                            Update.round == ENROLMENT_ROUND))) or 0
+
+    @staticmethod
     def takes_part(s: Session, fed: Federation, fm: FedModel, t: int, dev: Device) -> bool:
         """``active``'s rule for one device (without loading the others)."""
         if dev.federation != fed.id or dev.joined_round >= t or dev.revoked_at is not None:

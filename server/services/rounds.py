@@ -92,8 +92,11 @@ class RoundMachine:
                                      enrolment_ready=False)
         if fed.round == ENROLMENT_ROUND:
             clients = fm.cfg.clients
-            need = min(fed.min_devices or clients, clients)
-            facts["enrolment_ready"] = self.planner.count_active(s, fed, fm, ENROLMENT_ROUND + 1, sampled=False) >= need
+            # a device whose initial model the server refused holds no slot's readiness back (else one hostile
+            # device stalls round 1 for ever); it takes part once a model of it is accepted
+            need = min(fed.min_devices or clients, clients - self.planner.count_refused(s, fed, fm))
+            facts["enrolment_ready"] = self.planner.count_active(s, fed, fm, ENROLMENT_ROUND + 1,
+                                                                 sampled=False) >= max(1, need)
         elif fed.state == RoundState.COLLECTING:
             r = self.store.round(s, fed.id, fed.round)
             facts.update(updates=self.store.count_updates(s, fed.id, fed.round), active=r.active,

@@ -41,10 +41,15 @@ def final_model(root: Path, i: int) -> dict[str, torch.Tensor]:
 
 
 def assert_simulator_models(cfg: SimConfig, tmp_path: Path) -> None:
-    """Every device of the run in ``tmp_path/run`` ends with the model the simulator deploys for its client."""
+    """Every device of the run in ``tmp_path/run`` ends with the model the simulator deploys for its client (its
+    slot, as its enrolment says: where rounds sample, the server draws it)."""
+    import json
+
     simulate(cfg, save_dir=tmp_path / "sim", progress=False)
     for i in range(cfg.clients):
-        a, b = final_model(tmp_path / "run", i), load_checkpoint(tmp_path / "sim" / f"client_{i:03d}.safetensors")[0]
+        slot = json.loads((tmp_path / "run" / "devices" / f"device-{i:02d}" / "enrolment.json").read_text())["index"]
+        a = final_model(tmp_path / "run", i)
+        b = load_checkpoint(tmp_path / "sim" / f"client_{slot:03d}.safetensors")[0]
         assert a.keys() == b.keys()
         for k in a:
             torch.testing.assert_close(a[k], b[k], atol=5e-5, rtol=1e-4, msg=k)

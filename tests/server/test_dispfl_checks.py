@@ -205,3 +205,23 @@ def test_a_model_far_off_the_rounds_others_is_refused_and_counted(client: TestCl
     assert get(s, "pfl_neighbours_dropped_total", federation="n") == 2
     assert get(s, "pfl_device_neighbours_dropped_total", federation="n", device=devs[1].id) == 2
     assert not [k for k in s if k[0] == "pfl_device_neighbours_dropped_total" and ("device", devs[2].id) in k[1]]
+
+
+def test_a_device_whose_initial_model_is_refused_does_not_hold_round_1_back(client: TestClient) -> None:
+    """Round 1 waits for every slot's initial model (no ``min_devices``); a device whose initial model the server
+    refused (here: 1000x the others' norm) no longer counts among those it waits for, so one hostile device cannot
+    stall the federation in enrolment for ever (before: it stayed in round 0). Its model accepted later, it takes
+    part from then on."""
+    from server_testkit import fed_state, wait_for
+
+    create(client, ADMIN, "r", {**DISPFL, "clients": 5})
+    devs = [Dev(client, "r", index=i) for i in range(5)]
+    for d in devs[:4]:
+        w, m = _honest(d)
+        assert d.update(0, d.put(encode(w, model_id=d.fm.model_id, round=0, masks=m))).status_code == 200
+    assert fed_state(client, ADMIN, "r") == (0, "open")
+    w, m = _honest(devs[4])
+    _refused(client, devs[4], encode({k: v * 1000 for k, v in w.items()}, model_id=devs[4].fm.model_id, round=0,
+                                     masks=m))
+    wait_for(lambda: fed_state(client, ADMIN, "r") == (1, "collecting"), what="round 1 without the refused device")
+    assert client.get("/v1/rounds/current/task", headers=devs[4].h).status_code == 404  # not in round 1
