@@ -238,22 +238,23 @@ def _rice(stream: bytes, c: int, k: int, n: int) -> list[int]:
     if c * k > total:
         raise RefError("M3")
     rems = [sum(_bit(stream, i * k + j) << (k - 1 - j) for j in range(k)) for i in range(c)]
-    pos, positions, last = c * k, [], -1
-    for i in range(c):
+    pos, positions, last, past = c * k, [], -1, False
+    for i in range(c):  # the structure first (M3, M4), then the positions (M5), as the listing orders them
         q = 0
         while pos < total and _bit(stream, pos) == 1:
             q, pos = q + 1, pos + 1
         if pos >= total:
             raise RefError("M3 fewer codewords")
         pos += 1
-        if q > (n - 1) >> k:
-            raise RefError("M5")
-        last = last + (q << k | rems[i]) + 1
-        if last >= n:
-            raise RefError("M5 past the end")
-        positions.append(last)
+        past = past or q > (n - 1) >> k  # that gap alone points past the end: stop summing, keep scanning
+        if not past:
+            last = last + (q << k | rems[i]) + 1
+            past = last >= n
+            positions.append(last)
     if (pos + 7) // 8 != len(stream) or any(_bit(stream, i) == 0 for i in range(pos, total)):
         raise RefError("M4 more codewords or zero padding")
+    if past:
+        raise RefError("M5 past the end")
     return positions
 
 
