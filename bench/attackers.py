@@ -151,12 +151,23 @@ class Scenario:
     # the attacker once the server holds their 4 initial models (its own is then judged against them)
     order: str = "first"
     devices: int = 5  # processes; 4: slot 4 stays empty (the control: what leaving the attacker out would give)
+    aggregation: dict[str, Any] | None = None  # FederationCreate.aggregation (None: the server's default rule)
 
 
 SCENARIOS = {s.name: s for s in (
     Scenario("fedper-honest", "fedper", what="5 honest"),
     Scenario("fedper-4honest", "fedper", what="4 honest, slot 4 empty (min_devices 4)", devices=4),
     Scenario("fedper-flip", "fedper", "flip", 1000.0, "4 honest + step sign-flipped x1000, n_samples 2^31-1"),
+    Scenario("fedper-flip-nm1", "fedper", "flip", 1000.0, "as fedper-flip, each update clipped to 1x the others' "
+             "median norm", aggregation={"norm_multiple": 1.0}),
+    Scenario("fedper-flip-trimmed", "fedper", "flip", 1000.0, "as fedper-flip, trimmed mean (0.2)",
+             aggregation={"rule": "trimmed-mean"}),
+    Scenario("fedper-flip-median", "fedper", "flip", 1000.0, "as fedper-flip, coordinate median",
+             aggregation={"rule": "median"}),
+    Scenario("fedper-honest-nm1", "fedper", what="5 honest, clipped to 1x the others' median norm",
+             aggregation={"norm_multiple": 1.0}),
+    Scenario("fedper-honest-trimmed", "fedper", what="5 honest, trimmed mean (0.2)",
+             aggregation={"rule": "trimmed-mean"}),
     Scenario("dispfl-honest", "dispfl", what="5 honest"),
     Scenario("dispfl-4honest", "dispfl", what="4 honest, slot 4 empty (min_devices 4)", devices=4),
     Scenario("dispfl-pm20", "dispfl", "values", 20.0, "4 honest + kept weights +-20"),
@@ -373,7 +384,8 @@ def run_scenario(sc: Scenario, st: Settings, base_dir: Path) -> dict[str, Any]:
 
     try:
         fed.create("attackers", cfg, deadline_s=st.deadline_s, quorum=st.quorum,
-                   **({"min_devices": sc.devices} if sc.devices < 5 else {}))
+                   **({"min_devices": sc.devices} if sc.devices < 5 else {}),
+                   **({"aggregation": sc.aggregation} if sc.aggregation else {}))
         t0 = time.monotonic()
         if sc.attack and sc.order == "first":
             attacker = start_attacker(fed, root, sc, HONEST_SLOTS)
