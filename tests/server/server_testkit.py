@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import socket
 import struct
 import time
 from collections.abc import Callable
@@ -236,3 +237,14 @@ class Mqtt:
         if sock is not None:
             sock.shutdown(socket.SHUT_RDWR)
             sock.close()
+
+
+def closed(s: socket.socket) -> bool:
+    """Whether the server closed a non-blocking socket: EOF, or a reset (a socket closed with unread bytes is
+    reset)."""
+    try:
+        return s.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True

@@ -18,7 +18,7 @@ from typing import Any, cast
 import httpx
 import pytest
 from fastapi import FastAPI
-from server_testkit import FEDPER, Dev, create, fed_state, perturbed, sha, wait_for
+from server_testkit import FEDPER, Dev, closed, create, fed_state, perturbed, sha, wait_for
 
 from pfl_edge.codec import encode
 from server.launch import BackgroundServer, PeerLimit, start_background, start_subprocess, uvicorn_config
@@ -72,16 +72,6 @@ def _connect_from(source: str, addr: tuple[str, int], first: bytes = b"", *, wai
     return s
 
 
-def _closed(s: socket.socket) -> bool:
-    """Whether the server closed it: EOF, or a reset (a socket closed with unread bytes is reset)."""
-    try:
-        return s.recv(1) == b""
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
-
-
 def _get_from(source: str, url: str) -> httpx.Response:
     with httpx.Client(transport=httpx.HTTPTransport(local_address=source), timeout=30) as c:
         return c.get(f"{url}/healthz")
@@ -123,8 +113,8 @@ def test_one_address_holds_at_most_its_cap_and_others_are_served(srv: Background
         for _ in range(40):
             # half a header: no first-byte timeout, and no answer
             socks.append(_connect_from("127.0.0.2", addr, b"GET /healthz HTTP/1.1\r\n"))
-        wait_for(lambda: sum(_closed(s) for s in socks) >= 40 - CAP, timeout=30, what="the server closing 32")
-        assert sum(_closed(s) for s in socks) == 40 - CAP  # and the 8 it holds are still open
+        wait_for(lambda: sum(closed(s) for s in socks) >= 40 - CAP, timeout=30, what="the server closing 32")
+        assert sum(closed(s) for s in socks) == 40 - CAP  # and the 8 it holds are still open
         assert peers.open.get("127.0.0.2") == CAP
         assert peers.refused - refused_before == 40 - CAP
         r = httpx.get(f"{srv.url}/healthz", timeout=30)
@@ -146,8 +136,8 @@ def test_a_socket_that_sends_nothing_is_closed_after_the_first_byte_timeout(srv:
     try:
         # select: woken by the close itself; 30 s, a generous bound that is still well short of the header timeout
         ready, _, _ = select.select([silent], [], [], 30)
-        assert ready and _closed(silent), "a silent socket was not closed within 30 s"
-        assert not _closed(talking)
+        assert ready and closed(silent), "a silent socket was not closed within 30 s"
+        assert not closed(talking)
         talking.sendall(b"\r\n")  # the header completes: answered
         talking.setblocking(True)
         talking.settimeout(30)

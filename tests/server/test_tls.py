@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_testkit import FEDPER, SECRET
+from server_testkit import FEDPER, SECRET, closed
 
 from edge_runtime.http import Http, ServerError
 from pfl_edge.cli.parser import build_parser
@@ -118,20 +118,11 @@ def test_a_thousand_idle_connections_do_not_take_the_server_down(tmp_path: Path,
         assert waited < 15, waited
         # the idle ones are closed by the header timeout: each reads EOF (within a generous bound)
         deadline = time.monotonic() + 20
-        while sum(1 for s in socks[:50] if _closed(s)) < 50 and time.monotonic() < deadline:
+        while sum(1 for s in socks[:50] if closed(s)) < 50 and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert sum(1 for s in socks[:50] if _closed(s)) == 50
+        assert sum(1 for s in socks[:50] if closed(s)) == 50
         assert log.stat().st_size < 100_000, log.read_text()[-2000:]
     finally:
         for s in socks:
             s.close()
         srv.stop()
-
-
-def _closed(s: socket.socket) -> bool:
-    try:
-        return s.recv(1) == b""
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
