@@ -175,3 +175,36 @@ def test_an_own_data_device_weighs_what_the_operator_allows(
     with engine.connect() as conn:
         counted = dict(conn.execute(select(Update.device, Update.n_samples).where(Update.federation == fed)).all())
     assert [counted[d.e["device_id"]] for d in devs] == want
+
+
+@pytest.mark.parametrize("own_data", [False, True])
+def test_a_sampled_round_of_two_with_a_1e30_update_publishes_a_finite_bounded_base(client: TestClient,
+                                                                                  own_data: bool) -> None:
+    """Participation 0.5 of 4 slots: every round is a round of 2, the first one without a previous round to
+    bound by. One of the two drawn devices sends 1e30 with 2^31-1 samples: it is judged by the other's norm alone
+    (3x it), so the published base is finite and within 2x the honest step; the same where devices bring their
+    own data (every update counting 1)."""
+    from pfl_edge.algorithms import sample_participants
+
+    cfg = {**CONFIG, "clients": 4, "participation": 0.5}
+    if own_data:
+        cfg = {k: v for k, v in cfg.items() if k != "samples_per_client"} | {"partition": "device"}
+    fed = f"s2{int(own_data)}"
+    create(client, ADMIN, fed, cfg)
+    devs = {d.e["index"]: d for d in (_Device(client, fed, i, None) for i in range(4))}
+    wait_for(lambda: fed_state(client, ADMIN, fed) == (1, "collecting"), what="round 1 collecting")
+    honest_slot, attacker_slot = sorted(sample_participants(CONFIG["seed"], 1, 4, 0.5).tolist())
+    r = client.get(f"/v1/blobs/{devs[honest_slot].e['init_digest']}", headers=devs[honest_slot].h)
+    base = {k: v.double() for k, v in decode(r.content).tensors.items()}
+    honest = perturbed(base, 0)
+    devs[honest_slot].send(1, {k: v.float() for k, v in honest.items()}, HONEST_N)
+    devs[attacker_slot].send(1, {k: (v + 1e30).float() for k, v in base.items()}, HUGE)
+    wait_for(lambda: fed_state(client, ADMIN, fed)[1] == "finished", what="round 1 (the last) closed")
+    engine = client.app.state.pfl.engine  # type: ignore[attr-defined]
+    with engine.connect() as conn:
+        digest = conn.execute(select(Federation.base_digest).where(Federation.id == fed)).scalar_one()
+    whole = decode(client.get(f"/v1/blobs/{digest}", headers=bearer(ADMIN)).content).tensors
+    published = {k: whole[k].double() for k in base}
+    assert all(bool(v.isfinite().all()) for v in published.values())
+    step = _norm({k: v.float().double() for k, v in honest.items()}, base)
+    assert _norm(published, base) <= 2 * step + 1e-4
