@@ -137,7 +137,17 @@ export class StateStore {
     return { meta: JSON.parse(dec.decode(b.subarray(4, 4 + len))) as ModelMeta, payload: b.subarray(4 + len) };
   }
 
+  /** One line per update the server accepted: a retry after a restart (the server answers the same update again)
+   *  finds its line there already and adds none. */
   async appendLedger(round: number, digest: string, nSamples: number): Promise<void> {
+    const have = await this.storage.read('ledger.jsonl');
+    if (have !== null) {
+      for (const line of dec.decode(have).split('\n')) {
+        if (!line) continue;
+        const u = JSON.parse(line) as { round?: unknown; digest?: unknown };
+        if (u.round === round && u.digest === digest) return;
+      }
+    }
     await this.storage.append('ledger.jsonl', JSON.stringify({ round, digest, n_samples: nSamples, at: Date.now() / 1e3 }));
   }
 }
