@@ -1,11 +1,10 @@
 """The device agent, ``pfl-edge client``: enrols once, follows rounds over MQTT, moves weights over HTTP,
 trains on its own data, and keeps its personal blocks (FedPer) or its mask (DisPFL) to itself.
 
-The agent is the loop only: what a round does is its algorithm's (``pfl_edge.algorithms``: ``device_round``),
-the same code the simulator runs for the device's slot. Every step of a round is recomputable from what the
-state dir holds (a round's seeds derive from the federation's seed, the round and the device's slot), so a
-device killed mid-round redoes that round and gets the same result; the payload of a trained round is kept
-until the server has accepted it, and the server treats a repeated update as the same one.
+The agent is the loop only: a round is its algorithm's ``device_round``, the code the simulator runs for the
+slot. Every step is recomputable from the state dir (seeds derive from the federation's seed, the round and the
+slot), so a device killed mid-round redoes it alike; a trained round's payload is kept until the server accepted
+it, and the server treats a repeated update as the same one.
 """
 
 from __future__ import annotations
@@ -192,8 +191,8 @@ class Agent:
         self._stop.set()
 
     def _renewing(self, step: Callable[[], None]) -> None:
-        """``step``, and once more after enrolling again if the server refused the token (401: expired, or its
-        chain past the server's absolute lifetime: a device away longer than that)."""
+        """``step``, and once more after enrolling again if the server refused the token (401: expired, or past
+        the server's absolute lifetime)."""
         try:
             step()
         except ServerError as e:
@@ -207,9 +206,8 @@ class Agent:
         self.enr = renew(self.store, self.http, self.cfg, self.enr)
 
     def _handle(self, batch: list[tuple[str, bytes]]) -> None:
-        """MQTT rings the bell (module ``edge_runtime.tasks``): a task or round message of ours (not a sampled round
-        ours is not drawn in) makes the device ask the server for its task and act on that; the broker's last task
-        is only compared, to log a mismatch."""
+        """MQTT rings the bell (``edge_runtime.tasks``): a task or round message of ours (not a round we are not
+        drawn in) makes the device ask the server for its task; the broker's task is only compared, to log."""
         mine = (round_topic(self.enr.federation), task_topic(self.enr.federation, self.enr.device_id))
         rang, hint = False, None
         for topic, payload in batch:
@@ -225,9 +223,8 @@ class Agent:
             self._wake(hint)
 
     def _not_drawn(self, payload: bytes) -> bool:
-        """A round announcement of a sampled round this slot is not drawn in (``Algorithm.sampled``, the server's
-        draw): not worth a request (at 100,000 devices and 2,000 drawn, 98,000 would ask for nothing). An empty
-        bell (a (re)connect), an unreadable one and a finished federation are asked about."""
+        """A sampled round's announcement not drawing this slot (``Algorithm.sampled``): not worth a request (at
+        100,000 devices, 2,000 drawn). An empty bell (a reconnect), an unreadable one and the end are asked about."""
         try:
             ann = RoundAnnouncement.model_validate_json(payload) if payload else None
         except ValueError:
@@ -236,8 +233,8 @@ class Agent:
         return drawn is not None and self.enr.index not in drawn
 
     def _wake(self, hint: Task | None = None) -> None:
-        """Act on the server's current task (a stale or forged message on the broker never moves the device);
-        end once the server says the federation finished (FedPer: after its final evaluation)."""
+        """Act on the server's current task (a stale or forged broker message never moves the device); end once
+        the server says the federation finished (FedPer: after its final evaluation)."""
         task = self.tasks.current()
         why = None if hint is None else mismatch(hint, task)
         if why is not None:
@@ -330,10 +327,9 @@ class Agent:
     def _metrics(self, ms: list[Metrics]) -> list[dict[str, Any]]:
         """Metrics to report: a NaN or Inf (e.g. a loss on a model gone wrong) is logged, never sent."""
         out = [{"round": m.round, "accuracy": m.accuracy, "loss": m.loss, "n_test": self.data.n_test} for m in ms]
-        for m in out:
-            if not finite_metric(m):
-                log.error("round %s: not reporting non-finite metrics %s", m["round"], m)
-                self.on_event("bad_metrics", m)
+        for m in (m for m in out if not finite_metric(m)):
+            log.error("round %s: not reporting non-finite metrics %s", m["round"], m)
+            self.on_event("bad_metrics", m)
         return [m for m in out if finite_metric(m)]
 
     def _stage_upload(self, prog: Progress, t: int, up: Upload, *, metrics: list[dict[str, Any]] | None = None,
@@ -389,8 +385,13 @@ class Agent:
         report = MetricsReport(accuracy=m["accuracy"], loss=m["loss"], n_test=m["n_test"], bytes_up=st.bytes_up,
                                bytes_down=st.bytes_down, step_ms=st.step_ms, train_s=st.train_s,
                                dropped=m.get("dropped"))
-        self.http.call("POST", f"{API_PREFIX}/rounds/{t}/metrics", json_body=report.model_dump(exclude_none=True))
-        self.on_event("metrics", {"round": t, **report.model_dump()})
+        try:
+            self.http.call("POST", f"{API_PREFIX}/rounds/{t}/metrics", json_body=report.model_dump(exclude_none=True))
+            self.on_event("metrics", {"round": t, **report.model_dump()})
+        except ServerError as e:  # 409: a round the server takes no metrics of from this device; never fatal
+            if e.status != 409:
+                raise
+            log.warning("metrics of round %d not taken: %s", t, e)
 
 
 def install_signal_handlers(agent: Agent) -> None:

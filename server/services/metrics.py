@@ -45,8 +45,9 @@ class Metrics:
     def report(self, dev: Device, t: int, req: MetricsReport) -> None:
         """Metrics of a round that exists and this device was part of: from the round it joined in (a late
         joiner evaluates what it starts from) to the federation's current one; never a future round, nor a
-        sampled round before the last that did not draw it (a device reports the round it trained in; at the
-        end every device reports the last round)."""
+        sampled round t before the last unless round t or t + 1 drew it (DisPFL reports the round it trained in;
+        FedPer, FedAvg and Ditto the base of round t, which round t + 1's task brings; at the end every device
+        reports the last round). docs/protocol.md, "Sampled rounds"."""
         with self.store.write() as s:
             fed = self.store.locked(s, dev.federation)
             if t > fed.round:
@@ -58,10 +59,13 @@ class Metrics:
             fm = self.store.model(fed)
             # a round's figures are its participants' alone; the last round's are every device's evaluation of
             # what it deploys at the end (the final step), drawn or not
-            drawn = fm.algorithm().sampled(t) if 1 <= t < fm.cfg.rounds else None
+            algo = fm.algorithm()
+            drawn = algo.sampled(t) if 1 <= t < fm.cfg.rounds else None
+            if drawn is not None and t < fed.round:  # round t + 1 is open: its draw evaluated round t's base
+                drawn = drawn | (algo.sampled(t + 1) or set())
             if drawn is not None and dev.slot not in drawn:
-                raise Conflict(f"metrics for round {t}: round {t} sampled {len(drawn)} slots and this device's "
-                               f"({dev.slot}) was not one of them")
+                raise Conflict(f"metrics for round {t}: neither round {t} nor {t + 1} drew this device's slot "
+                               f"({dev.slot}), so it was not one of them")
             row = s.get(Metric, (fed.id, t, dev.id))
             values = req.model_dump()
             if row is None:

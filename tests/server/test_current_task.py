@@ -19,6 +19,7 @@ from server.launch import BackgroundServer, start_background
 from server.settings import Settings
 
 ADMIN = "admin-token-for-task-tests"
+METRICS = {"accuracy": 0.5, "loss": 1.0, "n_test": 10}
 
 
 @pytest.fixture
@@ -94,11 +95,16 @@ def test_sampled_rounds_task_only_the_simulators_participants(srv: BackgroundSer
     devs = [Dev(c, "sp", index=i) for i in range(4)]
     watch = Mqtt(srv.broker_url, ["pfl/sp/device/+/task"])
     base = devs[0].get(devs[0].e["init_digest"]).tensors
-    drawn = set()
+    drawn, prev = set(), set()
     for t in (1, 2, 3):
         wait_for(lambda t=t: fed_state(c, ADMIN, "sp") == (t, "collecting"), what=f"round {t}")
         want = set(sample_participants(cfg["seed"], t, 4, 0.5).tolist())
         assert len(want) == 2
+        if t > 1:  # round t - 1's metrics: its own draw's, and round t's, whose tasks bring round t - 1's base
+            for d in devs:
+                r = c.post(f"/v1/rounds/{t - 1}/metrics", json=METRICS, headers=d.h)
+                assert r.status_code == (200 if d.index in want | prev else 409), r.text
+        prev = want
         drawn.add(frozenset(want))
         for d in devs:
             got = _task(c, d)
@@ -117,7 +123,7 @@ def test_sampled_rounds_task_only_the_simulators_participants(srv: BackgroundSer
             ns.append(20 + 7 * d.index)
             d.send(t, sent, n=ns[-1])
         expected = weighted_average(ups, ns)
-        m = {"accuracy": 0.5, "loss": 1.0, "n_test": 10}
+        m = METRICS
         if t < 3:  # a round's metrics are its participants' (the last round's: every device's final evaluation)
             r = c.post(f"/v1/rounds/{t}/metrics", json=m, headers=out.h)
             assert r.status_code == 409 and "not one of them" in r.json()["detail"], r.text
