@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .algorithms import algorithm_class
+from .algorithms import Algorithm, algorithm_class
+from .algorithms.ditto import DittoOptions
 from .checkpoint import ModelSpec
 from .errors import ConfigError
 from .federation import FederationConfig, model_id
@@ -30,6 +31,7 @@ __all__ = [
     "TRAINING_RUNTIMES",
     "TRAINING_SIGNATURE",
     "BlockInfo",
+    "DittoTraining",
     "InputInfo",
     "Layer",
     "LrSchedule",
@@ -159,6 +161,18 @@ class MaskSchedule(BaseModel):
                                        "is neither pruned nor regrown", description="which tensors are left alone")
 
 
+class DittoTraining(BaseModel):
+    """Ditto's personal model (docs/determinism.md, "Ditto on a device"): each round, after or before the global
+    model's ``local_epochs``, ``personal_epochs`` of the same SGD on the personal model ``v`` from the ``personal``
+    stream, with ``lam * (v - w_t)`` added to each gradient (``w_t``: the model the round's task named)."""
+
+    model_config = _FROZEN
+
+    lam: float = Field(description="the proximal term's weight (config options.lam, default 0.1; 0: none)")
+    personal_epochs: int = Field(description="epochs of the personal model per round (config "
+                                             "options.personal_epochs, default local_epochs)")
+
+
 class TrainingInfo(BaseModel):
     """Local SGD exactly as pfl_edge.train runs it (``torch.optim.SGD`` semantics, docs/model.md "Training"): per
     step, clip and mask the gradient (order: ``clip_unmasked``), ``g = g + weight_decay * w``, momentum
@@ -190,6 +204,8 @@ class TrainingInfo(BaseModel):
         default="every_round", description="the momentum buffers start afresh every round and training phase")
     mask_schedule: MaskSchedule | None = Field(
         default=None, description="DisPFL: how the device's mask changes after each round; null for the others")
+    ditto: DittoTraining | None = Field(
+        default=None, description="Ditto: how its personal model trains (lam, personal_epochs); null for the others")
 
 
 class ProgramInfo(BaseModel):
@@ -315,7 +331,17 @@ def training_info(cfg: FederationConfig) -> TrainingInfo:
                                                       "fine-tuning) uses round 1's lr"),
         momentum=tc.momentum, weight_decay=tc.weight_decay, clip_norm=tc.clip_norm, clip_unmasked=tc.clip_unmasked,
         batch_size=tc.batch_size, local_epochs=cfg.local_epochs,
-        ft_epochs=algo.finetune_epochs(cfg), mask_schedule=None if schedule is None else MaskSchedule(**schedule))
+        ft_epochs=algo.finetune_epochs(cfg), mask_schedule=None if schedule is None else MaskSchedule(**schedule),
+        ditto=_ditto(cfg, algo))
+
+
+def _ditto(cfg: FederationConfig, algo: type[Algorithm]) -> DittoTraining | None:
+    """Ditto's options, resolved (its personal epochs default to local_epochs); None for the others."""
+    if not issubclass(algo.Options, DittoOptions):  # the algorithm's own options say it keeps a personal model
+        return None
+    opts = algo.options_for(cfg)
+    epochs = opts.personal_epochs
+    return DittoTraining(lam=opts.lam, personal_epochs=cfg.local_epochs if epochs is None else epochs)
 
 
 def build_card(*, federation: str, cfg: FederationConfig, spec: ModelSpec, model: BlockModel, profile: str,

@@ -236,7 +236,7 @@ class EnrolRequest(_Msg):
 
     federation: str = Field(pattern=_ID_RE, description="the federation to join")
     enrol_secret: str = Field(max_length=256, description="the federation's enrolment secret")
-    profile: str = Field(max_length=64, description="device profile name (device_profiles/), e.g. 'pixel-7'")
+    profile: str = Field(max_length=64, description="<name> of device_profiles/profiles/<name>.toml, e.g. 'phone-mid'")
     name: str = Field(default="", max_length=64, description="a label for tables; not an identity")
     index: int | None = Field(default=None, ge=0, lt=MAX_CLIENTS, description=(
         "the slot (data partition) it asks for; null: the lowest free one; ignored where rounds sample"))

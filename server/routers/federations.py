@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from pfl_edge.fleet import DeviceEntry, FederationMetrics
 from pfl_edge.protocol import FederationCreate, FederationInfo, TokenIssued
 
 from ..deps import AdminAuth, Coord, Enrol, FederationReader, MetricsDep
@@ -43,16 +42,16 @@ def get_federation(fed: str, _reader: FederationReader, enrol: Enrol) -> Federat
 
 # The admin's alone: a device needs nothing of its peers but what its task names (DisPFL: each in-neighbour's
 # slot, id and blob digest), never their names, profiles, liveness, traffic or accuracy.
-@router.get("/{fed}/metrics")
-def get_metrics(fed: str, _admin: AdminAuth, metrics: MetricsDep) -> dict[str, Any]:
+@router.get("/{fed}/metrics", response_model=FederationMetrics)
+def get_metrics(fed: str, _admin: AdminAuth, metrics: MetricsDep) -> FederationMetrics:
     """Every round: per-device metrics and a summary (mean accuracy, updates, wall time of the round)."""
-    return metrics.summary(fed)
+    return FederationMetrics.model_validate(metrics.summary(fed))
 
 
-@router.get("/{fed}/devices")
-def get_devices(fed: str, _admin: AdminAuth, metrics: MetricsDep) -> list[dict[str, Any]]:
+@router.get("/{fed}/devices", response_model=list[DeviceEntry])
+def get_devices(fed: str, _admin: AdminAuth, metrics: MetricsDep) -> list[DeviceEntry]:
     """Enrolled devices: profile, index, density, K_P, online, last round, bytes, refused and dropped updates."""
-    return metrics.devices(fed)
+    return [DeviceEntry.model_validate(d) for d in metrics.devices(fed)]
 
 
 class EnrolSecret(BaseModel):

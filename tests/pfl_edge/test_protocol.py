@@ -45,3 +45,19 @@ def test_the_doc_names_every_message_and_topic() -> None:
                 assert f"`{field}`" in text, f"docs/protocol.md does not mention {name}.{field}"
     for topic in ("pfl/<fed>/round", "pfl/<fed>/device/<dev>/task", "pfl/<fed>/device/<dev>/status"):
         assert topic in text
+
+
+def test_the_captured_configs_hold_every_config_key() -> None:
+    """The exchange captured in docs/protocol.md shows the config exactly as the server echoes it: every
+    FederationConfig key (options included), in the dataclass's order."""
+    import dataclasses
+    import json
+    import re
+
+    from pfl_edge.federation import FederationConfig
+
+    keys = [f.name for f in dataclasses.fields(FederationConfig)]
+    configs = re.findall(r'^  "config": (\{.*\}),$', DOC.read_text(), flags=re.M)
+    assert len(configs) >= 2  # the Enrolment's and the FederationInfo's
+    for c in configs:
+        assert list(json.loads(c)) == keys
