@@ -40,7 +40,8 @@ def haproxy_config(bind: str, servers: Sequence[str], *, max_body_s: int = 300,
     each). ``max_body_s``: the longest a request or response may take (a large model's upload on a slow link).
     ``mode="tcp"``: connections balanced as they are (MQTT over a broker cluster's nodes; each connection stays
     on its node for its life). ``dns``: a name server (``host:port``) that HAProxy asks again at run time, where
-    replicas are names whose addresses change (containers: Docker's ``127.0.0.11:53``). ``hook_bind``: the broker
+    replicas are names whose addresses change; ``"resolv.conf"``: the ones /etc/resolv.conf names (a container's:
+    Docker's ``127.0.0.11``, podman's network gateway). ``hook_bind``: the broker
     hook's own listener (only ``/v1/broker/hook/``; ``bind`` then answers those paths 404, percent-encoded ones
     too, as the replicas decode them)."""
     if not servers:
@@ -85,7 +86,8 @@ def haproxy_config(bind: str, servers: Sequence[str], *, max_body_s: int = 300,
     res = " resolvers dns" if dns else ""
     lines += [f"    server r{i} {addr} check inter 1s fall 2 rise 1{res}" for i, addr in enumerate(servers)]
     if dns:
-        lines += ["", "resolvers dns", f"    nameserver dns1 {dns}", "    hold valid 10s"]
+        server = "    parse-resolv-conf" if dns == "resolv.conf" else f"    nameserver dns1 {dns}"
+        lines += ["", "resolvers dns", server, "    hold valid 10s"]
     return "\n".join(lines) + "\n"
 
 
