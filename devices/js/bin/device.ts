@@ -3,7 +3,10 @@
  * A pfl-edge device in Node:
  *
  *   node dist/bin/device.js --server URL --federation F --enrol-secret S --profile phone-mid --state-dir DIR
- *     [--partition-id N] [--name NAME] [--threads N] [--dataset-dir DIR] [--patience S] [--poll S] [-v]
+ *     [--partition-id N] [--name NAME] [--threads N] [--dataset-dir DIR | --data-dir DIR] [--patience S] [--poll S] [-v]
+ *
+ * --data-dir DIR: the device's own labelled images, DIR/<class>/<image> (PNG, PGM, PPM), as `pfl-edge client
+ * --data-dir`; a federation of `"partition": "device"` needs it.
  *
  * Exit codes: 0 the federation finished (or a signal stopped it), 2 a configuration error or a refusal it cannot
  * fix (wrong secret, full federation, a card it cannot run), 1 anything else.
@@ -15,10 +18,11 @@ import { Device } from '../src/device.js';
 import { EnrolRefused } from '../src/enrol.js';
 import { HttpError, Unreachable } from '../src/http.js';
 import { logger, nodePlatform } from '../src/nodejs/platform.js';
+import { ImageDataError } from '../src/images.js';
 import { DealError } from '../src/partition.js';
 
 const USAGE = `usage: device --server URL --federation F --enrol-secret S --profile P --state-dir DIR
-              [--partition-id N] [--name NAME] [--threads N] [--dataset-dir DIR] [--patience S] [--poll S]
+              [--partition-id N] [--name NAME] [--threads N] [--dataset-dir DIR | --data-dir DIR] [--patience S] [--poll S]
               [--ca-file FILE] [--max-blob-bytes N] [-v]`;
 
 async function main(): Promise<number> {
@@ -35,6 +39,7 @@ async function main(): Promise<number> {
         name: { type: 'string', default: '' },
         threads: { type: 'string', default: '1' },
         'dataset-dir': { type: 'string' },
+        'data-dir': { type: 'string' },
         patience: { type: 'string', default: '300' },
         poll: { type: 'string', default: '10' },
         'ca-file': { type: 'string' },
@@ -65,6 +70,7 @@ async function main(): Promise<number> {
   const name = values.name || `js-${values['partition-id'] ?? 'any'}`;
   const log = logger(values.verbose, name);
   const platform = nodePlatform({ stateDir: values['state-dir'], datasetDir: values['dataset-dir'] ?? null,
+    imageDir: values['data-dir'] ?? null,
     caFile: values['ca-file'] ?? null, verbose: values.verbose, name });
   const device = new Device({
     server: values.server, federation: values.federation, enrolSecret: secret, profile: values.profile!, name,
@@ -78,7 +84,7 @@ async function main(): Promise<number> {
     log('info', device.done ? 'the federation has finished; exiting' : 'stopped');
     return code;
   } catch (e) {
-    const fatal = e instanceof EnrolRefused || e instanceof CardError || e instanceof DealError;
+    const fatal = e instanceof EnrolRefused || e instanceof CardError || e instanceof DealError || e instanceof ImageDataError;
     if (fatal) log('error', (e as Error).message);
     else if (e instanceof HttpError || e instanceof Unreachable) log('error', (e as Error).message);
     else log('error', (e as Error).stack ?? String(e));

@@ -11,6 +11,8 @@ export * from './device.js';
 export * as dispfl from './dispfl.js';
 export * from './enrol.js';
 export * from './http.js';
+export * from './images.js';
+export * from './imagefiles.js';
 export * from './messages.js';
 export * from './mqtt.js';
 export * from './partition.js';

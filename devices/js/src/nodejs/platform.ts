@@ -1,4 +1,7 @@
-/** The Node platform of a device: files, mqtt.js, onnxruntime-node, Fashion-MNIST from Debian's IDX files. */
+/**
+ * The Node platform of a device: files, mqtt.js, onnxruntime-node, Fashion-MNIST from Debian's IDX files, or the
+ * device's own images from a folder (`--data-dir`).
+ */
 import { randomBytes } from 'node:crypto';
 import { readFileSync } from 'node:fs';
 
@@ -12,12 +15,18 @@ import { deal } from '../partition.js';
 import { nodeSha256 } from '../node.js';
 import { DirStorage } from './fs.js';
 import { loadFashionMnist } from './idx.js';
+import { loadImageFolder } from './images.js';
 import { openInference, openTraining } from './ort.js';
 
 export interface NodePlatformOptions {
   stateDir: string;
   /** where the data set's files are (default: Debian's) */
   datasetDir?: string | null;
+  /**
+   * the device's own labelled images instead, one sub-folder per class (`pfl-edge client --data-dir`): used
+   * whatever the federation's partition, as the Python device does; needed where it is `"device"`
+   */
+  imageDir?: string | null;
   /** the CA of the server's and broker's certificates (mqtts://) */
   caFile?: string | null;
   verbose?: boolean;
@@ -33,11 +42,39 @@ export function logger(verbose: boolean, name = ''): (level: LogLevel, msg: stri
   };
 }
 
-/** Its slot's training and test samples: the data set dealt as pfl-edge deals it, normalised as the card says. */
-export async function loadSlotData(config: Record<string, unknown>, slot: number, card: ModelCard, datasetDir?: string | null): Promise<DeviceData> {
+/**
+ * The device's own images in `imageDir` as its training and test samples (`edge_runtime/data.py::load_image_folder`):
+ * converted and resized to the card's `input.shape`, standardised over the folder (`input.own_images`), a fifth
+ * of each class held out by the `holdout` stream of its slot.
+ */
+export function loadOwnImages(config: Record<string, unknown>, slot: number, card: ModelCard, imageDir: string): DeviceData {
+  const seed = config['seed'];
+  if (typeof seed !== 'number' || !Number.isSafeInteger(seed)) throw new CardError(`the federation's seed ${String(seed)} cannot be held exactly`);
+  const [channels, height, width] = card.inputShape;
+  if (card.inputShape.length !== 3 || (channels !== 1 && channels !== 3)) {
+    throw new CardError(`the card's input shape [${card.inputShape.join(', ')}] is not grey or RGB images`);
+  }
+  const own = (card.raw['input'] as Record<string, unknown> | undefined)?.['own_images'] as Record<string, unknown> | undefined;
+  const floor = typeof own?.['std_floor'] === 'number' ? own['std_floor'] : 1e-6;
+  const d = loadImageFolder(imageDir, {
+    channels, height: height!, width: width!, numClasses: card.numClasses, sha256: nodeSha256, seed, slot, stdFloor: floor,
+  });
+  return { train: d.train, test: d.test };
+}
+
+/**
+ * Its slot's training and test samples: its own images where it has a folder of them (`imageDir`), else the
+ * data set dealt as pfl-edge deals it, normalised as the card says.
+ */
+export async function loadSlotData(config: Record<string, unknown>, slot: number, card: ModelCard, datasetDir?: string | null,
+  imageDir?: string | null): Promise<DeviceData> {
+  if (imageDir) return loadOwnImages(config, slot, card, imageDir);
   const dataset = String(config['dataset']);
   const partition = String(config['partition']);
-  if (partition === 'device') throw new CardError('this federation\'s devices bring their own data (partition "device"); this device deals a registered data set only');
+  if (partition === 'device') {
+    throw new CardError('this federation\'s devices bring their own data (partition "device"): start the device with ' +
+      '--data-dir FOLDER, one sub-folder of images per class');
+  }
   if (dataset !== 'fashion-mnist') throw new CardError(`this device reads the fashion-mnist data set, not ${dataset}`);
   const norm = card.normalisation;
   if (norm.statistics !== 'fixed') throw new CardError(`the card's normalisation is ${norm.statistics}, not fixed`);
@@ -64,7 +101,7 @@ export function nodePlatform(o: NodePlatformOptions): Platform {
     openTraining: async (bytes, card, mode, threads) =>
       openTraining(bytes, trainingDetails(card, findProgram(card, 'training', 'onnxruntime', mode)), threads),
     openInference: async (bytes, card, threads) => openInference(bytes, card, findProgram(card, 'inference', 'onnxruntime'), threads),
-    loadData: async (config, slot, card) => loadSlotData(config, slot, card, o.datasetDir),
+    loadData: async (config, slot, card) => loadSlotData(config, slot, card, o.datasetDir, o.imageDir),
     log: logger(o.verbose ?? false, o.name),
     mqttExtra: ca ? { ca: [ca], rejectUnauthorized: true } : undefined,
   };
