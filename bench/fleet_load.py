@@ -553,12 +553,26 @@ def _extra(args: argparse.Namespace) -> dict[str, str]:
     return {"PFL_PARTIAL_SUMS": "true"} if args.partial_sums else {}
 
 
+def hook_calls(urls: list[str], token: str) -> int | None:
+    """The broker's questions to the servers' hook, summed over the replicas (their /metrics, by route)."""
+    total = 0
+    for url in urls:
+        try:
+            text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {token}"}, timeout=60).text
+        except httpx.HTTPError:
+            return None
+        total += sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines()
+                     if line.startswith("pfl_http_request_duration_seconds_count{") and "/broker/hook" in line)
+    return total
+
+
 def _servers(args: argparse.Namespace, stack: ExitStack, tmp: Path, db: str | None,
              token: str) -> tuple[str, dict[str, int], Any]:
     """Start the broker and the server(s) the arguments ask for; (the URL devices use, the pids to sample)."""
     from server.balancer import start_haproxy, start_replicas
     from server.broker import free_port
-    from server.rabbitmq import start_cluster
+    from server.rabbitmq import TokenKeys, start_cluster
+    from server.services.broker_tokens import BrokerTokens
 
     pids: dict[str, int] = {}
     if args.broker == "rabbitmq":
@@ -566,8 +580,11 @@ def _servers(args: argparse.Namespace, stack: ExitStack, tmp: Path, db: str | No
             raise SystemExit("--broker rabbitmq needs --replicas >= 1 and PostgreSQL (the hook is behind HAProxy)")
         hook = secrets.token_urlsafe(24)
         lb_port = free_port()
+        # --broker-auth jwt: the nodes check the devices' tokens alone, the hook a second backend (its calls counted)
+        keys = tmp / "broker-keys"
+        tokens = (TokenKeys("pfl", BrokerTokens(keys).public_keys()) if args.broker_auth == "jwt" else None)
         cluster = start_cluster(tmp / "rabbitmq", args.broker_nodes,
-                                f"http://127.0.0.1:{lb_port}/v1/broker/hook/{hook}")
+                                f"http://127.0.0.1:{lb_port}/v1/broker/hook/{hook}", tokens=tokens)
         stack.callback(cluster.stop)
         mqtt_lb = free_port()
         lb = start_haproxy(tmp / "mqtt-lb", mqtt_lb, [u.removeprefix("mqtt://") for u in cluster.mqtt_urls],
@@ -577,7 +594,8 @@ def _servers(args: argparse.Namespace, stack: ExitStack, tmp: Path, db: str | No
         env = server_env(tmp / "server", database_url=db, broker_url=None, admin_token=token, extra={
             **_extra(args), "PFL_BROKER_URL": cluster.mqtt_urls[0], "PFL_BROKER_HOOK_TOKEN": hook,
             "PFL_MQTT_USERNAME": ADMIN[0], "PFL_MQTT_PASSWORD": ADMIN[1],
-            "PFL_PUBLIC_BROKER_URL": f"mqtt://127.0.0.1:{mqtt_lb}"})
+            "PFL_PUBLIC_BROKER_URL": f"mqtt://127.0.0.1:{mqtt_lb}",
+            **({"PFL_BROKER_TOKENS": "true", "PFL_BROKER_TOKEN_KEYS": str(keys)} if tokens is not None else {})})
         reps = start_replicas(tmp / "replicas", args.replicas, env, port=lb_port)
     else:
         broker_url, broker_pid = (stack.enter_context(mosquitto(tmp / "mosquitto"))
@@ -614,6 +632,8 @@ def main() -> None:
     ap.add_argument("--database", default="postgresql", help="postgresql (a fresh database), sqlite, or a URL")
     ap.add_argument("--broker", default="mosquitto", choices=["mosquitto", "embedded", "rabbitmq"])
     ap.add_argument("--broker-nodes", type=int, default=2, help="--broker rabbitmq: the cluster's nodes")
+    ap.add_argument("--broker-auth", default="hook", choices=["hook", "jwt"],
+                    help="--broker rabbitmq: the nodes ask the servers' hook, or check the devices' tokens alone")
     ap.add_argument("--kill-leader", type=int, default=0, metavar="N",
                     help="SIGKILL the federation's leader in rounds 1..N (needs --replicas >= 2), restart it")
     ap.add_argument("--kill-follower", type=int, default=0, metavar="N",
@@ -649,6 +669,8 @@ def main() -> None:
             cpu0 = {k: rss.cpu_s(k) for k in pids}
             res = asyncio.run(run_fleet(url, token, args, calls, reps))
             cpu: dict[str, float | None] = {f"{k}_cpu_s": rss.cpu_s(k) - cpu0[k] for k in pids}
+        if reps is not None:
+            res["broker_hook_calls"] = hook_calls([r.url for r in reps.servers if r is not None], token)
         enrol_cpu = rss.cpu_between(res["t0"], res["enrol_end"])
         cpu["server_cpu_ms_per_enrolment"] = enrol_cpu and 1e3 * enrol_cpu / max(1, res["enrolled"])
         entries = res.pop("ledger")

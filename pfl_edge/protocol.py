@@ -259,7 +259,7 @@ class Enrolment(_Msg):
     kp: int = Field(ge=0, le=_MAX_KP, description="FedPer: its personal blocks, counted from the output end")
     broker_url: str = Field(max_length=2_048, description="mqtt://host:port or mqtts://host:port")
     mqtt_username: str = Field(max_length=_NAME, description="MQTT username (its device id)")
-    mqtt_password: str = Field(max_length=_NAME, description="MQTT password; the same at each enrolment with one nonce")
+    mqtt_password: str = Field(max_length=4_096, description="MQTT password (or a broker's token)")
     round: int = Field(ge=0, le=MAX_ROUND, description=(
         "the federation's round now; a device enrolling in round r > 0 takes part from round r + 1"))
     init_digest: Digest = Field(description=(
@@ -313,10 +313,10 @@ class RoundAnnouncement(_Msg):
 
 
 class BrokerInfo(_Msg):
-    """The MQTT broker as devices reach it now: a device that cannot reach the one its enrolment named asks
-    again (the operator may have moved it)."""
+    """The MQTT broker as devices reach it now (the operator may have moved it), and fresh credentials for it."""
 
     broker_url: str = Field(max_length=2_048, description="mqtt://host:port or mqtts://host:port")
+    mqtt_password: str | None = Field(None, max_length=4_096, description="token brokers: a fresh MQTT password")
 
 
 class DeviceStatus(_Msg):

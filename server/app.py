@@ -124,7 +124,7 @@ def _start_guarded(settings: Settings, guard: IO[bytes] | None) -> AppState:
         else "", max_blob_bytes=settings.max_blob_bytes, tick_s=settings.tick_s, token_ttl_s=settings.token_ttl_s,
         gate=enrol_gate(settings, sessions), upload_quota=settings.upload_quota_pending,
         gc_keep_rounds=settings.gc_keep_rounds, leadership=leadership_for(engine),
-        partial_sums=settings.partial_sums, partial_flush_s=settings.partial_flush_s)
+        partial_sums=settings.partial_sums, partial_flush_s=settings.partial_flush_s, broker_tokens=mq.tokens)
     holder.append(coordinator)
     coordinator.enrolment.token_max_lifetime_s = settings.device_token_max_lifetime_s
     _uploads(coordinator, settings)

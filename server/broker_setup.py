@@ -27,8 +27,10 @@ from pfl_edge.errors import ConfigError
 
 from .broker import EmbeddedBroker, loopback
 from .broker_core import Authenticator
+from .broker_wire import Identity
 from .mqtt import MqttLink, broker_tls, parse_broker_url
 from .services.broker_access import Mode
+from .services.broker_tokens import BrokerTokens
 from .settings import Settings
 
 __all__ = ["MqttSetup", "init_dynsec", "start_mqtt"]
@@ -46,11 +48,17 @@ class MqttSetup:
     mode: Mode
     server_credentials: tuple[str, str]  # (username, password) of the server's link; ("", "") for none
     tls: ssl.SSLContext | None  # how the server's link verifies an mqtts:// broker
+    tokens: BrokerTokens | None = None  # jwt mode: signs the devices' and the server's MQTT passwords
 
     def link(self, on_status: Callable[[str, bytes], None], on_reconnect: Callable[[], None]) -> MqttLink:
         user, password = self.server_credentials
+        renew = None
+        if self.tokens is not None:  # a fresh token of its own at every reconnect (RabbitMQ closes a link whose
+            # token expired at its next publish or subscription)
+            tokens = self.tokens
+            renew = lambda: tokens.issue(Identity(user))  # noqa: E731
         return MqttLink(self.url, on_status, on_reconnect=on_reconnect, username=user or None,
-                        password=password or None, tls=self.tls)
+                        password=password or None, tls=self.tls, renew=renew)
 
 
 def start_mqtt(settings: Settings, authenticate: Authenticator) -> MqttSetup:
@@ -63,9 +71,16 @@ def start_mqtt(settings: Settings, authenticate: Authenticator) -> MqttSetup:
                               "PFL_MQTT_USERNAME and PFL_MQTT_PASSWORD")
         ext = ssl.create_default_context(cafile=str(settings.mqtt_ca_file) if settings.mqtt_ca_file else None)
         url = settings.broker_url
-        mode: Mode = "dynsec" if settings.broker_dynsec else "hook" if settings.broker_hook_token else "shared"
+        mode: Mode = ("dynsec" if settings.broker_dynsec else "jwt" if settings.broker_tokens
+                      else "hook" if settings.broker_hook_token else "shared")
+        tokens = None
+        if mode == "jwt":
+            tokens = BrokerTokens(settings.broker_token_keys or settings.data_dir / "broker-keys",
+                                  audience=settings.broker_token_audience, ttl_s=settings.broker_token_ttl_s,
+                                  vhost=settings.broker_hook_vhost)
+            user = user or SERVER_USER  # its password: a token of its own (MqttSetup.link)
         return MqttSetup(None, url, _device_url(settings, url, None), mode, (user, password),
-                         ext if broker_tls(url) else None)
+                         ext if broker_tls(url) else None, tokens)
     port_file = settings.data_dir / "broker-port"
     port = settings.embedded_broker_port or _recorded_port(port_file)
     broker = EmbeddedBroker(settings.embedded_broker_host, port, authenticate=authenticate,

@@ -22,6 +22,7 @@ from .services import (
     Updates,
 )
 from .services.broker_access import BrokerAccess, Mode
+from .services.broker_tokens import BrokerTokens
 from .services.gc import BlobGC
 from .services.leadership import Leadership
 from .services.partials import Partials
@@ -36,7 +37,7 @@ class Coordinator:
                  upload_quota: int = 4, gc_keep_rounds: int = 2, broker_mode: Mode = "shared",
                  embedded_broker: EmbeddedBroker | None = None, server_mqtt: tuple[str, str] = ("", ""),
                  leadership: Leadership | None = None, partial_sums: bool = False,
-                 partial_flush_s: float = 1.0) -> None:
+                 partial_flush_s: float = 1.0, broker_tokens: BrokerTokens | None = None) -> None:
         self.blobs = blobs
         self.store = Store(sessions, max_blob_bytes)
         self.blob_access = BlobAccess(self.store, blobs)
@@ -55,8 +56,10 @@ class Coordinator:
         # who may use the broker: per-device credentials and topics (server.services.broker_access)
         self.broker_access = BrokerAccess(self.store, broker_mode, server_username=server_mqtt[0],
                                           server_password=server_mqtt[1], broker=embedded_broker, link=link,
-                                          shared_password=device_mqtt_password)
+                                          shared_password=device_mqtt_password, tokens=broker_tokens)
         self.enrolment.mqtt_password = self.broker_access.fresh_password
+        if broker_mode == "jwt":  # the password a device is told is a fresh token (its hash kept as today)
+            self.enrolment.mqtt_token = self.broker_access.device_token
         self.enrolment.provision = self.broker_access.provision
         # each accepted update folded into this process's partial sum, merged by the leader at close
         self.partials = Partials(self.store, self.blob_access, flush_s=partial_flush_s) if partial_sums else None

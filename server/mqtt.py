@@ -53,7 +53,8 @@ class MqttLink:
 
     def __init__(self, url: str, on_status: Callable[[str, bytes], None], *, username: str | None = None,
                  password: str | None = None, on_reconnect: Callable[[], None] | None = None,
-                 tls: ssl.SSLContext | None = None, window: int = WINDOW, window_wait_s: float = WINDOW_WAIT_S) -> None:
+                 tls: ssl.SSLContext | None = None, window: int = WINDOW, window_wait_s: float = WINDOW_WAIT_S,
+                 renew: Callable[[], tuple[str, float]] | None = None) -> None:
         self.url = url
         self.window, self.window_wait_s = window, window_wait_s
         self._acks = threading.Condition()
@@ -73,6 +74,11 @@ class MqttLink:
                                   clean_session=True)
         if broker_tls(url):
             self.client.tls_set_context(tls if tls is not None else ssl.create_default_context())
+        # renew: a broker that checks tokens (server.services.broker_tokens): a fresh password (and its expiry)
+        # for every reconnect
+        self._username, self._renew, self.password_expires = username, renew, float("inf")
+        if renew is not None:
+            password, self.password_expires = renew()
         if username is not None:
             self.client.username_pw_set(username, password)
         self.client.on_connect = self._connected_cb
@@ -130,6 +136,7 @@ class MqttLink:
     def _connected_cb(self, client: mqtt.Client, _u: object, _f: object, rc: object, _p: object) -> None:
         if getattr(rc, "is_failure", False):
             log.warning("MQTT broker %s refused the server's connection: %s", self.url, rc)
+            self._fresh_password()
             return
         self._net_thread = threading.get_ident()
         client.subscribe([(STATUS_FILTER, 1), *((f, 1) for f in self._handlers)])
@@ -140,7 +147,13 @@ class MqttLink:
             self._on_reconnect()
         self._ever_connected = True
 
+    def _fresh_password(self) -> None:
+        if self._renew is not None:
+            password, self.password_expires = self._renew()
+            self.client.username_pw_set(self._username, password)
+
     def _disconnected_cb(self, _c: mqtt.Client, _u: object, _f: object, rc: object, _p: object) -> None:
+        self._fresh_password()  # paho reconnects with it
         if self._connected.is_set():
             log.warning("MQTT broker %s: connection lost (%s); reconnecting", self.url, rc)
         self._connected.clear()

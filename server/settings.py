@@ -54,9 +54,17 @@ class Settings(BaseSettings):
     # or the external broker asks this server about every device (RabbitMQ's rabbitmq_auth_backend_http, and
     # brokers with an HTTP auth hook): POST /v1/broker/hook/<token>/{user,vhost,resource,topic} answer allow or
     # deny by the same rules as the embedded broker, nothing provisioned per device (docs/operations.md,
-    # "Brokers that ask the server"). The token, in the hook's URL, keeps everyone but the broker out of it
+    # "Clustered brokers"). The token, in the hook's URL, keeps everyone but the broker out of it
     broker_hook_token: SecretStr | None = None
     broker_hook_vhost: str = "/"  # the only virtual host a device may use
+    # or the external broker checks signed tokens alone (RabbitMQ's rabbitmq_auth_backend_oauth2; "Clustered
+    # brokers" in docs/operations.md): a device's MQTT password is a JWT of broker_token_ttl_s whose scopes are its
+    # topics, refreshed at GET /v1/devices/me/broker; the keys in broker_token_keys (default <data_dir>/broker-keys,
+    # one folder shared by replicas), made at the first start; broker_token_audience: the broker's resource server id
+    broker_tokens: bool = False
+    broker_token_ttl_s: float = Field(default=3600.0, ge=10.0, le=7 * 86400.0)
+    broker_token_keys: Path | None = None
+    broker_token_audience: str = Field(default="pfl", pattern=r"^[A-Za-z0-9_-]{1,64}$")
     embedded_broker_host: str = "127.0.0.1"  # where the embedded broker listens; 0.0.0.0 for devices elsewhere
     embedded_broker_port: int | None = Field(default=None, ge=1, le=65535)  # None: last run's port, else free one
     # connections one client address may hold open on the embedded broker, refused on accept (0: no cap; loopback
@@ -126,6 +134,9 @@ class Settings(BaseSettings):
                                  "broker, not broker_dynsec): set broker_url to that broker, or unset the token")
             if len(token) < 16:
                 raise ValueError("broker_hook_token must be at least 16 characters (it is the hook's only secret)")
+        if self.broker_tokens and (self.broker_url == "embedded" or self.broker_dynsec):
+            raise ValueError("broker_tokens is for an external broker that checks tokens (RabbitMQ's oauth2 "
+                             "backend), not the embedded broker nor broker_dynsec")
         return self
 
     @model_validator(mode="after")

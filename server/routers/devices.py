@@ -31,7 +31,9 @@ def rotate_own_token(dev: DeviceAuth, enrol: Enrol) -> TokenIssued:
     return TokenIssued(device_id=dev.id, token=token, expires=expires)
 
 
-@router.get("/me/broker", response_model=BrokerInfo)
+@router.get("/me/broker", response_model=BrokerInfo, response_model_exclude_none=True)
 def current_broker(dev: DeviceAuth, enrol: Enrol) -> BrokerInfo:
-    """The MQTT broker as devices reach it now (it may have moved since this device enrolled)."""
-    return BrokerInfo(broker_url=enrol.device_broker_url)
+    """The MQTT broker as devices reach it now (it may have moved since this device enrolled); where the broker
+    checks tokens (``jwt`` mode), a fresh one as its MQTT password (a revoked device never gets here: 401)."""
+    token = enrol.mqtt_token(dev.id) if enrol.mqtt_token is not None else None
+    return BrokerInfo(broker_url=enrol.device_broker_url, mqtt_password=token)

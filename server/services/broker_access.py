@@ -23,6 +23,11 @@ last will is there too). Three modes, by the server's settings:
   device is refused at the broker's next question. The routes: ``server.routers.broker_hook``. Wrong passwords
   for the server's own user name are throttled (:meth:`hook_user`): device passwords are random, the server's is
   the operator's.
+- ``jwt``: an external broker that checks a signed token alone (RabbitMQ's ``rabbitmq_auth_backend_oauth2``):
+  a device's MQTT password is a short-lived token (:mod:`.broker_tokens`) whose scopes allow what
+  :func:`device_identity` allows; ``GET /v1/devices/me/broker`` hands it a fresh one (:meth:`device_token`),
+  never to a revoked device. Nothing is asked at CONNECT; a revoked device's open connection lasts until it
+  drops, or publishes or subscribes after its token's expiry (RabbitMQ closes it then, not before).
 - ``shared``: an external broker the server does not manage (the old mode): every device is told
   ``device_mqtt_password``, and the broker's own configuration decides what it may do.
 """
@@ -50,6 +55,7 @@ from ..broker_wire import Identity, LogGate
 from ..db import Device
 from ..errors import ApiError
 from ..ratelimit import Buckets
+from .broker_tokens import BrokerTokens, mqtt_queues
 from .store import Store
 
 __all__ = ["DYNSEC_TOPIC", "BrokerAccess", "BrokerUnavailable", "Mode", "device_identity", "device_password",
@@ -58,8 +64,8 @@ __all__ = ["DYNSEC_TOPIC", "BrokerAccess", "BrokerUnavailable", "Mode", "device_
 log = logging.getLogger(__name__)
 
 DYNSEC_TOPIC = "$CONTROL/dynamic-security/v1"
-Mode = Literal["embedded", "dynsec", "hook", "shared"]
-# RabbitMQ's MQTT plugin: a session's subscriptions live in the queue mqtt-subscription-<client id>qos<0|1>,
+Mode = Literal["embedded", "dynsec", "hook", "jwt", "shared"]
+# RabbitMQ's MQTT plugin: a session's subscriptions live in the queues broker_tokens.mqtt_queues(client id),
 # bound to this exchange with the topic as routing key ("/" -> ".", "+" -> "*")
 MQTT_EXCHANGE = "amq.topic"
 
@@ -105,11 +111,14 @@ class BrokerAccess:
     def __init__(self, store: Store, mode: Mode, *, server_username: str = "", server_password: str = "",
                  broker: _Kicker | None = None, link: _Link | None = None, shared_password: str = "",
                  timeout_s: float = 10.0, guess_rate: float = 0.1, guess_burst: int = 10,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, tokens: BrokerTokens | None = None) -> None:
         if mode == "embedded" and broker is None:
             raise ValueError("embedded broker access needs the broker")
         if mode == "dynsec" and link is None:
             raise ValueError("dynamic-security access needs the server's MQTT link")
+        if mode == "jwt" and tokens is None:
+            raise ValueError("token access needs the signing keys")
+        self.tokens = tokens
         self.store, self.mode = store, mode
         self.server_username, self._server_password = server_username, server_password.encode()
         self.broker, self.link = broker, link
@@ -176,6 +185,21 @@ class BrokerAccess:
                 return None
             return device_identity(dev.federation, dev.id)
 
+    # ------------------------------------------------------------------------------------- broker tokens
+    def device_token(self, device_id: str) -> str | None:
+        """``jwt`` mode: a fresh MQTT password (a signed token) for a device that still has broker access
+        (enrolled, not revoked); None in other modes or for a device without access."""
+        ident = self.identity(device_id) if self.tokens is not None else None
+        if self.tokens is None or ident is None or ident.read is None:
+            return None
+        return self.tokens.issue(ident)[0]
+
+    def server_token(self) -> str:
+        """``jwt`` mode: the server's own MQTT password (its links' queues, every ``pfl/...`` topic)."""
+        if self.tokens is None:
+            raise ValueError("no broker tokens in this mode")
+        return self.tokens.issue(Identity(self.server_username or "pfl-server"))[0]
+
     # ------------------------------------------------------------------------------------ the HTTP hook
     def identity(self, username: str) -> Identity | None:
         """What ``username`` may do now (None: nobody we know, or revoked): the hook's authorisation questions
@@ -232,8 +256,7 @@ class BrokerAccess:
         if resource == "exchange":
             return name == MQTT_EXCHANGE and permission in ("read", "write")
         if resource == "queue":
-            own = f"mqtt-subscription-{ident.client_id}qos"
-            return name in (own + "0", own + "1") and permission in ("configure", "read", "write")
+            return name in mqtt_queues(ident.client_id or "") and permission in ("configure", "read", "write")
         return False
 
     def hook_topic(self, username: str, name: str, permission: str, routing_key: str) -> bool:

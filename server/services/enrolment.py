@@ -66,6 +66,7 @@ class EnrolmentService:
         self.mqtt_password: Callable[[tuple[str, str, str] | None], tuple[str, str | None]] = (
             lambda derive: (device_mqtt_password, None))
         self.provision: Callable[[str, str, str], None] = lambda fed_id, dev_id, password: None
+        self.mqtt_token: Callable[[str], str | None] | None = None  # jwt mode: a device's broker token now
         self.on_enrolled = on_enrolled  # wakes the round worker: enrolment may open round 1
         self.on_created = on_created  # announces a new federation
 
@@ -161,6 +162,7 @@ class EnrolmentService:
             log.info("federation %s: device %s enrolled in slot %d (%s)", req.federation, got.device_id, got.slot,
                      profile.name)
         self.provision(req.federation, got.device_id, password)
+        password = (self.mqtt_token(got.device_id) if self.mqtt_token is not None else None) or password
         fm = fed_model(got.config)
         return Enrolment(device_id=got.device_id, token=token, index=got.slot, federation=req.federation,
                          config=got.config, density=got.density, kp=got.kp, broker_url=self.device_broker_url,
