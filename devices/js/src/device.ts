@@ -326,7 +326,7 @@ export class Device {
       password: enr.mqtt_password, connect: this.platform.mqttConnect,
       onBell: (hint, ann) => this.onBell(hint, ann),
       isStale: (t) => this.isStale(t),
-      brokerNow: async () => parseBrokerInfo(await this.http.getJson('/v1/devices/me/broker')).broker_url,
+      brokerNow: async () => parseBrokerInfo(await this.http.getJson('/v1/devices/me/broker')),
       log: (level, msg) => this.log(level, msg),
       extra: this.platform.mqttExtra,
     });

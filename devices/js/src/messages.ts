@@ -117,7 +117,7 @@ export function parseEnrolment(v: unknown): Enrolment {
     kp: [isInt(0, 1000), true],
     broker_url: [isStr(2048, /^mqtts?:\/\//), true],
     mqtt_username: [isStr(256), true],
-    mqtt_password: [isStr(256), true],
+    mqtt_password: [isStr(4096), true], // a plain password, or a token broker's JWT (~1,100-1,300 characters)
     round: [isInt(0, 1_000_000), true],
     init_digest: [isStr(64, SHA), true],
     init_model: [orNull(isStr(64, SHA)), false],
@@ -138,8 +138,19 @@ export function parseTokenIssued(v: unknown): TokenIssued {
   }, v);
 }
 
-export function parseBrokerInfo(v: unknown): { broker_url: string } {
-  return check<{ broker_url: string }>('BrokerInfo', { broker_url: [isStr(2048, /^mqtts?:\/\//), true] }, v);
+/** `GET /v1/devices/me/broker`: where the broker is now, and (token brokers only) a fresh MQTT password. */
+export interface BrokerInfo {
+  broker_url: string;
+  mqtt_password?: string | null;
+}
+
+export function parseBrokerInfo(v: unknown): BrokerInfo {
+  const b = check<BrokerInfo>('BrokerInfo', {
+    broker_url: [isStr(2048, /^mqtts?:\/\//), true],
+    mqtt_password: [orNull(isStr(4096)), false],
+  }, v);
+  b.mqtt_password = b.mqtt_password ?? null;
+  return b;
 }
 
 export interface UpdateAccepted {
