@@ -57,6 +57,7 @@ from pfl_edge.split import take
 from server.fedmodel import fed_model
 
 FED = "fleet"
+NODES_ENV = "PFL_BENCH_MQTT_NODES"  # --mqtt-direct: the nodes' host:port, inherited by the client processes
 RETRY_STATUS = {429, 502, 503, 504}  # 502/504: a balancer whose replica died under the call
 
 
@@ -188,8 +189,12 @@ class Fleet:
     async def session(self, enr: Enrolment) -> MqttSession:
         u = urlsplit(enr.broker_url)
         status = json.dumps({"device_id": enr.device_id, "state": "offline"}).encode()
-        host = u.hostname or "127.0.0.1"
-        m = MqttSession(host, u.port or 1883, mqtt_client_id(enr.device_id), enr.mqtt_username,
+        host, port = u.hostname or "127.0.0.1", u.port or 1883
+        nodes = os.environ.get(NODES_ENV)
+        if nodes:  # --mqtt-direct: the devices spread over the nodes by index, as DNS round-robin would
+            host, _, p = nodes.split(",")[enr.index % len(nodes.split(","))].rpartition(":")
+            port = int(p)
+        m = MqttSession(host, port, mqtt_client_id(enr.device_id), enr.mqtt_username,
                         enr.mqtt_password, will=(status_topic(FED, enr.device_id), status),
                         local_host=f"127.0.0.{2 + enr.index % 16}" if host.startswith("127.") else None)
         t0 = time.perf_counter()
@@ -584,12 +589,21 @@ def _servers(args: argparse.Namespace, stack: ExitStack, tmp: Path, db: str | No
         keys = tmp / "broker-keys"
         tokens = (TokenKeys("pfl", BrokerTokens(keys).public_keys()) if args.broker_auth == "jwt" else None)
         cluster = start_cluster(tmp / "rabbitmq", args.broker_nodes,
-                                f"http://127.0.0.1:{lb_port}/v1/broker/hook/{hook}", tokens=tokens)
+                                f"http://127.0.0.1:{lb_port}/v1/broker/hook/{hook}", tokens=tokens,
+                                hook_cache_s=args.hook_cache_s if args.broker_auth == "hook" else None)
         stack.callback(cluster.stop)
         mqtt_lb = free_port()
-        lb = start_haproxy(tmp / "mqtt-lb", mqtt_lb, [u.removeprefix("mqtt://") for u in cluster.mqtt_urls],
-                           mode="tcp")
-        stack.callback(lb.stop)
+        addrs = [u.removeprefix("mqtt://") for u in cluster.mqtt_urls]
+        # one HAProxy holds two descriptors per device: past the process's file limit it cannot front the fleet
+        if not args.mqtt_direct and 2 * args.devices + 512 > resource.getrlimit(resource.RLIMIT_NOFILE)[1]:
+            print(f"--mqtt-direct: {args.devices} devices need {2 * args.devices + 512} files in one HAProxy, "
+                  f"above this machine's limit", flush=True)
+            args.mqtt_direct = True
+        if args.mqtt_direct:
+            os.environ[NODES_ENV] = ",".join(addrs)
+        else:
+            lb = start_haproxy(tmp / "mqtt-lb", mqtt_lb, addrs, mode="tcp", maxconn=args.devices + 512)
+            stack.callback(lb.stop)
         pids.update({f"broker{i}": p.pid for i, p in enumerate(cluster.procs)})
         env = server_env(tmp / "server", database_url=db, broker_url=None, admin_token=token, extra={
             **_extra(args), "PFL_BROKER_URL": cluster.mqtt_urls[0], "PFL_BROKER_HOOK_TOKEN": hook,
@@ -634,6 +648,11 @@ def main() -> None:
     ap.add_argument("--broker-nodes", type=int, default=2, help="--broker rabbitmq: the cluster's nodes")
     ap.add_argument("--broker-auth", default="hook", choices=["hook", "jwt"],
                     help="--broker rabbitmq: the nodes ask the servers' hook, or check the devices' tokens alone")
+    ap.add_argument("--mqtt-direct", action="store_true",
+                    help="--broker rabbitmq: devices connect to node (index mod nodes), no TCP balancer (automatic "
+                         "where one HAProxy would need more files than the process may open)")
+    ap.add_argument("--hook-cache-s", type=float, default=None,
+                    help="--broker-auth hook: each node caches the hook's answers this long (auth_backend_cache)")
     ap.add_argument("--kill-leader", type=int, default=0, metavar="N",
                     help="SIGKILL the federation's leader in rounds 1..N (needs --replicas >= 2), restart it")
     ap.add_argument("--kill-follower", type=int, default=0, metavar="N",

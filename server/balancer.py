@@ -35,7 +35,8 @@ HAPROXY = shutil.which("haproxy") or ("/usr/sbin/haproxy" if Path("/usr/sbin/hap
 
 
 def haproxy_config(bind: str, servers: Sequence[str], *, max_body_s: int = 300,
-                   mode: Literal["http", "tcp"] = "http", dns: str | None = None, hook_bind: str | None = None) -> str:
+                   mode: Literal["http", "tcp"] = "http", dns: str | None = None, hook_bind: str | None = None,
+                   maxconn: int = 4096) -> str:
     """HAProxy's configuration: listen on ``bind`` (``host:port``), balance over ``servers`` (``host:port``
     each). ``max_body_s``: the longest a request or response may take (a large model's upload on a slow link).
     ``mode="tcp"``: connections balanced as they are (MQTT over a broker cluster's nodes; each connection stays
@@ -43,18 +44,19 @@ def haproxy_config(bind: str, servers: Sequence[str], *, max_body_s: int = 300,
     replicas are names whose addresses change; ``"resolv.conf"``: the ones /etc/resolv.conf names (a container's:
     Docker's ``127.0.0.11``, podman's network gateway). ``hook_bind``: the broker
     hook's own listener (only ``/v1/broker/hook/``; ``bind`` then answers those paths 404, percent-encoded ones
-    too, as the replicas decode them)."""
+    too, as the replicas decode them). ``maxconn``: connections held at once (more wait in HAProxy's queue, and
+    time out there; each takes two of its open files)."""
     if not servers:
         raise ConfigError("a load balancer needs at least one server")
     if mode == "tcp":
-        lines = ["global", "    maxconn 4096", "", "defaults", "    mode tcp", "    timeout connect 2s",
+        lines = ["global", f"    maxconn {maxconn}", "", "defaults", "    mode tcp", "    timeout connect 2s",
                  "    timeout client 1h", "    timeout server 1h", "", "frontend mqtt", f"    bind {bind}",
                  "    default_backend nodes", "", "backend nodes", "    balance roundrobin"]
         lines += [f"    server n{i} {addr} check inter 1s fall 2 rise 1" for i, addr in enumerate(servers)]
         return "\n".join(lines) + "\n"
     lines = [
         "global",
-        "    maxconn 4096",  # each needs two descriptors (client and server side)
+        f"    maxconn {maxconn}",  # each needs two descriptors (client and server side)
         "",
         "defaults",
         "    mode http",
@@ -107,14 +109,14 @@ class Haproxy:
 
 
 def start_haproxy(folder: Path, port: int, servers: Sequence[str], *, timeout_s: float = 15.0,
-                  mode: Literal["http", "tcp"] = "http") -> Haproxy:
+                  mode: Literal["http", "tcp"] = "http", maxconn: int = 4096) -> Haproxy:
     """A private HAProxy on 127.0.0.1:``port`` in front of ``servers``; returns once it accepts connections.
     ConfigError where HAProxy is not installed (Debian: ``apt-get install haproxy``)."""
     if HAPROXY is None:
         raise ConfigError("haproxy is not installed (Debian: apt-get install haproxy)")
     folder.mkdir(parents=True, exist_ok=True)
     cfg = folder / "haproxy.cfg"
-    cfg.write_text(haproxy_config(f"127.0.0.1:{port}", servers, mode=mode))
+    cfg.write_text(haproxy_config(f"127.0.0.1:{port}", servers, mode=mode, maxconn=maxconn))
     log = open(folder / "haproxy.log", "ab")  # noqa: SIM115  (the child owns it)
     proc = subprocess.Popen([HAPROXY, "-db", "-f", str(cfg)], stdout=log, stderr=subprocess.STDOUT)
     log.close()

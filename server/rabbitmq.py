@@ -21,12 +21,13 @@ from pathlib import Path
 
 from pfl_edge.errors import ConfigError
 
-__all__ = ["OAUTH2", "RABBITMQ_SERVER", "RabbitCluster", "TokenKeys", "rabbitmq_conf", "start_cluster"]
+__all__ = ["CACHE", "OAUTH2", "RABBITMQ_SERVER", "RabbitCluster", "TokenKeys", "rabbitmq_conf", "start_cluster"]
 
 RABBITMQ_SERVER = next((p for p in ("/usr/lib/rabbitmq/bin/rabbitmq-server",) if Path(p).exists()),
                        shutil.which("rabbitmq-server"))
 PLUGINS = ("rabbitmq_mqtt", "rabbitmq_auth_backend_http")
 OAUTH2 = "rabbitmq_auth_backend_oauth2"
+CACHE = "rabbitmq_auth_backend_cache"
 
 
 @dataclass(frozen=True)
@@ -39,13 +40,15 @@ class TokenKeys:
 
 
 def rabbitmq_conf(hook_url: str | None, *, mqtt_listener: str = "1883", amqp_listener: str | None = None,
-                  nodes: tuple[str, ...] = (), tokens: TokenKeys | None = None) -> str:
+                  nodes: tuple[str, ...] = (), tokens: TokenKeys | None = None,
+                  hook_cache_s: float | None = None) -> str:
     """rabbitmq.conf for devices on MQTT authenticated by the server's hook at ``hook_url``
     (``<server>/v1/broker/hook/<broker_hook_token>``: a listener devices cannot reach, such as HAProxy's
     ``hook_bind`` in compose's replicated set, since the token is the hook's only secret), or by their signed
     tokens (``tokens``: the oauth2 backend first, with no call out; the hook, if also given, second: asked only
-    for a password that is no valid token); ``nodes``: a cluster's node names (classic peer discovery: the nodes
-    find each other at their first start)."""
+    for a password that is no valid token); ``hook_cache_s``: the hook's answers cached that long per node
+    (``rabbitmq_auth_backend_cache``: a revoked device keeps its access until its cached answers expire);
+    ``nodes``: a cluster's node names (classic peer discovery: the nodes find each other at their first start)."""
     lines = [f"mqtt.listeners.tcp.default = {mqtt_listener}", "mqtt.allow_anonymous = false", "mqtt.vhost = /"]
     if tokens is not None:
         lines += ["auth_backends.1 = rabbit_auth_backend_oauth2",  # (no short name in 3.10)
@@ -53,9 +56,14 @@ def rabbitmq_conf(hook_url: str | None, *, mqtt_listener: str = "1883", amqp_lis
         lines += [f"auth_oauth2.signing_keys.{kid} = {path}" for kid, path in sorted(tokens.keys.items())]
         lines.append("auth_oauth2.algorithms.1 = ES256")
     if hook_url is not None:
-        lines += [f"auth_backends.{1 if tokens is None else 2} = http", "auth_http.http_method = post",
+        backend = "http" if hook_cache_s is None else "cache"
+        lines += [f"auth_backends.{1 if tokens is None else 2} = {backend}", "auth_http.http_method = post",
                   f"auth_http.user_path = {hook_url}/user", f"auth_http.vhost_path = {hook_url}/vhost",
                   f"auth_http.resource_path = {hook_url}/resource", f"auth_http.topic_path = {hook_url}/topic"]
+        if hook_cache_s is not None:
+            if hook_cache_s <= 0:
+                raise ConfigError(f"hook_cache_s must be positive, got {hook_cache_s}")
+            lines += ["auth_cache.cached_backend = http", f"auth_cache.cache_ttl = {round(hook_cache_s * 1000)}"]
     if amqp_listener is not None:
         lines.insert(0, f"listeners.tcp.default = {amqp_listener}")
     if nodes:
@@ -125,11 +133,11 @@ def _env() -> dict[str, str]:
 
 
 def start_cluster(folder: Path, n: int, hook_url: str | None, *, timeout_s: float = 180.0,
-                  tokens: TokenKeys | None = None) -> RabbitCluster:
+                  tokens: TokenKeys | None = None, hook_cache_s: float | None = None) -> RabbitCluster:
     """``n`` RabbitMQ nodes clustered on this machine, each with its own ports and data under ``folder``,
-    devices authenticated by the hook at ``hook_url`` and/or by their tokens (``tokens``: the oauth2 backend
-    enabled); returns once every node takes MQTT connections and the cluster has formed. ConfigError where
-    RabbitMQ is not installed."""
+    devices authenticated by the hook at ``hook_url`` (its answers cached ``hook_cache_s``) and/or by their
+    tokens (``tokens``: the oauth2 backend enabled); returns once every node takes MQTT connections and the
+    cluster has formed. ConfigError where RabbitMQ is not installed."""
     if RABBITMQ_SERVER is None:
         raise ConfigError("RabbitMQ is not installed (Debian: apt-get install rabbitmq-server)")
     tag = f"pfl{os.getpid() % 100000}x{int(time.time() * 1000) % 100000}"
@@ -143,8 +151,9 @@ def start_cluster(folder: Path, n: int, hook_url: str | None, *, timeout_s: floa
             amqp, dist = _free_port(), _free_port()
             (d / "rabbitmq.conf").write_text(rabbitmq_conf(hook_url, mqtt_listener=f"127.0.0.1:{ports[i]}",
                                                            amqp_listener=f"127.0.0.1:{amqp}", nodes=tuple(names),
-                                                           tokens=tokens))
-            plugins = PLUGINS + ((OAUTH2,) if tokens is not None else ())
+                                                           tokens=tokens, hook_cache_s=hook_cache_s))
+            plugins = (PLUGINS + ((OAUTH2,) if tokens is not None else ())
+                       + ((CACHE,) if hook_cache_s is not None else ()))
             (d / "enabled_plugins").write_text(f"[{','.join(plugins)}].\n")
             env = {**_env(), "RABBITMQ_NODENAME": name, "RABBITMQ_NODE_PORT": str(amqp),
                    "RABBITMQ_DIST_PORT": str(dist), "RABBITMQ_MNESIA_BASE": str(d / "mnesia"),

@@ -7,6 +7,7 @@ import json
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import paho.mqtt.client as mqtt
@@ -102,3 +103,20 @@ def next_msg(inbox: queue.Queue[tuple[str, bytes]], topic: str, pred: Any = lamb
             m = json.loads(payload)
             if pred(m):
                 return dict(m)
+
+
+def hook_calls(srv: Any) -> list[tuple[str, str]]:
+    """Every question a broker asks the server's hook, as (question, user name), from now on (the routes call
+    these on the running server's instance)."""
+    access = srv.app_state.coordinator.broker_access
+    calls: list[tuple[str, str]] = []
+
+    def counted(name: str, f: Callable[..., bool]) -> Callable[..., bool]:
+        def call(*a: Any) -> bool:
+            calls.append((name, str(a[0]) if a else ""))
+            return f(*a)
+        return call
+
+    for name in ("hook_user", "hook_vhost", "hook_resource", "hook_topic"):
+        setattr(access, name, counted(name, getattr(access, name)))
+    return calls

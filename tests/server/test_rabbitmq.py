@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from broker_clients import Raw
+from broker_clients import Raw, hook_calls
 from pydantic import SecretStr
 from server_testkit import FEDPER, Dev, create, wait_for
 
@@ -102,6 +102,54 @@ def test_the_cluster_lets_in_only_what_the_server_says(rabbit: tuple[RabbitClust
         c.close()
     finally:
         srv.stop()
+
+
+def test_a_caching_node_answers_a_devices_second_session_without_the_hook(
+        tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    """rabbitmq_auth_backend_cache in front of the hook: a device's first session asks the server (login,
+    vhost, queues, topics), its second, within the cache's life, asks nothing; the price: a device revoked since
+    is let in until its cached answers expire (docs/operations.md)."""
+    port = free_port()
+    cluster = start_cluster(tmp_path_factory.mktemp("rabbitmq-cache"), 1,
+                            f"http://127.0.0.1:{port}/v1/broker/hook/{HOOK}", hook_cache_s=600)
+    srv = start_background(_settings(tmp_path, cluster.mqtt_urls[0]), port=port)
+    try:
+        calls = hook_calls(srv)
+        c = httpx.Client(base_url=srv.url, timeout=30)
+        create(c, TOKEN, "f", FEDPER)
+        a, _ = Dev(c, "f"), Dev(c, "f")
+        node = cluster.mqtt_urls[0]
+        obs = Raw(node, "observer", clean=True, subs=(status_topic("f", a.id),), user=SERVER[0],
+                  password=SERVER[1])
+        assert obs.rc == 0 and obs.subscribed.wait(10)
+
+        def session(n: int) -> None:
+            dev = Raw(node, mqtt_client_id(a.id), user=a.id, password=a.e["mqtt_password"],
+                      subs=(task_topic("f", a.id), round_topic("f")))
+            assert dev.rc == 0 and dev.subscribed.wait(10) and all(g in (0, 1) for g in dev.granted), dev.granted
+            dev.publish(status_topic("f", a.id), {"device_id": a.id, "state": "online", "n": n})
+            wait_for(lambda: sum(t == status_topic("f", a.id) for t, _, _ in obs.got) >= n, timeout=20,
+                     what=f"session {n}'s status")
+            dev.close()
+
+        def asked() -> set[str]:
+            return {q for q, user in calls if user == a.id}
+
+        session(1)
+        assert asked() >= {"hook_user", "hook_vhost", "hook_resource", "hook_topic"}, asked()
+        calls.clear()
+        session(2)
+        assert asked() == set(), f"the cache let {sorted(asked())} through to the hook"
+        c.post(f"/v1/federations/f/devices/{a.id}/revoke", headers={"Authorization": f"Bearer {TOKEN}"}
+               ).raise_for_status()
+        late = Raw(node, mqtt_client_id(a.id), user=a.id, password=a.e["mqtt_password"])
+        assert late.rc == 0  # the cache's price: its cached login stands until it expires
+        late.close()
+        obs.close()
+        c.close()
+    finally:
+        srv.stop()
+        cluster.stop()
 
 
 @pytest.mark.skipif(HAPROXY is None, reason="haproxy is not installed")

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from broker_clients import Raw
+from broker_clients import Raw, hook_calls
 from pydantic import SecretStr
 from server_testkit import FEDPER, Dev, create, wait_for
 
@@ -58,26 +58,10 @@ def _server(tmp_path: Path, port: int, keys: Path, broker: str, **kw: Any) -> Ba
         tick_s=0.1, **kw), port=port)
 
 
-def _count_hook_calls(srv: BackgroundServer) -> list[str]:
-    """Every question the broker asks the server's hook, by name (the routes call these on the instance)."""
-    access = srv.app_state.coordinator.broker_access  # type: ignore[union-attr]
-    calls: list[str] = []
-
-    def counted(name: str, f: Callable[..., bool]) -> Callable[..., bool]:
-        def call(*a: Any) -> bool:
-            calls.append(name)
-            return f(*a)
-        return call
-
-    for name in ("hook_user", "hook_vhost", "hook_resource", "hook_topic"):
-        setattr(access, name, counted(name, getattr(access, name)))
-    return calls
-
-
 def test_the_cluster_checks_tokens_alone(rabbit: tuple[RabbitCluster, int, Path], tmp_path: Path) -> None:
     cluster, port, keys = rabbit
     srv = _server(tmp_path, port, keys, cluster.mqtt_urls[0])
-    calls = _count_hook_calls(srv)
+    calls = hook_calls(srv)
     tokens = BrokerTokens(keys)
     try:
         c = httpx.Client(base_url=srv.url, timeout=30)
@@ -155,7 +139,7 @@ def test_a_federation_runs_on_the_token_cluster(rabbit: tuple[RabbitCluster, int
     lb_port = free_port()
     lb = start_haproxy(tmp_path / "lb", lb_port, [u.removeprefix("mqtt://") for u in cluster.mqtt_urls], mode="tcp")
     srv = _server(tmp_path, port, keys, cluster.mqtt_urls[0], public_broker_url=f"mqtt://127.0.0.1:{lb_port}")
-    calls = _count_hook_calls(srv)
+    calls = hook_calls(srv)
     root = tmp_path / "run"
     (root / "devices").mkdir(parents=True)
     fed = Federation(srv.url, TOKEN, None, root, ([], {}))  # type: ignore[arg-type]  # the server runs in process
