@@ -241,7 +241,7 @@ class ModelCard(BaseModel):
     model: str = Field(description="registry name: cnn, resnet18-gn, mobilenet-v1")
     federation: str = Field(description="the federation's id")
     profile: str = Field(description="the device profile the card is for")
-    algorithm: str = Field(description="fedavg, fedper, fedper-ft, dispfl or ditto")
+    algorithm: str = Field(description="an algorithm that runs on devices (pfl-edge list)")
     num_classes: int = Field(description="length of the logits vector; labels are 0 .. num_classes - 1")
     input: InputInfo = Field(description="one sample's shape, dtype, layout and normalisation")
     layers: list[Layer] = Field(description="the forward pass, traced from the real model, in execution order")

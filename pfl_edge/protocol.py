@@ -287,7 +287,7 @@ class Task(_Msg):
 
     federation: str = Field(pattern=_ID_RE, description="federation id")
     round: int = Field(ge=0, le=MAX_ROUND, description="the round this task is for (>= 1)")
-    algorithm: str = Field(max_length=_NAME, description="fedavg, fedper, fedper-ft, dispfl or ditto")
+    algorithm: str = Field(max_length=_NAME, description="an algorithm that runs on devices (pfl-edge list)")
     base: Digest | None = Field(default=None, description=(
         "FedPer/FedAvg: sha256 of the base part for this device's kp (its personal tensors left out); "
         "DisPFL: null"))
