@@ -2,7 +2,7 @@
 with what it received, and what the coordinator plans and aggregates. The simulator runs them over every
 client's row, a device over its one row, the server calls plan and aggregate."""
 
-from . import central, dispfl, ditto, dpsgd
+from . import central, dispfl, ditto, dpsgd, fedrep
 from .algorithm import (
     Algorithm,
     Decentralised,
@@ -36,6 +36,7 @@ __all__ = [
     "dispfl",
     "ditto",
     "dpsgd",
+    "fedrep",
     "get_algorithm",
     "list_algorithms",
     "one_row",

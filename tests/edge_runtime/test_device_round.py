@@ -47,9 +47,12 @@ def _wire(tensors: dict[str, torch.Tensor], masks: dict[str, torch.Tensor], spec
     return decode(encode(tensors, model_id=model_id(spec), round=t, masks=masks))
 
 
-@pytest.mark.parametrize("algorithm", ["fedper", "fedper-ft", "fedavg", "ditto"])
+OPTIONS = {"ditto": {"lam": 0.5, "personal_epochs": 2}, "fedrep": {"head_epochs": 2}}
+
+
+@pytest.mark.parametrize("algorithm", ["fedper", "fedper-ft", "fedavg", "ditto", "fedrep"])
 def test_fedper_devices_match_simulator(tmp_path: Path, algorithm: str) -> None:
-    options = {"lam": 0.5, "personal_epochs": 2} if algorithm == "ditto" else None
+    options = OPTIONS.get(algorithm)
     cfg = SimConfig(algorithm=algorithm, kp=2, options=options, **QUICK)
     res, want = _sim(cfg, tmp_path)
     devs = _devices(cfg)

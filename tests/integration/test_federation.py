@@ -326,6 +326,26 @@ def test_ditto_devices_end_with_the_simulators_models_and_keep_their_personal_mo
             assert set(decode(blobs[digest].read_bytes()).tensors) == model_keys
 
 
+def test_fedrep_devices_end_with_the_simulators_models_and_send_only_the_base(tmp_path: Path) -> None:
+    """FedRep on three device processes, device 0 training both phases through the ONNX whole-model program (the
+    other part's gradients left unapplied), the others in eager PyTorch: every device ends with the simulator's
+    model, and every update the server stored holds the base alone, never a head tensor."""
+    cfg = SimConfig(algorithm="fedrep", clients=3, kp=2, options={"head_epochs": 2}, **BASE)
+    fed = _run(tmp_path / "run", cfg.to_dict(), ["phone-mid"] * 3, broker="embedded",
+               extra={0: ["--training-backend", "onnxruntime"]})
+    fed.close()
+    assert_simulator_models(cfg, tmp_path)
+    assert "training with the onnxruntime backend" in (tmp_path / "run" / "devices" / "device-00.log").read_text()
+    data = load_local_data(cfg, 0)
+    split = get_algorithm(cfg, data.model, cfg.kp).split
+    blobs = {p.name: p for p in (tmp_path / "run" / "server").rglob("*") if p.is_file()}
+    for i in range(cfg.clients):
+        ledger = (tmp_path / "run" / "devices" / f"device-{i:02d}" / "ledger.jsonl").read_text().splitlines()
+        assert ledger
+        for line in ledger:
+            assert set(decode(blobs[json.loads(line)["digest"]].read_bytes()).tensors) == set(split.base)
+
+
 @pytest.mark.skipif(MOSQUITTO is None, reason="needs the mosquitto binary")
 def test_an_external_broker_restart_loses_nothing(tmp_path: Path) -> None:
     """Mosquitto without persistence restarted mid-run: retained tasks and sessions are gone; the server
