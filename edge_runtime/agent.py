@@ -106,7 +106,7 @@ class Agent:
         if self.store.load_tensors("model.safetensors") is None:
             self._init_model(enr)
         prog = self.store.progress
-        if self.algo.initial_upload() and not prog.initial_sent:
+        if self.algo.participation(1).after_initial and not prog.initial_sent:
             # its initial model is what its first neighbours receive (a late joiner's too: the server gives it
             # tasks once it has one); rebuilt from the saved state if a restart came in between
             state, _, _ = self._load_model()
@@ -229,7 +229,7 @@ class Agent:
             ann = RoundAnnouncement.model_validate_json(payload) if payload else None
         except ValueError:
             ann = None
-        drawn = None if ann is None or ann.state == "finished" or ann.round < 1 else self.algo.sampled(ann.round)
+        drawn = None if ann is None or ann.state == "finished" or ann.round < 1 else self.algo.participation(ann.round).slots
         return drawn is not None and self.enr.index not in drawn
 
     def _wake(self, hint: Task | None = None) -> None:

@@ -246,3 +246,31 @@ def test_only_the_algorithms_read_their_traits() -> None:
         if lines:
             found[rel] = lines
     assert not found, f"ask the algorithm's methods instead of reading its traits: {found}"
+
+
+def _calls(tree: ast.AST, names: set[str]) -> list[int]:
+    """Lines that call a method of one of ``names`` (``algo.sampled(t)``, ``fm.algorithm().initial_upload()``)."""
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute) and node.func.attr in names]
+
+
+def test_who_takes_part_in_a_round_is_defined_once() -> None:
+    """The server and the device ask ``Algorithm.participation(t)`` (its draw and whether an initial model comes
+    first) and the server filters on it in one place (``Planner._who``); nothing outside the algorithms asks
+    for the draw or the initial model on its own, so no second copy of the rule can drift."""
+    assert _calls(ast.parse("x = fm.algorithm().sampled(t)"), {"sampled"}) == [1]
+    found = {}
+    for path in FILES:
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith("pfl_edge/algorithms/"):
+            continue
+        lines = _calls(ast.parse(path.read_text()), {"sampled", "initial_upload"})
+        if lines:
+            found[rel] = lines
+    assert not found, f"ask Algorithm.participation(t) instead: {found}"
+    planner = (ROOT / "server" / "services" / "planning.py").read_text()
+    server_reads = {p.relative_to(ROOT).as_posix(): len(_calls(ast.parse(p.read_text()), {"participation"}))
+                    for p in FILES if p.relative_to(ROOT).parts[0] == "server"}
+    assert planner.count(".participation(") == 2  # _who, and count_refused's round-1 question
+    assert {k for k, v in server_reads.items() if v} == {"server/services/planning.py", "server/services/updates.py",
+                                                          "server/services/metrics.py"}, server_reads

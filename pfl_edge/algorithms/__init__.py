@@ -16,7 +16,7 @@ from .algorithm import (
     register_algorithm,
     sample_participants,
 )
-from .base import Clients, Metrics, Neighbour, Received, Trainer, Upload, one_row
+from .base import Clients, Metrics, Neighbour, Participation, Received, Trainer, Upload, one_row
 
 __all__ = [
     "Algorithm",
@@ -27,6 +27,7 @@ __all__ = [
     "Metrics",
     "Neighbour",
     "NoOptions",
+    "Participation",
     "Received",
     "Trainer",
     "Upload",

@@ -23,7 +23,7 @@ from ..protocol import MAX_NEIGHBOURS
 from ..seeding import Stream, mt_stream
 from ..split import Split, split_keys
 from ..topology import in_degree, neighbours
-from .base import Clients, Metrics, Received, Upload
+from .base import Clients, Metrics, Participation, Received, Upload
 
 if TYPE_CHECKING:  # the config asks its algorithm's class; the algorithms only read its fields
     from ..federation import FederationConfig
@@ -251,6 +251,13 @@ class Algorithm:
         does. The server asks on every update: the draw is cached."""
         return _sampled_slots(self.cfg.seed, t, self.cfg.clients, self.cfg.participation)
 
+    def participation(self, t: int) -> Participation:
+        """Who takes part in round ``t`` (0: the devices' initial models, where the algorithm takes them):
+        the one definition the server and the devices read."""
+        if t == 0:
+            return Participation(0, None if self.sends_initial_model else frozenset(), False)
+        return Participation(t, self.sampled(t), self.sends_initial_model)
+
     def neighbours(self, t: int) -> list[list[int]] | None:
         """Decentralised algorithms: each slot's in-neighbours in round ``t``; None where a server averages."""
         return None
@@ -296,11 +303,6 @@ class Algorithm:
         accepts of one, given ``others``, the norms of the uploads it already holds for the round (and the
         previous round's); None: no bound (a server that averages clips instead, ``AggregationRule``)."""
         return None
-
-    def initial_upload(self) -> bool:
-        """Does a device upload its initial model (as its update of round 0) before it takes part in a round
-        (its first neighbours average it)?"""
-        return self.sends_initial_model
 
     def final_task(self) -> bool:
         """Does the server end the federation with a final task on which every device evaluates (FedPer: its

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from ..federation import FederationConfig
     from ..models import BlockModel
 
-__all__ = ["Clients", "Metrics", "Neighbour", "Received", "Trainer", "Upload", "one_row"]
+__all__ = ["Clients", "Metrics", "Neighbour", "Participation", "Received", "Trainer", "Upload", "one_row"]
 
 
 class Trainer(Protocol):
@@ -116,3 +116,28 @@ class Metrics:
     round: int
     accuracy: float
     loss: float
+
+
+@dataclass(frozen=True)
+class Participation:
+    """Who takes part in round ``round``, as its algorithm defines it (``Algorithm.participation``): the
+    server's plan, its acceptance of updates, its quorum and close, the metrics it accepts and a device's agent
+    all read this one answer. ``slots``: the slots the round draws (None: every slot; empty: none, as round 0 of
+    an algorithm that takes no initial model); ``after_initial``: a device takes part only once its initial
+    model (its update of round 0) is in. Who has enrolled, joined in time and not been revoked is the server's
+    own business, not the algorithm's."""
+
+    round: int
+    slots: frozenset[int] | None
+    after_initial: bool
+
+    def refusal(self, slot: int, *, has_initial: bool) -> str | None:
+        """Why the device of ``slot`` (its initial model in or not) does not take part; None: it does."""
+        if self.slots is not None and not self.slots:
+            return f"round {self.round} takes no updates in this federation's algorithm"
+        if self.slots is not None and slot not in self.slots:
+            return (f"round {self.round} draws {len(self.slots)} slots, and this device's ({slot}) is not one of "
+                    "them: it has no task this round")
+        if self.after_initial and not has_initial:
+            return "upload the initial model as the update of round 0 first"
+        return None

@@ -3,7 +3,7 @@ averages, its in-neighbours' latest models where devices exchange them)."""
 
 from __future__ import annotations
 
-from sqlalchemy import exists, func, select
+from sqlalchemy import ColumnElement, exists, func, select
 from sqlalchemy.orm import Session
 
 from pfl_edge.errors import InternalError
@@ -24,41 +24,37 @@ class Planner:
         self.blobs = blobs
 
     @staticmethod
+    def _who(fed: Federation, fm: FedModel, t: int, *, sampled: bool = True) -> list[ColumnElement[bool]]:
+        """Who takes part in round ``t``, once, as SQL: enrolled before it opened and not revoked (the server's
+        rule), and what the algorithm's ``participation(t)`` says (its draw, its initial model). ``active``,
+        ``count_active`` and ``takes_part`` (so quorum, close, tasks and updates) all filter on this."""
+        p = fm.algorithm().participation(t)
+        where = [Device.federation == fed.id, Device.joined_round < t, Device.revoked_at.is_(None)]
+        if sampled and p.slots is not None:
+            where.append(Device.slot.in_(sorted(p.slots)))
+        if p.after_initial:
+            where.append(exists().where(Update.federation == fed.id, Update.device == Device.id,
+                                        Update.round == ENROLMENT_ROUND))
+        return where
+
+    @staticmethod
     def active(s: Session, fed: Federation, fm: FedModel, t: int) -> list[Device]:
-        """Devices that take part in round ``t``: enrolled before it opened, in the round's sample where the
-        federation samples participants (the simulator's draw, by slot), and, where the algorithm asks for one,
-        with their initial model sent."""
-        q = select(Device).where(Device.federation == fed.id, Device.joined_round < t, Device.revoked_at.is_(None))
-        sampled = fm.algorithm().sampled(t)
-        if sampled is not None:
-            q = q.where(Device.slot.in_(sorted(sampled)))
-        devs = list(s.scalars(q.order_by(Device.slot)))
-        if fm.algorithm().initial_upload():
-            have = set(s.scalars(select(Update.device).where(Update.federation == fed.id,
-                                                             Update.round == ENROLMENT_ROUND)))
-            devs = [d for d in devs if d.id in have]
-        return devs
+        """Devices that take part in round ``t`` (``_who``), in slot order."""
+        return list(s.scalars(select(Device).where(*Planner._who(fed, fm, t)).order_by(Device.slot)))
 
     @staticmethod
     def count_active(s: Session, fed: Federation, fm: FedModel, t: int, *, sampled: bool = True) -> int:
         """``len(active(...))`` as one count in SQL: the readiness checks run on every enrolment and update, and
         must not load every device of a large fleet. ``sampled=False``: every device that could take part (the
         fleet enrolment waits for), sampled or not."""
-        q = select(func.count()).select_from(Device).where(Device.federation == fed.id, Device.joined_round < t,
-                                                             Device.revoked_at.is_(None))
-        slots = fm.algorithm().sampled(t) if sampled else None
-        if slots is not None:
-            q = q.where(Device.slot.in_(sorted(slots)))
-        if fm.algorithm().initial_upload():
-            q = q.where(exists().where(Update.federation == fed.id, Update.device == Device.id,
-                                       Update.round == ENROLMENT_ROUND))
-        return s.scalar(q) or 0
+        return s.scalar(select(func.count()).select_from(Device).where(
+            *Planner._who(fed, fm, t, sampled=sampled))) or 0
 
     @staticmethod
     def count_refused(s: Session, fed: Federation, fm: FedModel) -> int:
         """Devices (not revoked) whose initial model the server refused and none accepted since, where the
         algorithm asks for one; 0 elsewhere."""
-        if not fm.algorithm().initial_upload():
+        if not fm.algorithm().participation(1).after_initial:
             return 0
         return s.scalar(select(func.count()).select_from(Device).where(
             Device.federation == fed.id, Device.revoked_at.is_(None), Device.refused_updates > 0,
@@ -68,13 +64,7 @@ class Planner:
     @staticmethod
     def takes_part(s: Session, fed: Federation, fm: FedModel, t: int, dev: Device) -> bool:
         """``active``'s rule for one device (without loading the others)."""
-        if dev.federation != fed.id or dev.joined_round >= t or dev.revoked_at is not None:
-            return False
-        sampled = fm.algorithm().sampled(t)
-        if sampled is not None and dev.slot not in sampled:
-            return False
-        return not fm.algorithm().initial_upload() or s.scalar(select(Update.id).where(
-            Update.federation == fed.id, Update.device == dev.id, Update.round == ENROLMENT_ROUND)) is not None
+        return s.scalar(select(Device.id).where(Device.id == dev.id, *Planner._who(fed, fm, t))) is not None
 
     def current(self, dev: Device) -> Task | None:
         """The task ``dev`` has now, exactly as the server publishes it (what a device acts on, whatever its

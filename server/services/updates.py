@@ -178,24 +178,18 @@ class Updates:
 
     @staticmethod
     def _check_round(s: Session, fed: Federation, fm: FedModel, dev: Device, t: int) -> None:
-        algo = fm.algorithm()
         if fed.state == RoundState.FINISHED:
             raise Conflict(f"federation {fed.id!r} has finished (round {fed.round}); no more updates")
-        if t == ENROLMENT_ROUND:
-            if not algo.initial_upload():
-                raise Conflict(f"round 0 takes no updates in {fm.cfg.algorithm}; the current round is {fed.round}")
-            return  # a device's initial model, accepted whenever it enrols
-        if t != fed.round or fed.state != RoundState.COLLECTING:
+        if t != ENROLMENT_ROUND and (t != fed.round or fed.state != RoundState.COLLECTING):
             raise Conflict(f"round {t} is not collecting updates: the federation is in round {fed.round} "
                            f"({fed.state})")
-        if dev.joined_round >= t:
+        if t != ENROLMENT_ROUND and dev.joined_round >= t:
             raise Conflict(f"device joined during round {dev.joined_round}; it takes part from round "
                            f"{dev.joined_round + 1}")
-        sampled = algo.sampled(t)
-        if sampled is not None and dev.slot not in sampled:
-            raise Conflict(f"round {t} samples {len(sampled)} of {fm.cfg.clients} slots, and this device's "
-                           f"({dev.slot}) is not one of them: it has no task this round")
-        if algo.initial_upload() and s.scalar(select(Update.id).where(
-                Update.federation == fed.id, Update.device == dev.id, Update.round == ENROLMENT_ROUND)) is None:
-            raise Conflict("upload the initial sparse model as the update of round 0 first")
+        # the algorithm's rule (a device's initial model is accepted whenever it enrolls, where one is taken)
+        has_initial = s.scalar(select(Update.id).where(Update.federation == fed.id, Update.device == dev.id,
+                                                       Update.round == ENROLMENT_ROUND)) is not None
+        why = fm.algorithm().participation(t).refusal(dev.slot, has_initial=has_initial)
+        if why is not None:
+            raise Conflict(f"{why}; the current round is {fed.round}" if t == ENROLMENT_ROUND else why)
 

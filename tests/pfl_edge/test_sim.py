@@ -114,6 +114,27 @@ def test_devices_sample_what_the_simulator_samples() -> None:
         check_device_config(FederationConfig.from_dict({**dev, "algorithm": "fedper-ft"}))
 
 
+def test_participation_says_who_takes_part_in_each_round() -> None:
+    """``Algorithm.participation(t)``: the draw by slot; round 0 takes initial models only where the algorithm
+    wants them (DisPFL), and DisPFL's later rounds only devices whose initial model is in."""
+    from pfl_edge.algorithms import get_algorithm
+
+    cfg = SimConfig(**{**QUICK, "algorithm": "fedper", "clients": 10, "participation": 0.3})
+    model = build_model(build_context(cfg)[1])
+    fedper = get_algorithm(cfg, model, cfg.kp)
+    p = fedper.participation(2)
+    assert p.slots == frozenset(sample_participants(cfg.seed, 2, 10, 0.3).tolist()) and not p.after_initial
+    inside, outside = min(p.slots), min(set(range(10)) - p.slots)
+    assert p.refusal(inside, has_initial=False) is None
+    assert "is not one of them" in (p.refusal(outside, has_initial=True) or "")
+    assert "round 0 takes no updates" in (fedper.participation(0).refusal(inside, has_initial=False) or "")
+    dis = get_algorithm(SimConfig(**{**QUICK, "algorithm": "dispfl", "clients": 10}), model)
+    assert dis.participation(0).refusal(7, has_initial=False) is None  # its initial model, whenever it enrols
+    assert dis.participation(1).slots is None and dis.participation(1).after_initial
+    assert "initial model" in (dis.participation(1).refusal(7, has_initial=False) or "")
+    assert dis.participation(1).refusal(7, has_initial=True) is None
+
+
 def test_finetune_cadence_is_selectable() -> None:
     """-FT baselines fine-tune on their cadence (``FinetuneOptions``): FedAvg-FT at the end (the reference's) is
     FedAvg, to the bit, in every round but the last; D-PSGD-FT every 2 rounds fine-tunes in rounds 2 and 3 (the
