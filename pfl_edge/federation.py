@@ -41,7 +41,6 @@ if TYPE_CHECKING:  # torch is imported where a model is built (init_state): the 
 
 __all__ = [
     "ALGORITHMS",
-    "DEVICE_ALGORITHMS",
     "OWN_DATA",
     "OWN_DATA_SAMPLES",
     "FederationConfig",
@@ -271,14 +270,13 @@ def init_state(cfg: FederationConfig, spec: ModelSpec) -> dict[str, Tensor]:
 
 # ------------------------------------------------------------------------------------------- devices
 
-DEVICE_ALGORITHMS = tuple(device_algorithms())
-
-
 def check_device_algorithm(name: str) -> None:
-    """ConfigError unless ``name`` runs on devices (an unknown name: UnknownNameError, listing them all)."""
+    """ConfigError unless ``name`` runs on devices (an unknown name: UnknownNameError, listing them all). Asked
+    of the registry at each call: an algorithm registered after import (a plug-in's) counts."""
     algorithm_class(name)  # an unknown name: UnknownNameError, listing every algorithm
-    if name not in DEVICE_ALGORITHMS:
-        raise ConfigError(f"algorithm {name!r} does not run on devices; valid: {', '.join(DEVICE_ALGORITHMS)}")
+    valid = device_algorithms()
+    if name not in valid:
+        raise ConfigError(f"algorithm {name!r} does not run on devices; valid: {', '.join(valid)}")
 
 
 def check_device_config(cfg: FederationConfig) -> None:

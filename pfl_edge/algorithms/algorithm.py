@@ -26,6 +26,7 @@ from ..topology import in_degree, neighbours
 from .base import Clients, Metrics, Participation, Received, Upload
 
 if TYPE_CHECKING:  # the config asks its algorithm's class; the algorithms only read its fields
+    from ..aggregate import AggregationRule, PartialAverage
     from ..federation import FederationConfig
     from ..models import BlockModel
 
@@ -135,8 +136,6 @@ class Algorithm:
     #: the server ends the federation with a final task on which every device evaluates (FedPer: its personal
     #: blocks on the last base); otherwise a device's last round is its last evaluation
     final_evaluation: ClassVar[bool] = False
-    #: ``aggregate`` is ``pfl_edge.aggregate.PartialAverage``'s weighted mean (``merges_partial_sums``)
-    mean_aggregate: ClassVar[bool] = False
     #: the on-device training program a device of this algorithm runs (``export.TRAINING_MODES``): the whole model
     #: (its personal blocks alone for -FT's fine-tuning), or DisPFL's masked program with the dense gradient
     program_mode: ClassVar[str] = "fedper"
@@ -262,15 +261,20 @@ class Algorithm:
         """Decentralised algorithms: each slot's in-neighbours in round ``t``; None where a server averages."""
         return None
 
-    def merges_partial_sums(self) -> bool:
-        """Do sums of disjoint sets of a round's updates merge into ``aggregate``'s result (server replicas'
-        partial sums, ``server.services.partials``)?"""
-        return self.mean_aggregate
+    def partial_sum(self) -> PartialAverage | None:
+        """An empty sum that a share of a round's updates folds into and that ``aggregate`` takes as ``start``
+        (server replicas' partial sums, ``server.services.partials``); None where the aggregate needs every
+        update at once, and the server reads them one by one."""
+        return None
 
-    def aggregate(self, prev: Mapping[str, Tensor],
-                  updates: Iterable[tuple[Mapping[str, Tensor], float]]) -> dict[str, Tensor] | None:
+    def aggregate(self, prev: Mapping[str, Tensor], updates: Iterable[tuple[Mapping[str, Tensor], float]], *,
+                  rule: AggregationRule | None = None, history: Sequence[float] = (),
+                  start: PartialAverage | None = None) -> dict[str, Tensor] | None:
         """The coordinator's new shared model from the round's updates (weights: training samples), streamed
-        one at a time; None where nothing is shared through a server."""
+        one at a time, under the federation's ``rule`` (default: the mean; updates come clipped to its bound,
+        a robust rule's unclipped, with the last round's norms in ``history``), after the updates already
+        folded into ``start`` (``partial_sum``'s, under the mean only); None where nothing is shared through a
+        server. The server always asks here: an algorithm composes the rule with its own step."""
         return None
 
     # ------------------------------------------------------------------------------------------ server

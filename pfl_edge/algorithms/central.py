@@ -9,15 +9,20 @@ training samples, per tensor over the clients that sent it (clients of different
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from ..arrays import Array as Tensor
 from ..arrays import Stack, broadcast_rows, copy, unstack
+from ..errors import InternalError
 from ..seeding import Stream
 from ..sgd import TrainResult
 from ..split import Split, take
 from .algorithm import Algorithm, DeviceRound, FinetuneOptions, register_algorithm
 from .base import Clients, Metrics, Received, Upload, one_row
+
+if TYPE_CHECKING:
+    from ..aggregate import AggregationRule, PartialAverage
 
 __all__ = ["Central", "FedAvg", "FedAvgFT", "FedPer", "FedPerFT", "Local", "aggregate_bases", "deploy",
            "personal_finetune", "train_round", "upload", "with_base"]
@@ -62,13 +67,14 @@ def upload(state: Mapping[str, Tensor], split: Split) -> dict[str, Tensor]:
     return take(state, split.base)
 
 
-def aggregate_bases(prev: Mapping[str, Tensor],
-                    updates: Iterable[tuple[Mapping[str, Tensor], float]]) -> dict[str, Tensor]:
+def aggregate_bases(prev: Mapping[str, Tensor], updates: Iterable[tuple[Mapping[str, Tensor], float]],
+                    start: PartialAverage | None = None) -> dict[str, Tensor]:
     """Per tensor, sum_j n_j x_j / sum_j n_j in float64 over the updates that hold it (in the order given: callers
-    pass slot order, so the result never depends on who finished first); a tensor nobody sent keeps its value."""
+    pass slot order, so the result never depends on who finished first), after those already summed in ``start``;
+    a tensor nobody sent keeps its value."""
     from ..aggregate import PartialAverage  # the coordinator's side (torch); a device never aggregates
 
-    avg = PartialAverage()
+    avg = PartialAverage() if start is None else start
     for tensors, n in updates:
         avg.add(tensors, n)
     return avg.result(prev)
@@ -84,11 +90,25 @@ class Central(Algorithm):
     model) says so in ``init_clients``, ``local_round`` and ``deployed_view``."""
 
     final_evaluation = True
-    mean_aggregate = True  # aggregate_bases: PartialAverage's mean
 
-    def aggregate(self, prev: Mapping[str, Tensor],
-                  updates: Iterable[tuple[Mapping[str, Tensor], float]]) -> dict[str, Tensor] | None:
-        return aggregate_bases(prev, updates) if self.split.base else None
+    def partial_sum(self) -> PartialAverage | None:
+        from ..aggregate import PartialAverage  # the coordinator's side (torch); a device never aggregates
+
+        return PartialAverage() if self.split.base else None
+
+    def aggregate(self, prev: Mapping[str, Tensor], updates: Iterable[tuple[Mapping[str, Tensor], float]], *,
+                  rule: AggregationRule | None = None, history: Sequence[float] = (),
+                  start: PartialAverage | None = None) -> dict[str, Tensor] | None:
+        """The sample-weighted mean of the bases (``aggregate_bases``), or the federation's robust ``rule``."""
+        if not self.split.base:
+            return None
+        if rule is not None and rule.rule != "mean":
+            from ..aggregate import robust_aggregate
+
+            if start is not None:
+                raise InternalError(f"partial sums under the {rule.rule!r} rule: only the mean merges")
+            return robust_aggregate(prev, list(updates), rule, history)
+        return aggregate_bases(prev, updates, start)
 
     def device_programs(self) -> tuple[str, ...]:
         # -FT's fine-tuning phase has a program of its own (the personal blocks alone, the base as an input)

@@ -5,8 +5,9 @@ merges the round's rows and reads from the blob store only the updates no row ho
 process last wrote, or by a process that died before it wrote. The close then reads a sum per replica instead of
 every update, and the folding is spread over the replicas while the round collects.
 
-Only the mean (FedPer's and FedAvg's: ``Algorithm.merges_partial_sums``) merges. A row is used only if every
-update it names is one of the round's, it shares none with a row already used, it counts as many updates as
+Only where the algorithm gives a ``partial_sum`` (the mean's: FedPer's, FedAvg's; its ``aggregate`` then starts
+from the merged rows) and the rule is the mean do rows merge. A row is used only if every update it names is
+one of the round's, it shares none with a row already used, it counts as many updates as
 it names, and none of them is clipped by the round's norm bound (its ``max_norm`` is within it; a bound is
 known only at close): otherwise its updates are read one by one, as without sums. A sum in another order than
 the slot order may differ from the one-by-one mean in float64's last bits, so a federation that must match the
@@ -165,7 +166,7 @@ class Partials:
         with self.store.read() as s:
             fed = self.store.existing(s, fed_id)
             fm = self.store.model(fed)
-            if not fm.algorithm().merges_partial_sums() or aggregation_rule(fed).rule != "mean" or \
+            if fm.algorithm().partial_sum() is None or aggregation_rule(fed).rule != "mean" or \
                     fed.round != t or fed.state not in (RoundState.COLLECTING.value, RoundState.CLOSING.value):
                 return 0
             rows = list(s.execute(select(Update.id, Update.digest, Update.n_samples, Update.delta_norm, Device.kp)

@@ -18,7 +18,7 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 from torch import Tensor
 
-from pfl_edge.aggregate import MIN_UPDATES, AggregationRule, clip_update, robust_aggregate, update_norm
+from pfl_edge.aggregate import MIN_UPDATES, AggregationRule, clip_update, update_norm
 from pfl_edge.codec import encode
 from pfl_edge.errors import InternalError
 
@@ -199,24 +199,23 @@ class RoundMachine:
         def load(digest: str, kp: int) -> dict[str, Tensor]:
             return self.blobs.load(digest, fm, fm.expected(kp)).tensors
 
-        if rule.rule != "mean":
-            return robust_aggregate(prev, [(load(d, kp), float(n)) for d, n, kp, _ in rows], rule, history)
-        # each update's norm as the server computed it on accepting it; a pass over the blobs for any without
-        norms = [norm if norm is not None else update_norm(prev, load(d, kp)) for d, _, kp, norm in rows]
-        bounds = rule.bounds(norms, history)  # each update's, from the others' norms
         algo = fm.algorithm()
-        # a sum is used whole only where none of its updates is clipped: the least of the bounds decides that
-        least = min((b for b in bounds if b is not None), default=None)
-        merged, covered, k = (merge_sums(sums, ids, least, fm.shapes) if sums and algo.merges_partial_sums()
-                              else (None, set[int](), 0))
-        if merged is not None:  # the replicas' sums, then each update no sum holds (server.services.partials)
-            self.last_merge = (len(covered), k)
-            for (d, n, kp, _), norm, b, uid in zip(rows, norms, bounds, ids, strict=True):
-                if uid not in covered:
-                    merged.add(clip_update(prev, load(d, kp), b, norm), float(n))
-            return merged.result(prev)
-        new = algo.aggregate(prev, ((clip_update(prev, load(d, kp), b, norm), float(n))
-                                    for (d, n, kp, _), norm, b in zip(rows, norms, bounds, strict=True)))
+        if rule.rule != "mean":  # a robust rule bounds the updates itself; the algorithm composes it
+            new = algo.aggregate(prev, [(load(d, kp), float(n)) for d, n, kp, _ in rows], rule=rule, history=history)
+        else:
+            # each update's norm as the server computed it on accepting it; a pass over the blobs for any without
+            norms = [norm if norm is not None else update_norm(prev, load(d, kp)) for d, _, kp, norm in rows]
+            bounds = rule.bounds(norms, history)  # each update's, from the others' norms
+            # a sum is used whole only where none of its updates is clipped: the least of the bounds decides that
+            least = min((b for b in bounds if b is not None), default=None)
+            merged, covered, k = (merge_sums(sums, ids, least, fm.shapes)
+                                  if sums and algo.partial_sum() is not None else (None, set[int](), 0))
+            if merged is not None:  # the replicas' sums (server.services.partials), then each update none holds
+                self.last_merge = (len(covered), k)
+            uids = list(ids) if ids else [None] * len(rows)
+            new = algo.aggregate(prev, ((clip_update(prev, load(d, kp), b, norm), float(n))
+                                        for (d, n, kp, _), norm, b, uid in zip(rows, norms, bounds, uids, strict=True)
+                                        if uid not in covered), rule=rule, start=merged)
         if new is None:
             raise InternalError(f"algorithm {fm.cfg.algorithm!r} has a server model but aggregates nothing")
         return new

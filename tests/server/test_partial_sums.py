@@ -15,7 +15,7 @@ import torch
 from server_testkit import FEDPER, Dev, create, perturbed, wait_for
 from sqlalchemy import select
 
-from pfl_edge.aggregate import PartialAverage
+from pfl_edge.aggregate import AggregationRule, PartialAverage, robust_aggregate
 from pfl_edge.codec import encode
 from pfl_edge.split import take
 from server.db import PartialSum, Round, make_engine
@@ -135,3 +135,72 @@ def test_two_replicas_close_a_round_from_their_sums(replicas: list[BackgroundSer
     for k in base_keys:
         want = sum(x[k].double() * n for x, n in ups) / total
         torch.testing.assert_close(got[k].double(), want, rtol=0, atol=1e-6)
+
+
+BETA = 0.25
+
+
+@pytest.fixture
+def mixing() -> Iterator[str]:
+    """A toy algorithm whose aggregate is not a weighted mean: FedPer's base mixed with the last one,
+    beta * (the rule's result) + (1 - beta) * prev (pFedMe's server step), registered for the test only."""
+    from pfl_edge.algorithms import algorithm as registry
+    from pfl_edge.algorithms.central import FedPer
+
+    class Mixing(FedPer):
+        def aggregate(self, prev, updates, *, rule=None, history=(), start=None):  # type: ignore[no-untyped-def]
+            new = super().aggregate(prev, updates, rule=rule, history=history, start=start)
+            assert new is not None
+            return {k: (BETA * v.double() + (1 - BETA) * prev[k].double()).to(v.dtype) for k, v in new.items()}
+
+    registry.register_algorithm("toy-mixing")(Mixing)
+    try:
+        yield "toy-mixing"
+    finally:
+        del registry._REGISTRY["toy-mixing"]
+
+
+@pytest.mark.parametrize("aggregation", [None, {"rule": "median"}])
+def test_replicas_sums_and_robust_rules_go_through_the_algorithms_aggregate(
+        replicas: list[BackgroundServer], pg_url: str, mixing: str, aggregation: dict[str, str] | None) -> None:
+    """The server never replaces an algorithm's aggregate: with the replicas' partial sums merged (the mean) or a
+    robust rule (the median), a toy algorithm's beta mixing is applied to what the rule gives."""
+    a, b = (httpx.Client(base_url=s.url, timeout=30) for s in replicas)
+    create(a, ADMIN, "mx", {**FEDPER, "algorithm": mixing, "clients": 4, "rounds": 1},
+           **({} if aggregation is None else {"aggregation": aggregation}))
+    devs = [Dev(a, "mx", index=0), Dev(b, "mx", index=1), Dev(a, "mx", index=2), Dev(b, "mx", index=3)]
+    base_keys = devs[0].fm.base_keys(FEDPER["kp"])
+    init = devs[0].fm.init_state()
+    wait_for(lambda: a.get("/v1/rounds/current/task", headers=devs[0].h).status_code == 200, what="round 1")
+    ups = [(take(perturbed(init, i), base_keys), float(10 + 7 * i)) for i in range(len(devs))]
+    sessions = make_sessionmaker(make_engine(Settings(database_url=pg_url).resolved_database_url))
+
+    def summed() -> int:
+        with sessions() as s:
+            return sum(len(p.updates) for p in s.scalars(select(PartialSum)))
+
+    for d, (x, n) in zip(devs[:3], ups[:3], strict=True):
+        assert d.update(1, d.put(encode(x, model_id=d.fm.model_id, round=1)), int(n)).json()["accepted"]
+    if aggregation is None:
+        wait_for(lambda: summed() == 3, what="both replicas' sums of the first three updates")
+    x, n = ups[3]
+    assert devs[3].update(1, devs[3].put(encode(x, model_id=devs[3].fm.model_id, round=1)), int(n)).json()["accepted"]
+    wait_for(lambda: a.get("/v1/federations/mx", headers={"Authorization": f"Bearer {ADMIN}"}).json()["state"]
+             == "finished", what="the round's close")
+    if aggregation is None:  # the leader merged the replicas' sums, and still mixed
+        merged = [s.app_state.coordinator.rounds.merged.get(("mx", 1)) for s in replicas if s.app_state is not None]
+        took, _ = next(m for m in merged if m is not None)
+        assert took >= 3, took
+    with sessions() as s:
+        digest = s.scalar(select(Round.base_digest).where(Round.federation == "mx", Round.round == 1))
+    assert digest is not None
+    got = devs[0].get(digest).tensors
+    total = sum(n for _, n in ups)
+    # the rule's own result (its correctness is tests/server/test_robust.py's), then the algorithm's mixing
+    median = robust_aggregate(take(init, base_keys), ups, AggregationRule("median")) if aggregation else {}
+    for k in base_keys:
+        ruled = median[k].double() if aggregation else sum(x[k].double() * n for x, n in ups) / total
+        want = BETA * ruled + (1 - BETA) * init[k].double()
+        torch.testing.assert_close(got[k].double(), want, rtol=0, atol=1e-5, msg=k)
+        plain = sum(x[k].double() * n for x, n in ups) / total
+        assert not torch.allclose(got[k].double(), plain, atol=1e-4), "the plain mean, the algorithm bypassed"
