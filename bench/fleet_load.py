@@ -241,8 +241,9 @@ class Fleet:
         self.stage[i] = "enrol"
         async with gate:
             enr = await self.enrol(client, i)
+        slot = enr.index  # the server's: where rounds sample, it draws a free slot itself (not the one asked)
         if self.sessions_of_drawn_only and all(
-                d is not None and i not in d for d in (self.drawn.get(t) for t in range(1, self.rounds + 1))):
+                d is not None and slot not in d for d in (self.drawn.get(t) for t in range(1, self.rounds + 1))):
             self.stage[i] = "asleep"
             return  # never drawn: enrolled, then asleep (no broker session), as a phone that checks in rarely
         self.stage[i] = "session"
@@ -250,7 +251,7 @@ class Fleet:
         auth = {"Authorization": f"Bearer {enr.token}"}
         for t in range(1, self.rounds + 1):
             drawn = self.drawn.get(t)
-            if drawn is not None and i not in drawn:  # not drawn: nothing to ask or send this round
+            if drawn is not None and slot not in drawn:  # not drawn: nothing to ask or send this round
                 continue
             self.stage[i] = f"r{t}:task"
             task, asked = await self.wait_task(m, t, client, auth)

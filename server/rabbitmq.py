@@ -140,6 +140,21 @@ def start_cluster(folder: Path, n: int, hook_url: str | None, *, timeout_s: floa
     cluster has formed. ConfigError where RabbitMQ is not installed."""
     if RABBITMQ_SERVER is None:
         raise ConfigError("RabbitMQ is not installed (Debian: apt-get install rabbitmq-server)")
+    for attempt in range(3):
+        try:
+            return _start_cluster(folder / f"try-{attempt}", n, hook_url, timeout_s, tokens, hook_cache_s)
+        except _PortTaken:  # a free port another process took between our probe and the node's bind
+            continue
+    raise ConfigError("RabbitMQ nodes found their ports taken three times running; is the machine short of ports?")
+
+
+class _PortTaken(ConfigError):
+    pass
+
+
+def _start_cluster(folder: Path, n: int, hook_url: str | None, timeout_s: float, tokens: TokenKeys | None,
+                   hook_cache_s: float | None) -> RabbitCluster:
+    assert RABBITMQ_SERVER is not None  # start_cluster checked
     tag = f"pfl{os.getpid() % 100000}x{int(time.time() * 1000) % 100000}"
     names = [f"{tag}n{i}@localhost" for i in range(n)]
     ports = [_free_port() for _ in range(n)]
@@ -160,7 +175,8 @@ def start_cluster(folder: Path, n: int, hook_url: str | None, *, timeout_s: floa
                    "RABBITMQ_LOG_BASE": str(d / "log"), "RABBITMQ_CONFIG_FILE": str(d / "rabbitmq"),
                    "RABBITMQ_ENABLED_PLUGINS_FILE": str(d / "enabled_plugins"),
                    "RABBITMQ_PID_FILE": str(d / "pid"), "RABBITMQ_FEATURE_FLAGS_FILE": str(d / "feature_flags"),
-                   "RABBITMQ_PLUGINS_EXPAND_DIR": str(d / "plugins-expand")}
+                   "RABBITMQ_PLUGINS_EXPAND_DIR": str(d / "plugins-expand"),
+                   "ERL_CRASH_DUMP": str(d / "erl_crash.dump")}
             log = open(d / "out.log", "ab")  # noqa: SIM115  (the child owns it)
             cluster.procs.append(subprocess.Popen([RABBITMQ_SERVER], env=env, stdout=log, stderr=subprocess.STDOUT,
                                                   start_new_session=True))
@@ -168,7 +184,10 @@ def start_cluster(folder: Path, n: int, hook_url: str | None, *, timeout_s: floa
         for i, port in enumerate(ports):
             while True:
                 if cluster.procs[i].poll() is not None:
-                    raise ConfigError(f"RabbitMQ node {names[i]} exited; see {folder / f'node-{i}' / 'out.log'}")
+                    out, dump = folder / f"node-{i}" / "out.log", folder / f"node-{i}" / "erl_crash.dump"
+                    text = "".join(p.read_text(errors="replace")[:4000] for p in (out, dump) if p.exists())
+                    err = _PortTaken if "already_used" in text or "eaddrinuse" in text else ConfigError
+                    raise err(f"RabbitMQ node {names[i]} exited; see {out}")
                 try:
                     socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
                     break
