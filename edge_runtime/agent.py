@@ -223,14 +223,14 @@ class Agent:
             self._wake(hint)
 
     def _not_drawn(self, payload: bytes) -> bool:
-        """A sampled round's announcement not drawing this slot (``Algorithm.sampled``): not worth a request (at
+        """A sampled round's bell not drawing this slot (``Algorithm.participation``): not worth a request (at
         100,000 devices, 2,000 drawn). An empty bell (a reconnect), an unreadable one and the end are asked about."""
         try:
             ann = RoundAnnouncement.model_validate_json(payload) if payload else None
         except ValueError:
-            ann = None
-        drawn = None if ann is None or ann.state == "finished" or ann.round < 1 else self.algo.participation(ann.round).slots
-        return drawn is not None and self.enr.index not in drawn
+            return False
+        t = None if ann is None or ann.state == "finished" or ann.round < 1 else ann.round  # None: every slot
+        return t is not None and self.enr.index not in (self.algo.participation(t).slots or {self.enr.index})
 
     def _wake(self, hint: Task | None = None) -> None:
         """Act on the server's current task (a stale or forged broker message never moves the device); end once
@@ -293,7 +293,7 @@ class Agent:
         st.bytes_down, st.train_s = down, trainer.train_s
         st.step_ms = 1e3 * trainer.train_s / max(out.steps, 1)
         metrics = self._metrics(out.metrics)
-        if self.algo.relays_uploads():  # neighbours it left out, reported with the round's metrics (dashboard)
+        if self.algo.readable(t, self.enr.index):  # neighbours it left out, with the round's metrics (dashboard)
             metrics = [{**m, "dropped": len(out.dropped)} if m["round"] == t else m for m in metrics]
         self._save_model(out.state, t, metrics)
         if out.deployed is not None:  # what it deploys after this round

@@ -83,9 +83,8 @@ def haproxy_config(bind: str, servers: Sequence[str], *, max_body_s: int = 300,
         "    balance roundrobin",
         "    option httpchk GET /healthz",
         "    http-check expect status 200",
-        # a replica busy with a fleet's uploads answers its check late, not never: with the check's timeout at
-        # its 1 s interval the only replica was marked down and every device answered 503 at 2,000 uploads; a dead
-        # one refuses the connection at once (and calls to it are redispatched), so a long timeout costs little
+        # a busy replica answers late, not never (at 1 s, 2,000 uploads got the only one marked down: all 503);
+        # a dead one refuses the connection at once and its calls are redispatched, so waiting costs little
         "    timeout check 10s",
         "    default-server init-addr last,libc,none",  # a replica's name that does not resolve yet: down, not fatal
     ]

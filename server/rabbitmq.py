@@ -142,7 +142,8 @@ def start_cluster(folder: Path, n: int, hook_url: str | None, *, timeout_s: floa
         raise ConfigError("RabbitMQ is not installed (Debian: apt-get install rabbitmq-server)")
     for attempt in range(3):
         try:
-            return _start_cluster(folder / f"try-{attempt}", n, hook_url, timeout_s, tokens, hook_cache_s)
+            return _start_cluster(RABBITMQ_SERVER, folder / f"try-{attempt}", n, hook_url, timeout_s, tokens,
+                                  hook_cache_s)
         except _PortTaken:  # a free port another process took between our probe and the node's bind
             continue
     raise ConfigError("RabbitMQ nodes found their ports taken three times running; is the machine short of ports?")
@@ -152,9 +153,8 @@ class _PortTaken(ConfigError):
     pass
 
 
-def _start_cluster(folder: Path, n: int, hook_url: str | None, timeout_s: float, tokens: TokenKeys | None,
+def _start_cluster(exe: str, folder: Path, n: int, hook_url: str | None, timeout_s: float, tokens: TokenKeys | None,
                    hook_cache_s: float | None) -> RabbitCluster:
-    assert RABBITMQ_SERVER is not None  # start_cluster checked
     tag = f"pfl{os.getpid() % 100000}x{int(time.time() * 1000) % 100000}"
     names = [f"{tag}n{i}@localhost" for i in range(n)]
     ports = [_free_port() for _ in range(n)]
@@ -178,7 +178,7 @@ def _start_cluster(folder: Path, n: int, hook_url: str | None, timeout_s: float,
                    "RABBITMQ_PLUGINS_EXPAND_DIR": str(d / "plugins-expand"),
                    "ERL_CRASH_DUMP": str(d / "erl_crash.dump")}
             log = open(d / "out.log", "ab")  # noqa: SIM115  (the child owns it)
-            cluster.procs.append(subprocess.Popen([RABBITMQ_SERVER], env=env, stdout=log, stderr=subprocess.STDOUT,
+            cluster.procs.append(subprocess.Popen([exe], env=env, stdout=log, stderr=subprocess.STDOUT,
                                                   start_new_session=True))
         deadline = time.monotonic() + timeout_s
         for i, port in enumerate(ports):

@@ -284,10 +284,11 @@ class Algorithm:
         updates are measured from) where the algorithm has one; None where devices average among themselves."""
         return None if self.decentral else digest
 
-    def relays_uploads(self) -> bool:
-        """Do devices fetch each other's uploads through the server (their in-neighbours' latest models)? Then
-        the server serves them to those neighbours and keeps each device's latest (garbage collection)."""
-        return self.decentral
+    def readable(self, t: int, slot: int | None = None) -> frozenset[int]:
+        """The slots whose latest uploads the device at ``slot`` reads for round ``t`` (its in-neighbours'; None:
+        any device's), which the server serves it and keeps; none where a server averages."""
+        graph = self.neighbours(t) or []
+        return frozenset(j for i, row in enumerate(graph) if slot is None or i == slot for j in row)
 
     def upload_keys(self) -> tuple[str, ...]:
         """The tensors a device of this algorithm (at its K_P) sends and receives; the rest never travel."""

@@ -167,13 +167,13 @@ class BlobAccess:
         algo = self.store.model(fed).algorithm()
         slots: set[int] | None = None
         for t in {fed.round, fed.round - 1} - {0, -1}:  # a device may still be on the last round's task
-            graph = algo.neighbours(t)
-            if graph is None:
-                return False  # a server averages: no device reads another's model
+            readable = algo.readable(t, reader.slot)  # none where a server averages
+            if not readable:
+                continue
             if slots is None:
                 slots = set(s.scalars(select(Device.slot).where(Device.id.in_(uploaders),
                                                                 Device.federation == fed_id)))
-            if slots & set(graph[reader.slot]):
+            if slots & readable:
                 return True
         return False
 

@@ -65,9 +65,12 @@ class BlobGC:
                                                        if d is not None}
         keep = set(wholes) | set(s.scalars(select(Update.digest).where(Update.federation == fed_id,
                                                                         Update.round >= lo)))
-        if fm.algorithm().relays_uploads():  # each device's latest model, for its neighbours
-            for t in range(lo, fed.round + 2):
-                keep |= set(Planner.latest_models(s, fed_id, t).values())
+        for t in range(lo, fed.round + 2):  # the latest model of each device that a neighbour reads
+            slots = fm.algorithm().readable(t)
+            if slots:
+                read = set(s.scalars(select(Device.id).where(Device.federation == fed_id,
+                                                              Device.slot.in_(sorted(slots)))))
+                keep |= {d for dev, d in Planner.latest_models(s, fed_id, t).items() if dev in read}
         kps = set(s.scalars(select(Device.kp).where(Device.federation == fed_id).distinct()))
         for whole in wholes:
             for kp in kps:
