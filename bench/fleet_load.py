@@ -281,7 +281,12 @@ class Fleet:
         ask = True
         while True:
             if ask:
-                r = await client.get(f"{API_PREFIX}/rounds/current/task", headers=auth)
+                try:  # as the agent does: a call cut by a replica's death is asked again (the next bell, or quiet)
+                    r = await client.get(f"{API_PREFIX}/rounds/current/task", headers=auth)
+                except httpx.HTTPError as e:
+                    self.calls.why["ask_task"][type(e).__name__] += 1
+                    await asyncio.sleep(1.0)
+                    continue
                 if r.status_code == 200:
                     task = Task.model_validate_json(r.content)
                     if task.round == t and not task.final:
