@@ -11,10 +11,8 @@ GFLOPs column counts a head epoch as a whole-model epoch (an upper bound: its ba
 
 from __future__ import annotations
 
+from ditto_repro import BUDGET  # the same budget, defined once
 from repro import Row, Table, main
-
-BUDGET = dict(model="cnn", dataset="fashion-mnist", clients=20, samples_per_client=300, local_epochs=1,
-              rounds=20, batch_size=32, lr=0.05, momentum=0.5, ft_epochs=1, kp=2)
 
 
 def _rows(part: str, tag: str) -> tuple[Row, ...]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -101,14 +102,22 @@ def replicas(tmp_path: Path, pg_url: str, broker_url: str) -> Iterator[list[Back
             s.stop()
 
 
-def test_two_replicas_close_a_round_from_their_sums(replicas: list[BackgroundServer], pg_url: str) -> None:
+def _round_one(replicas: list[BackgroundServer], fed: str, config: dict[str, Any],
+               **kw: Any) -> tuple[httpx.Client, list[Dev], tuple[str, ...], dict[str, torch.Tensor],
+                                   list[tuple[dict[str, torch.Tensor], float]]]:
+    """Federation ``fed`` of four devices enrolled alternately through the two replicas, round 1 open: (the first
+    replica's client, the devices, the base keys, the initial model, each device's base upload and weight)."""
     a, b = (httpx.Client(base_url=s.url, timeout=30) for s in replicas)
-    create(a, ADMIN, "ps", {**FEDPER, "clients": 4, "rounds": 1})
-    devs = [Dev(a, "ps", index=0), Dev(b, "ps", index=1), Dev(a, "ps", index=2), Dev(b, "ps", index=3)]
-    base_keys = devs[0].fm.base_keys(FEDPER["kp"])
+    create(a, ADMIN, fed, {**config, "clients": 4, "rounds": 1}, **kw)
+    devs = [Dev(a, fed, index=0), Dev(b, fed, index=1), Dev(a, fed, index=2), Dev(b, fed, index=3)]
+    base_keys = tuple(devs[0].fm.base_keys(FEDPER["kp"]))
     init = devs[0].fm.init_state()
     wait_for(lambda: a.get("/v1/rounds/current/task", headers=devs[0].h).status_code == 200, what="round 1")
-    ups = [(take(perturbed(init, i), base_keys), float(10 + 7 * i)) for i in range(len(devs))]
+    return a, devs, base_keys, init, [(take(perturbed(init, i), base_keys), float(10 + 7 * i)) for i in range(4)]
+
+
+def test_two_replicas_close_a_round_from_their_sums(replicas: list[BackgroundServer], pg_url: str) -> None:
+    a, devs, base_keys, _, ups = _round_one(replicas, "ps", FEDPER)
     sessions = make_sessionmaker(make_engine(Settings(database_url=pg_url).resolved_database_url))
 
     def summed() -> set[int]:
@@ -165,14 +174,8 @@ def test_replicas_sums_and_robust_rules_go_through_the_algorithms_aggregate(
         replicas: list[BackgroundServer], pg_url: str, mixing: str, aggregation: dict[str, str] | None) -> None:
     """The server never replaces an algorithm's aggregate: with the replicas' partial sums merged (the mean) or a
     robust rule (the median), a toy algorithm's beta mixing is applied to what the rule gives."""
-    a, b = (httpx.Client(base_url=s.url, timeout=30) for s in replicas)
-    create(a, ADMIN, "mx", {**FEDPER, "algorithm": mixing, "clients": 4, "rounds": 1},
-           **({} if aggregation is None else {"aggregation": aggregation}))
-    devs = [Dev(a, "mx", index=0), Dev(b, "mx", index=1), Dev(a, "mx", index=2), Dev(b, "mx", index=3)]
-    base_keys = devs[0].fm.base_keys(FEDPER["kp"])
-    init = devs[0].fm.init_state()
-    wait_for(lambda: a.get("/v1/rounds/current/task", headers=devs[0].h).status_code == 200, what="round 1")
-    ups = [(take(perturbed(init, i), base_keys), float(10 + 7 * i)) for i in range(len(devs))]
+    a, devs, base_keys, init, ups = _round_one(replicas, "mx", {**FEDPER, "algorithm": mixing},
+                                               **({} if aggregation is None else {"aggregation": aggregation}))
     sessions = make_sessionmaker(make_engine(Settings(database_url=pg_url).resolved_database_url))
 
     def summed() -> int:
@@ -199,8 +202,8 @@ def test_replicas_sums_and_robust_rules_go_through_the_algorithms_aggregate(
     # the rule's own result (its correctness is tests/server/test_robust.py's), then the algorithm's mixing
     median = robust_aggregate(take(init, base_keys), ups, AggregationRule("median")) if aggregation else {}
     for k in base_keys:
-        ruled = median[k].double() if aggregation else sum(x[k].double() * n for x, n in ups) / total
+        plain = torch.stack([x[k].double() * n for x, n in ups]).sum(0) / total  # float64, one update at a time
+        ruled = median[k].double() if aggregation else plain
         want = BETA * ruled + (1 - BETA) * init[k].double()
         torch.testing.assert_close(got[k].double(), want, rtol=0, atol=1e-5, msg=k)
-        plain = sum(x[k].double() * n for x, n in ups) / total
         assert not torch.allclose(got[k].double(), plain, atol=1e-4), "the plain mean, the algorithm bypassed"
