@@ -65,12 +65,12 @@ class BlobGC:
                                                        if d is not None}
         keep = set(wholes) | set(s.scalars(select(Update.digest).where(Update.federation == fed_id,
                                                                         Update.round >= lo)))
-        for t in range(lo, fed.round + 2):  # the latest model of each device that a neighbour reads
-            slots = fm.algorithm().readable(t)
-            if slots:
-                read = set(s.scalars(select(Device.id).where(Device.federation == fed_id,
-                                                              Device.slot.in_(sorted(slots)))))
-                keep |= {d for dev, d in Planner.latest_models(s, fed_id, t).items() if dev in read}
+        algo = fm.algorithm()
+        # where devices read their neighbours' latest models, every device's latest is kept: a later round's
+        # graph may pick any device, not only those this window's graphs name
+        if any(algo.readable(t) for t in range(lo, fed.round + 2)):
+            for t in range(lo, fed.round + 2):
+                keep |= set(Planner.latest_models(s, fed_id, t).values())
         kps = set(s.scalars(select(Device.kp).where(Device.federation == fed_id).distinct()))
         for whole in wholes:
             for kp in kps:
