@@ -7,8 +7,6 @@ from .algorithm import (
     Algorithm,
     Decentralised,
     DeviceRound,
-    FinetuneOptions,
-    NoOptions,
     algorithm_class,
     device_algorithms,
     get_algorithm,
@@ -17,6 +15,7 @@ from .algorithm import (
     sample_participants,
 )
 from .base import Clients, Metrics, Neighbour, Participation, Received, Trainer, Upload, one_row
+from .options import FinetuneOptions, NoOptions
 
 __all__ = [
     "Algorithm",

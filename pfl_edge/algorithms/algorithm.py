@@ -24,6 +24,7 @@ from ..seeding import Stream, mt_stream
 from ..split import Split, split_keys
 from ..topology import in_degree, neighbours
 from .base import Clients, Metrics, Participation, Received, Upload
+from .options import NoOptions
 
 if TYPE_CHECKING:  # the config asks its algorithm's class; the algorithms only read its fields
     from ..aggregate import AggregationRule, PartialAverage
@@ -34,8 +35,6 @@ __all__ = [
     "Algorithm",
     "Decentralised",
     "DeviceRound",
-    "FinetuneOptions",
-    "NoOptions",
     "algorithm_class",
     "device_algorithms",
     "get_algorithm",
@@ -79,34 +78,6 @@ def _sampled_slots(seed: int, t: int, num_clients: int, fraction: float) -> froz
     if m == num_clients:
         return None
     return frozenset(int(i) for i in mt_stream(seed, Stream.PARTICIPANTS, t).randperm(num_clients)[:m].tolist())
-
-
-@dataclass(frozen=True)
-class NoOptions:
-    """The options of an algorithm that has none."""
-
-
-@dataclass(frozen=True)
-class FinetuneOptions:
-    """When a -FT baseline fine-tunes what its clients deploy: ``ft_every`` 1 fine-tunes in every round (pfl-edge's
-    default, the strongest at short budgets); K > 1 in rounds K, 2K, ... and the last; 0 in the last round only
-    (the DisPFL reference's FedAvg-FT). A round that does not fine-tune deploys (and evaluates) the model as is.
-    ``ft_from`` (D-PSGD-FT): fine-tune each client's neighbourhood average, or the average of all clients' models
-    (the reference's D-PSGD-FT: ``ft_every = 100, ft_from = "all"``)."""
-
-    ft_every: int = 1
-    ft_from: Literal["neighbourhood", "all"] = "neighbourhood"
-
-    def __post_init__(self) -> None:
-        e = self.ft_every
-        if isinstance(e, bool) or not isinstance(e, int) or not 0 <= e <= 1_000_000:
-            raise ConfigError(f"ft_every must be an integer >= 0 (0: the last round only), got {e!r:.40}")
-        if self.ft_from not in ("neighbourhood", "all"):
-            raise ConfigError(f"ft_from must be 'neighbourhood' or 'all', got {self.ft_from!r:.40}")
-
-    def due(self, t: int, rounds: int) -> bool:
-        """Does round ``t`` of ``rounds`` fine-tune?"""
-        return t == rounds or (self.ft_every > 0 and t % self.ft_every == 0)
 
 
 class Algorithm:
@@ -309,10 +280,11 @@ class Algorithm:
         previous round's); None: no bound (a server that averages clips instead, ``AggregationRule``)."""
         return None
 
-    def final_task(self) -> bool:
-        """Does the server end the federation with a final task on which every device evaluates (FedPer: its
-        personal blocks on the last base)? Otherwise a device's last round is its last evaluation."""
-        return self.final_evaluation
+    def closing(self, t: int) -> Participation:
+        """Who takes the federation's closing step after its last round ``t``: a final task on which each device
+        evaluates and stops (FedPer: its personal blocks on the last base): every device (a late joiner of the
+        last round too), or none where a device's last round is its last evaluation."""
+        return Participation(t, None if self.final_evaluation else frozenset(), False)
 
     # ------------------------------------------------------------------------------------------ device
     def device_init(self, dev: Clients, init: Mapping[str, Tensor], density: float) -> dict[str, Tensor]:
@@ -329,7 +301,6 @@ class Algorithm:
         round it last trained in (0: none yet); ``late``: it joined a running federation; ``final``: the
         federation's last step (evaluate, no training, nothing to send)."""
         raise ConfigError(f"algorithm {self.name!r} does not run on devices")
-
 
 
 class Decentralised(Algorithm):

@@ -18,8 +18,9 @@ from ..errors import InternalError
 from ..seeding import Stream
 from ..sgd import TrainResult
 from ..split import Split, take
-from .algorithm import Algorithm, DeviceRound, FinetuneOptions, register_algorithm
+from .algorithm import Algorithm, DeviceRound, register_algorithm
 from .base import Clients, Metrics, Received, Upload, one_row
+from .options import FinetuneOptions
 
 if TYPE_CHECKING:
     from ..aggregate import AggregationRule, PartialAverage

@@ -9,8 +9,9 @@ from ..arrays import Stack, ones_like
 from ..neighbourhood import neighbourhood_average
 from ..seeding import Stream
 from ..sgd import TrainResult
-from .algorithm import Decentralised, FinetuneOptions, register_algorithm
+from .algorithm import Decentralised, register_algorithm
 from .base import Clients
+from .options import FinetuneOptions
 
 __all__ = ["DPSGD", "DPSGDFT", "round_step"]
 

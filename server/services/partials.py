@@ -74,13 +74,16 @@ class Sum:
     data: bytes
 
 
-def merge_sums(sums: Iterable[Sum], ids: Sequence[int], bound: float | None, shapes: Mapping[str, tuple[int, ...]]
-               ) -> tuple[PartialAverage | None, set[int], int]:
-    """The sums that may stand for updates of a round whose accepted updates are ``ids``, merged: (their merged
-    sum or None, the update ids it holds, how many sums it merged). A sum is left out (its updates then read
-    one by one) where it names an update not in ``ids`` or one already merged, counts other than it names, holds
-    an update the norm ``bound`` (None: none) clips, or a tensor of another shape than the model's."""
-    want, merged, covered, n = set(ids), None, set[int](), 0
+def merge_sums(sums: Iterable[Sum], ids: Sequence[int], bound: float | None, shapes: Mapping[str, tuple[int, ...]],
+               start: PartialAverage | None) -> tuple[PartialAverage | None, set[int], int]:
+    """The sums that may stand for updates of a round whose accepted updates are ``ids``, merged into ``start``
+    (the algorithm's empty sum, ``Algorithm.partial_sum``; None: it takes none, and none is used): (the merged
+    sum, None if none merged; the update ids it holds; how many sums it merged). A sum is left out (its updates
+    then read one by one) where it names an update not in ``ids`` or one already merged, counts other than it
+    names, holds an update the norm ``bound`` (None: none) clips, or a tensor of another shape than the model's."""
+    want, merged, covered, n = set(ids), start, set[int](), 0
+    if merged is None:
+        return None, covered, 0
     for p in sums:
         if not p.updates or not p.updates <= want or p.updates & covered:
             continue
@@ -92,24 +95,21 @@ def merge_sums(sums: Iterable[Sum], ids: Sequence[int], bound: float | None, sha
                                                   ((k, v.shape) for k, v in avg.state()[0].items())):
                 raise ConfigError(f"it counts {avg.count} updates for {len(p.updates)} named, or a tensor's shape "
                                   "is not the model's")
-            if merged is None:
-                merged = avg
-            else:
-                merged.merge(avg)
+            merged.merge(avg)
         except ConfigError as e:
             log.error("a partial sum of %d updates is not used: %s", len(p.updates), e)
             continue
         covered |= p.updates
         n += 1
-    return merged, covered, n
+    return merged if n else None, covered, n
 
 
 @dataclass
 class _Chain:
     """This process's running sum of one round."""
 
+    avg: PartialAverage  # the algorithm's own sum (``Algorithm.partial_sum``)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    avg: PartialAverage = field(default_factory=PartialAverage)
     updates: list[int] = field(default_factory=list)
     max_norm: float | None = 0.0
     dirty: bool = False
@@ -166,7 +166,8 @@ class Partials:
         with self.store.read() as s:
             fed = self.store.existing(s, fed_id)
             fm = self.store.model(fed)
-            if fm.algorithm().partial_sum() is None or aggregation_rule(fed).rule != "mean" or \
+            empty = fm.algorithm().partial_sum()  # the sum this round's updates fold into; None: it takes none
+            if empty is None or aggregation_rule(fed).rule != "mean" or \
                     fed.round != t or fed.state not in (RoundState.COLLECTING.value, RoundState.CLOSING.value):
                 return 0
             rows = list(s.execute(select(Update.id, Update.digest, Update.n_samples, Update.delta_norm, Device.kp)
@@ -174,7 +175,7 @@ class Partials:
                                   .order_by(Update.id)))
         for key in [k for k in self._chains if k[0] == fed_id and k[1] != t]:  # rounds gone by
             del self._chains[key]
-        chain = self._chains.setdefault((fed_id, t), _Chain())
+        chain = self._chains.setdefault((fed_id, t), _Chain(avg=empty))
         for uid, digest, n, norm, kp in rows:
             try:
                 tensors: dict[str, Tensor] = self.blobs.load(digest, fm, fm.expected(kp)).tensors

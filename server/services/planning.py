@@ -38,6 +38,17 @@ class Planner:
         return where
 
     @staticmethod
+    def _closing(fed: Federation, fm: FedModel, t: int) -> list[ColumnElement[bool]]:
+        """Who takes the closing step after the last round ``t``, as SQL: the devices of the federation (a late
+        joiner of the last round too) that the algorithm's ``closing(t)`` admits (none where it has no such
+        step)."""
+        p = fm.algorithm().closing(t)
+        where = [Device.federation == fed.id]
+        if p.slots is not None:
+            where.append(Device.slot.in_(sorted(p.slots)))
+        return where
+
+    @staticmethod
     def active(s: Session, fed: Federation, fm: FedModel, t: int) -> list[Device]:
         """Devices that take part in round ``t`` (``_who``), in slot order."""
         return list(s.scalars(select(Device).where(*Planner._who(fed, fm, t)).order_by(Device.slot)))
@@ -72,8 +83,8 @@ class Planner:
         with an evaluation has finished; None otherwise (between rounds, before round 1, not in this round)."""
         with self.store.read() as s:
             fed = self.store.existing(s, dev.federation)
-            final = fed.state == RoundState.FINISHED and self.store.model(fed).algorithm().final_task()
-            if not final and (fed.state != RoundState.COLLECTING or fed.round == ENROLMENT_ROUND):
+            final = fed.state == RoundState.FINISHED  # the closing step's task, where the algorithm has one
+            if fed.round == ENROLMENT_ROUND or not (final or fed.state == RoundState.COLLECTING):
                 return None
             t = fed.round
         got = self.tasks(dev.federation, t, final=final, device=dev.id)
@@ -87,13 +98,15 @@ class Planner:
             fed = self.store.existing(s, fed_id)
             r = self.store.round(s, fed_id, t)
             fm = self.store.model(fed)
+            who = self._closing(fed, fm, t) if final else self._who(fed, fm, t)
             if device is not None:
                 one = s.get(Device, device)
-                devs = [] if one is None or not (one.federation == fed_id if final else
-                                                 self.takes_part(s, fed, fm, t, one)) else [one]
+                devs = [] if one is None or s.scalar(select(Device.id).where(Device.id == one.id, *who)) is None \
+                    else [one]
             else:
-                devs = (list(s.scalars(select(Device).where(Device.federation == fed_id).order_by(Device.slot)))
-                        if final else self.active(s, fed, fm, t))
+                devs = list(s.scalars(select(Device).where(*who).order_by(Device.slot)))
+            if not devs:
+                return []
             graph = fm.algorithm().neighbours(t)
             if graph is not None:
                 return self._neighbour_tasks(s, fm, r, devs, graph)

@@ -56,11 +56,8 @@ class Recovery:
     def _recover(self, fed_id: str, t: int, state: RoundState) -> None:
         if state is RoundState.COLLECTING:
             self.publisher.tasks(fed_id, self.planner.tasks(fed_id, t))
-        elif state is RoundState.FINISHED:
-            with self.store.read() as s:
-                final = self.store.model(self.store.existing(s, fed_id)).algorithm().final_task()
-            if final and t > ENROLMENT_ROUND:
-                self.machine.publish_final(fed_id, t)
+        elif state is RoundState.FINISHED and t > ENROLMENT_ROUND:
+            self.machine.publish_final(fed_id, t)
         self.publisher.announce(fed_id)
         if state not in (RoundState.COLLECTING, RoundState.FINISHED):
             self.machine.step(fed_id)  # a transition cut short: make it now

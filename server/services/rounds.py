@@ -208,8 +208,7 @@ class RoundMachine:
             bounds = rule.bounds(norms, history)  # each update's, from the others' norms
             # a sum is used whole only where none of its updates is clipped: the least of the bounds decides that
             least = min((b for b in bounds if b is not None), default=None)
-            merged, covered, k = (merge_sums(sums, ids, least, fm.shapes)
-                                  if sums and algo.partial_sum() is not None else (None, set[int](), 0))
+            merged, covered, k = merge_sums(sums, ids, least, fm.shapes, algo.partial_sum())
             if merged is not None:  # the replicas' sums (server.services.partials), then each update none holds
                 self.last_merge = (len(covered), k)
             uids = list(ids) if ids else [None] * len(rows)
@@ -225,13 +224,11 @@ class RoundMachine:
             fed = self._advance(s, fed_id, tr)
             if fed is None:
                 return
-            final = self.store.model(fed).algorithm().final_task()
         log.info("federation %s: finished after round %d", fed_id, tr.round)
-        if final:
-            self.publish_final(fed_id, tr.round)
+        self.publish_final(fed_id, tr.round)
         self.publisher.announce(fed_id)
 
     def publish_final(self, fed_id: str, t: int) -> None:
-        """The last step where the server ends with an evaluation (FedPer: every device evaluates its personal
-        blocks on the last base and reports round t)."""
+        """The closing step's tasks, to the devices the algorithm's ``closing(t)`` names (FedPer: every device
+        evaluates its personal blocks on the last base and reports round t; none where there is no such step)."""
         self.publisher.tasks(fed_id, self.planner.tasks(fed_id, t, final=True))

@@ -51,7 +51,7 @@ def _sum(ups: list[tuple[dict[str, torch.Tensor], float]], ids: list[int], max_n
 def _merged(sums: list[Sum], ups: list[tuple[dict[str, torch.Tensor], float]], bound: float | None = None
             ) -> tuple[dict[str, torch.Tensor], set[int], int]:
     """What the leader does: merge the usable sums, then add every update no sum holds."""
-    merged, covered, k = merge_sums(sums, list(range(len(ups))), bound, SHAPES)
+    merged, covered, k = merge_sums(sums, list(range(len(ups))), bound, SHAPES, PartialAverage())
     avg = merged if merged is not None else PartialAverage()
     for i, (x, n) in enumerate(ups):
         if i not in covered:
@@ -85,6 +85,8 @@ def test_merged_sums_equal_the_reference_and_bad_sums_are_left_out() -> None:
     odd.add({"w": torch.ones(2, 2), "b": torch.ones(3)}, 1.0)
     check([Sum(frozenset({3}), 1.0, pack(odd)), Sum(frozenset({4}), 1.0, b"\x08" + b"\0" * 7 + b"{}"),
            Sum(frozenset({5}), 1.0, b"nonsense")], set(), 0)
+    # an algorithm that takes no partial sums (``partial_sum()`` None): good sums are not used either
+    assert merge_sums([_sum(ups, [0, 1])], list(range(len(ups))), None, SHAPES, None) == (None, set(), 0)
 
 
 @pytest.fixture
