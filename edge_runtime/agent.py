@@ -16,6 +16,7 @@ import logging
 import queue
 import signal
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -39,7 +40,7 @@ from pfl_edge.protocol import (
 from .arrays_kind import array_kind, initial_model, open_model
 from .config import AgentConfig
 from .control import Control
-from .data import ArrayData, LocalData, load_image_folder, load_local_arrays, load_local_data
+from .data import device_data
 from .enrol import enrol, renew
 from .http import Http, ServerError, ServerUnavailable
 from .programs import ProgramSource
@@ -89,7 +90,7 @@ class Agent:
             import torch
 
             torch.set_num_threads(threads)
-        self.data = self._load_data(data_cfg, enr)
+        self.data = device_data(self.cfg, self.fed, data_cfg, enr.index, self.arrays)
         # training programs, and the card a device without torch takes its model's skeleton from, come from the
         # server's model card, downloaded and checked (docs/model.md)
         backend = self.backend = device_backend(self.arrays, self.cfg.training_backend, self.profile.training_backend)
@@ -117,19 +118,6 @@ class Agent:
             self.store.save_progress(prog)
         else:
             self._flush_upload()  # a trained round whose upload a restart interrupted
-
-    def _load_data(self, data_cfg: FederationConfig, enr: Enrolment) -> LocalData | ArrayData:
-        if self.cfg.image_dir is not None:
-            return load_image_folder(self.cfg.image_dir, self.fed, slot=enr.index, arrays=self.arrays)
-        if self.cfg.partition_id not in (None, enr.index) and self.fed.participation < 1:
-            log.info("slot %d drawn (asked for %s): where rounds sample, the server draws", enr.index,
-                     self.cfg.partition_id)
-        elif self.cfg.partition_id is not None and self.cfg.partition_id != enr.index:
-            raise ConfigError(f"asked for partition {self.cfg.partition_id} but the server gave slot {enr.index} "
-                              f"(that partition's slot is taken); pick a free --partition-id or leave it out")
-        if self.arrays == "numpy":
-            return load_local_arrays(data_cfg, enr.index, data_dir=self.cfg.data_dir)
-        return load_local_data(data_cfg, enr.index, data_dir=self.cfg.data_dir)
 
     def _training_backend(self) -> TrainingBackend:
         """The device's training backend (``device_backend``), from the one registry of backends."""
@@ -168,14 +156,19 @@ class Agent:
         self.http.stop = self._stop
         try:
             self._renewing(self._wake)  # the server's task now: a retained message may never come
+            heard = time.monotonic()
             while not self._stop.is_set() and not self.done:
                 self.http.rotate_if_due()  # long before the token expires
                 if self.http.chain_ended:
                     self._renew()
                 try:
                     batch = [self.inbox.get(timeout=0.5)]
-                except queue.Empty:
+                except queue.Empty:  # a bell lost to the broker (a link renewed mid-publish) must not strand it:
+                    if time.monotonic() - heard >= self.cfg.ask_every_s:  # quiet this long, it asks the server
+                        self.inbox.put((round_topic(self.enr.federation), b""))
+                        heard = time.monotonic()
                     continue
+                heard = time.monotonic()
                 while True:  # a device back from an absence acts on its current task, not every one it missed
                     try:
                         batch.append(self.inbox.get_nowait())
@@ -243,7 +236,9 @@ class Agent:
             self.on_event("task_mismatch", {"round": hint.round if hint else None, "why": why})
         if task is not None:
             self._run_task(task)
-        elif self.tasks.finished() and (not self.algo.final_task() or self.store.progress.final):
+        elif self.tasks.finished() and (self.store.progress.final  # its closing step done, or it has none
+                                        or self.algo.closing(self.fed.rounds).refusal(self.enr.index,
+                                                                                      has_initial=True)):
             self.done = self.cfg.exit_when_done
 
     def _run_task(self, task: Task) -> None:

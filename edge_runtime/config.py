@@ -23,6 +23,9 @@ class AgentConfig:
     data_dir: str | None = None  # where the registered data set's files are, if not the default
     image_dir: str | None = None  # the user's own labelled images, one folder per class
     patience_s: float = 300.0  # how long to keep retrying an unreachable server or broker
+    # heard nothing from the broker this long, it asks the server for its task (a lost bell): one request per
+    # device per minute, a server's load to size for at fleet scale
+    ask_every_s: float = 60.0
     ca_file: str | None = None  # the CA that signed the server's certificate (https://; MQTT over TLS too)
     max_blob_bytes: int = 256 * 1024 * 1024
     exit_when_done: bool = True
@@ -41,5 +44,7 @@ class AgentConfig:
             raise ConfigError(f"threads must be >= 1, got {self.threads}")
         if self.patience_s <= 0:
             raise ConfigError("patience must be > 0 seconds")
+        if not self.ask_every_s > 0:
+            raise ConfigError(f"ask_every_s must be > 0 seconds, got {self.ask_every_s!r}")
         if self.arrays not in ("auto", "torch", "numpy"):
             raise ConfigError(f"arrays must be auto, torch or numpy, got {self.arrays!r}")

@@ -3,6 +3,7 @@ user's own labelled images; and the model it trains."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -19,7 +20,11 @@ if TYPE_CHECKING:  # the torch device's data; a device without torch holds Array
     from pfl_edge.models import BlockModel
     from pfl_edge.train import ClientTensors
 
-__all__ = ["ArrayData", "LocalData", "load_image_folder", "load_local_arrays", "load_local_data"]
+    from .config import AgentConfig
+
+__all__ = ["ArrayData", "LocalData", "device_data", "load_image_folder", "load_local_arrays", "load_local_data"]
+
+log = logging.getLogger("pfl_edge.client")
 
 
 @dataclass(frozen=True, eq=False)
@@ -132,3 +137,19 @@ def load_image_folder(root: str, cfg: FederationConfig, *, slot: int, arrays: st
     trt, tet = torch.from_numpy(tr), torch.from_numpy(te)
     return LocalData(ClientTensors.build(xt, [trt], [yt[trt]]), ClientTensors.build(xt, [tet], [yt[tet]]), spec,
                      build_model(spec))
+
+
+def device_data(cfg: AgentConfig, fed: FederationConfig, data_cfg: FederationConfig, slot: int,
+                arrays: str) -> LocalData | ArrayData:
+    """The device's own data: its images (``cfg.image_dir``), or its slot's share of the registered data set
+    dealt as ``data_cfg`` says (the federation's config with the device's ``data_overrides``)."""
+    if cfg.image_dir is not None:
+        return load_image_folder(cfg.image_dir, fed, slot=slot, arrays=arrays)
+    if cfg.partition_id not in (None, slot) and fed.participation < 1:
+        log.info("slot %d drawn (asked for %s): where rounds sample, the server draws", slot, cfg.partition_id)
+    elif cfg.partition_id is not None and cfg.partition_id != slot:
+        raise ConfigError(f"asked for partition {cfg.partition_id} but the server gave slot {slot} "
+                          f"(that partition's slot is taken); pick a free --partition-id or leave it out")
+    if arrays == "numpy":
+        return load_local_arrays(data_cfg, slot, data_dir=cfg.data_dir)
+    return load_local_data(data_cfg, slot, data_dir=cfg.data_dir)

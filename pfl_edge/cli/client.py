@@ -18,7 +18,8 @@ def _cmd_client(args: argparse.Namespace) -> int:
     cfg = AgentConfig(server=args.server, federation=args.federation, enrol_secret=enrol_secret(args),
                       profile=args.profile, state_dir=str(args.state_dir), name=args.name,
                       partition_id=args.partition_id, threads=args.threads, data_dir=args.dataset_dir,
-                      image_dir=args.data_dir, patience_s=args.patience, data_overrides=overrides,
+                      image_dir=args.data_dir, patience_s=args.patience, ask_every_s=args.ask_every,
+                      data_overrides=overrides,
                       training_backend=args.training_backend, training_program=args.training_program,
                       ca_file=args.ca_file, arrays=args.arrays)
     agent = Agent(cfg)
@@ -68,5 +69,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="hold models as torch tensors or numpy arrays (no torch: the ONNX training program trains, "
                         "the server's ONNX program evaluates); default auto: torch where it is installed")
     p.add_argument("--patience", type=float, default=300.0, help="seconds to keep retrying a missing server")
+    p.add_argument("--ask-every", type=float, default=60.0, metavar="S",
+                   help="seconds without a word from the broker after which the device asks the server for its "
+                        "task (a lost message never strands it)")
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=_cmd_client)

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import queue
 import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -51,12 +52,15 @@ def _create(srv: BackgroundServer, **options: Any) -> None:
 class _Run:
     """An agent in a thread, its events and its exit."""
 
-    def __init__(self, srv: BackgroundServer, root: Path, slot: int) -> None:
+    def __init__(self, srv: BackgroundServer, root: Path, slot: int,
+                 inbox: queue.Queue[tuple[str, bytes]] | None = None, **cfg: Any) -> None:
         self.events: list[tuple[str, dict[str, Any]]] = []
         self.agent = Agent(AgentConfig(server=srv.url, federation="tc", enrol_secret=SECRET, profile="phone-mid",
                                        state_dir=str(root / f"dev{slot}"), partition_id=slot, threads=1,
-                                       training_backend="torch", patience_s=30),
+                                       training_backend="torch", patience_s=30, **cfg),
                            on_event=lambda kind, data: self.events.append((kind, dict(data))))
+        if inbox is not None:
+            self.agent.inbox = inbox
         self.rc: int | BaseException | None = None
         self.thread = threading.Thread(target=self._main, daemon=True)
         self.thread.start()
@@ -103,6 +107,34 @@ def test_forged_task_and_finished_move_nothing_and_real_tasks_run(srv: Backgroun
         assert [d["round"] for k, d in r.events if k == "update"] == [1, 2]
         assert "final" in r.kinds()
     assert a.agent.store.progress.final
+
+
+class _Deaf(queue.Queue[tuple[str, bytes]]):
+    """An inbox that loses every message the broker's thread brings (its bells, its tasks): only what the
+    agent's own thread puts in arrives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lost = 0
+
+    def put(self, item: tuple[str, bytes], block: bool = True, timeout: float | None = None) -> None:
+        if threading.current_thread().name.startswith("paho"):
+            self.lost += 1
+            return
+        super().put(item, block, timeout)
+
+
+def test_a_device_that_hears_nothing_from_its_broker_asks_the_server(srv: BackgroundServer, tmp_path: Path) -> None:
+    """Every bell and task the broker brings is lost (a link renewed mid-publish, a broker that dropped its
+    queue): after ``ask_every_s`` of quiet each device asks the server, and the federation runs to its end."""
+    _create(srv)
+    runs = [_Run(srv, tmp_path, slot, _Deaf(), ask_every_s=0.2) for slot in (0, 1)]
+    for r in runs:
+        r.thread.join(180)
+        assert r.rc == 0, (r.rc, r.kinds())
+        assert [d["round"] for k, d in r.events if k == "update"] == [1, 2]
+        assert "final" in r.kinds()
+    assert sum(cast(_Deaf, r.agent.inbox).lost for r in runs) > 0  # the broker did ring, and was not heard
 
 
 def _nan_payload(payload: bytes) -> bytes:
