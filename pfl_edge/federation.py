@@ -295,10 +295,8 @@ def device_capacity(cfg: FederationConfig, slot: int, *, profile_density: float 
         density, kp = float(profile_density), int(profile_kp)
     else:
         density, kp = cfg.client_density(slot), cfg.kp
-    if cfg.base == "linear":  # its model is built for the config's K_P
-        kp = cfg.kp
-    own = algorithm_class(cfg.algorithm).personal_blocks(cfg)
-    return density, 0 if own == 0 else kp
+    k = algorithm_class(cfg.algorithm).kp_for(cfg, kp)  # the algorithm's K_P rule
+    return density, kp if k is None else k
 
 
 # The most each field may be: a federation's config arrives from the network (an admin's request), and a field

@@ -117,15 +117,20 @@ class Algorithm:
         return {"kp": cfg.kp, "none": 0, "all": None}[cls.keeps]
 
     @classmethod
-    def split_kp(cls, cfg: FederationConfig, num_blocks: int, kp: int | None = None) -> int:
-        """The K_P rule, once: the personal blocks of a client of a ``num_blocks`` model, for a client of ``kp``
-        (a device's capacity) where the algorithm has personal blocks to give; 0 where nothing is personal."""
+    def kp_for(cls, cfg: FederationConfig, kp: int | None = None) -> int | None:
+        """The K_P rule, once: the personal blocks of a client of capacity ``kp`` (a device's profile; None: the
+        config's). None where every block is personal (local training), 0 where none is (FedAvg, the
+        decentralised ones), the config's for the linear-base control (its model is built for one K_P)."""
         own = cls.personal_blocks(cfg)
-        if own is None:
-            return num_blocks
-        if own == 0:
-            return 0
-        return own if kp is None else kp
+        if own is None or own == 0:
+            return own
+        return own if kp is None or cfg.base == "linear" else kp
+
+    @classmethod
+    def split_kp(cls, cfg: FederationConfig, num_blocks: int, kp: int | None = None) -> int:
+        """``kp_for`` as a block count of a ``num_blocks`` model."""
+        k = cls.kp_for(cfg, kp)
+        return num_blocks if k is None else k
 
     @classmethod
     def validate(cls, cfg: FederationConfig) -> None:

@@ -48,3 +48,22 @@ def test_bad_kp() -> None:
 def test_take_missing_key() -> None:
     with pytest.raises(ConfigError, match="no tensor 'b'"):
         take({"a": torch.zeros(1)}, ["a", "b"])
+
+
+def test_the_kp_rule_is_one_rule_for_the_server_and_the_split() -> None:
+    """``device_capacity`` (what the server gives an enrolling device) and ``split_kp`` (what the device's
+    algorithm splits at) answer from the one rule, ``Algorithm.kp_for``: a profile's K_P where the algorithm keeps
+    personal blocks, the config's for the linear-base control, 0 where nothing is personal, every block for
+    local training."""
+    from pfl_edge.algorithms import algorithm_class
+    from pfl_edge.federation import FederationConfig, device_capacity
+
+    want = {("fedper", "deep"): 1, ("fedper", "linear"): 2, ("fedrep", "deep"): 1, ("fedavg", "deep"): 0,
+            ("dispfl", "deep"): 0, ("ditto", "deep"): 0}
+    for (name, base), kp in want.items():
+        cfg = FederationConfig(algorithm=name, kp=2, base=base)
+        assert device_capacity(cfg, 0, profile_density=0.5, profile_kp=1) == (0.5, kp), name
+        assert algorithm_class(name).split_kp(cfg, 4, 1) == kp, name
+    cfg = FederationConfig(algorithm="local", kp=2)
+    assert algorithm_class("local").split_kp(cfg, 4, 1) == 4  # every block stays
+    assert algorithm_class("fedper").split_kp(FederationConfig(algorithm="fedper", kp=3), 4) == 3  # the config's
