@@ -130,22 +130,26 @@ def child_sim(args: argparse.Namespace) -> None:
         if hasattr(Trainer, name):
             setattr(Trainer, name, timed(name, getattr(Trainer, name)))
 
-    make = simulator.make_algorithm
-
-    def make_marked(ctx: Any) -> Any:  # marks round boundaries: run_round(t, ...) sets the current round
-        runner = make(ctx)
-        inner = runner.run_round
-
-        def run_round(t: int, *a: Any, **k: Any) -> Any:
-            state["round"] = t
+    def marked(inner: Any) -> Any:  # marks round boundaries: run_round(t, ...) sets the current round
+        def run_round(*a: Any, **k: Any) -> Any:
+            state["round"] = a[1] if len(a) > 1 and not isinstance(a[0], int) else a[0]
             try:
-                return inner(t, *a, **k)
+                return inner(*a, **k)
             finally:
                 state["round"] = 0
-        runner.run_round = run_round
-        return runner
+        return run_round
 
-    simulator.make_algorithm = make_marked
+    if hasattr(simulator, "Runner"):  # this tree's one runner
+        simulator.Runner.run_round = marked(simulator.Runner.run_round)
+    else:  # an older tree's runner per algorithm family
+        make = simulator.make_algorithm
+
+        def make_marked(ctx: Any) -> Any:
+            runner = make(ctx)
+            runner.run_round = marked(runner.run_round)
+            return runner
+
+        simulator.make_algorithm = make_marked
     cfg = SimConfig(algorithm=args.algorithm, model="cnn", dataset=args.dataset, partition=args.partition,
                     clients=args.clients, samples_per_client=args.samples, rounds=args.sim_rounds, local_epochs=1,
                     batch_size=args.batch_size, lr=0.01, momentum=0.9, workers=args.workers, seed=0)

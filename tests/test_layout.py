@@ -275,3 +275,15 @@ def test_who_takes_part_in_a_round_is_defined_once() -> None:
     assert planner.count(".participation(") == 2  # _who, and count_refused's round-1 question
     assert {k for k, v in server_reads.items() if v} == {"server/services/planning.py", "server/services/updates.py",
                                                           "server/services/metrics.py"}, server_reads
+
+
+def test_the_simulator_names_no_algorithm() -> None:
+    """The simulator's one runner asks the algorithm for its ``Simulation``: no module of pfl_edge/sim imports an
+    algorithm's own module (a new algorithm or family adds no simulator file)."""
+    graph = _graph()
+    families = {m for m in graph if m.startswith("pfl_edge.algorithms.")} - {
+        "pfl_edge.algorithms.algorithm", "pfl_edge.algorithms.base", "pfl_edge.algorithms.simulation",
+        "pfl_edge.algorithms.options"}
+    assert "pfl_edge.algorithms.central" in families and "pfl_edge.algorithms.dispfl" in families
+    found = {m: sorted(graph[m] & families) for m in graph if m.startswith("pfl_edge.sim") and graph[m] & families}
+    assert not found, f"the simulator names algorithms: {found}"

@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # the config asks its algorithm's class; the algorithms only 
     from ..aggregate import AggregationRule, PartialAverage
     from ..federation import FederationConfig
     from ..models import BlockModel
+    from .simulation import Simulation, World
 
 __all__ = [
     "Algorithm",
@@ -252,6 +253,11 @@ class Algorithm:
         folded into ``start`` (``partial_sum``'s, under the mean only); None where nothing is shared through a
         server. The server always asks here: an algorithm composes the rule with its own step."""
         return None
+
+    def simulation(self, world: World) -> Simulation:
+        """This algorithm over every client at once (the simulator's runner drives it): its clients' state, its
+        round over every row, composed of the pieces a device's round calls, and what the round costs."""
+        raise ConfigError(f"algorithm {self.name!r} cannot be simulated")
 
     # ------------------------------------------------------------------------------------------ server
     # What a coordinating server does differently per algorithm, asked of the algorithm (server/ reads no trait).

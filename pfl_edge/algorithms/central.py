@@ -9,7 +9,7 @@ training samples, per tensor over the clients that sent it (clients of different
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from ..arrays import Array as Tensor
@@ -21,12 +21,31 @@ from ..split import Split, take
 from .algorithm import Algorithm, DeviceRound, register_algorithm
 from .base import Clients, Metrics, Received, Upload, one_row
 from .options import FinetuneOptions
+from .simulation import SimRound, Simulation, World
 
 if TYPE_CHECKING:
     from ..aggregate import AggregationRule, PartialAverage
 
-__all__ = ["Central", "FedAvg", "FedAvgFT", "FedPer", "FedPerFT", "Local", "aggregate_bases", "deploy",
-           "personal_finetune", "train_round", "upload", "with_base"]
+
+#: clients trained per call in a simulated round (what is held of trained models at once; a cnn client: 1.8 MB)
+TRAIN_CHUNK = 128
+
+__all__ = [
+    "TRAIN_CHUNK",
+    "Central",
+    "CentralSimulation",
+    "FedAvg",
+    "FedAvgFT",
+    "FedPer",
+    "FedPerFT",
+    "Local",
+    "aggregate_bases",
+    "deploy",
+    "personal_finetune",
+    "train_round",
+    "upload",
+    "with_base",
+]
 
 
 def with_base(state: Mapping[str, Tensor], base: Mapping[str, Tensor] | None, split: Split) -> Stack:
@@ -111,6 +130,9 @@ class Central(Algorithm):
             return robust_aggregate(prev, list(updates), rule, history)
         return aggregate_bases(prev, updates, start)
 
+    def simulation(self, world: World) -> Simulation:
+        return CentralSimulation(self, world)
+
     def device_programs(self) -> tuple[str, ...]:
         # -FT's fine-tuning phase has a program of its own (the personal blocks alone, the base as an input)
         return (self.program_mode, "personal") if self.finetunes_personal and self.split.personal else (
@@ -182,6 +204,74 @@ class Central(Algorithm):
         # what it deploys is its state (saved anyway) until the final step puts it on the last base
         return DeviceRound(new, self.device_upload(new), metrics, train_loss=float(res.loss[0]),
                            steps=int(res.steps[0]))
+
+
+class CentralSimulation(Simulation):
+    """Every client of a server-coordinated algorithm: the drawn clients train (``local_round``) from the base
+    under their own blocks and send it (``upload``), the base is averaged (``aggregate``), every client takes it
+    (``receive``; FedPer-FT adapts, drawn or not) and deploys (``deploy``): the pieces of a device's round, over
+    every row (a device runs them from the receiving end: it takes the last base before it trains). Bytes: the
+    base each way per drawn client; FLOPs: 3 forwards per sample per epoch trained or fine-tuned."""
+
+    def __init__(self, algo: Central, world: World) -> None:
+        super().__init__(algo, world)
+        self.central = algo
+        self.clients: Stack = algo.init_clients(world.clients, world.init)
+        self.base: dict[str, Tensor] | None = upload(world.init, algo.split) if algo.split.base else None
+        self._deployed: Stack | None = None
+        self.clients = algo.receive(world.clients, self.clients, self.base, 0)  # FedPer-FT adapts at once
+
+    def _trained(self, t: int, participants: Tensor, losses: list[tuple[Tensor, Tensor]]
+                 ) -> Iterator[tuple[dict[str, Tensor], float]]:
+        """The participants' uploads in slot order, trained TRAIN_CHUNK clients at a time as the average asks for
+        them: a round of many small clients never holds every trained model at once, and the average, taken in
+        the same order, is the same to the bit."""
+        from ..train import index_stack
+
+        algo, everyone = self.central, self.world.clients
+        shared = set(algo.split.base) if self.base is not None else set()
+        for rows in participants.split(TRAIN_CHUNK):
+            part = everyone.subset(rows)
+            res = algo.local_round(part, with_base(index_stack(self.clients, rows), self.base, algo.split), t)
+            for k, v in res.stack.items():
+                if k not in shared:  # the trained base goes to the average; every client takes the new one
+                    self.clients[k][rows] = v
+            losses.append((res.loss, part.n_train))
+            for j, n in enumerate(part.n_train):
+                yield upload(unstack(res.stack, j), algo.split), float(n)
+
+    def round(self, t: int, participants: Tensor) -> SimRound:
+        import torch
+
+        from ..accounting import payload_bytes
+
+        algo, everyone = self.central, self.world.clients
+        losses: list[tuple[Tensor, Tensor]] = []
+        base_bytes = payload_bytes(self.base) if self.base else 0
+        uploads = self._trained(t, participants, losses)
+        if self.base is not None:
+            self.base = algo.aggregate(self.base, uploads)
+        for _ in uploads:  # nothing shared (local): train all the same
+            pass
+        n = len(everyone)
+        up, down = [0] * n, [0] * n
+        for i in participants.tolist():
+            up[i] = down[i] = base_bytes
+        self.clients = algo.receive(everyone, self.clients, self.base, t)
+        self._deployed = algo.deploy(everyone, self.clients, t)
+        took_part = set(participants.tolist())
+        epochs = torch.tensor([algo.train_epochs(i in took_part, t) for i in range(n)])
+        flops = (3 * self.world.dense_flops * epochs * everyone.n_train).tolist()
+        return SimRound(self._deployed, torch.cat([a for a, _ in losses]), torch.cat([b for _, b in losses]), up,
+                        down, sum(up) + sum(down), sum(up), flops, [1.0] * n)
+
+    def deployed(self) -> Stack:
+        if self._deployed is not None:
+            return self._deployed
+        return self.central.deployed_view(with_base(self.clients, self.base, self.central.split))
+
+    def shared(self) -> dict[str, Tensor] | None:
+        return dict(self.base) if self.base else None
 
 
 @register_algorithm("local")

@@ -39,9 +39,19 @@ from ..sgd import TrainResult
 from ..sparse import erk_densities, init_masks, mask_ones, prune_rate, prune_regrow
 from .algorithm import Decentralised, DeviceRound, register_algorithm
 from .base import Clients, Metrics, Received, Upload, one_row
+from .simulation import SimRound, Simulation, World, density_of, hamming_matrix, label_cosine, mask_summary, traffic
 
-__all__ = ["DisPFL", "DisPFLOptions", "SparseClients", "init_clients", "screen", "sent_masks", "start_models",
-           "update_masks"]
+__all__ = [
+    "DisPFL",
+    "DisPFLOptions",
+    "DisPFLSimulation",
+    "SparseClients",
+    "init_clients",
+    "screen",
+    "sent_masks",
+    "start_models",
+    "update_masks",
+]
 
 _SUPPORT = "support:"  # prefixes of a device's state dict: its weights, their support, its current mask
 _MASK = "mask:"
@@ -195,6 +205,9 @@ class DisPFL(Decentralised):
     sends_initial_model = True
     program_mode = "dispfl"
 
+    def simulation(self, world: World) -> Simulation:
+        return DisPFLSimulation(self, world)
+
     # ------------------------------------------------------------------------------------------ device
     def device_init(self, dev: Clients, init: Mapping[str, Tensor], density: float) -> dict[str, Tensor]:
         return pack(init_clients(dev, init, [density]))
@@ -268,3 +281,52 @@ def unpack(state: Mapping[str, Tensor]) -> SparseClients:
     s = {k.removeprefix(_SUPPORT): v for k, v in state.items() if k.startswith(_SUPPORT)}
     m = {k.removeprefix(_MASK): v for k, v in state.items() if k.startswith(_MASK)}
     return SparseClients(one_row(w), one_row(s), one_row(m))
+
+
+class DisPFLSimulation(Simulation):
+    """Every client's DisPFL round at once (``round_step`` over every row): each round's graph as a sparse
+    mixing matrix, one ``neighbourhood_average`` for all clients. Bytes: each client's sparse model (weights and
+    mask, as the codec sends them) once per out-neighbour; FLOPs: 3 sparse forwards per sample per epoch under
+    the mask it trains with, and the gradient regrowth's one dense batch."""
+
+    def __init__(self, algo: DisPFL, world: World) -> None:
+        from ..flops import layer_sizes
+
+        super().__init__(algo, world)
+        cl, cfg = world.clients, algo.cfg
+        self.state = init_clients(cl, world.init, [cfg.client_density(i) for i in range(len(cl))])
+        self.sizes = layer_sizes(algo.model, world.input_shape)
+        self._deployed: Stack | None = None
+
+    def _payload(self, i: int) -> int:
+        from ..accounting import payload_bytes
+
+        return payload_bytes(unstack(self.state.weights, i), sent_masks(unstack(self.state.support, i)))
+
+    def round(self, t: int, participants: Tensor) -> SimRound:
+        from ..flops import forward_flops
+        from ..topology import mixing_matrix
+
+        w, cfg, cl = self.world, self.algo.cfg, self.world.clients
+        nbrs = self.algo.neighbours(t) or []
+        up, down, busiest, received = traffic([self._payload(i) for i in range(len(cl))], nbrs)
+        masks = self.state.masks  # what each client trains under this round
+        summary = mask_summary(masks, w.label_counts)
+        self.state, res, trained, _ = round_step(cl, self.state, mixing_matrix(nbrs), t)
+        flops = [cfg.local_epochs * int(cl.n_train[i]) * 3
+                 * forward_flops(self.algo.model, w.input_shape, {k: m[i] for k, m in masks.items()}, self.sizes)
+                 for i in range(len(cl))]
+        if cfg.regrow == "gradient":  # the dense-gradient screen: one batch, 3 dense forwards per sample
+            flops = [f + min(cfg.batch_size, int(n)) * 3 * w.dense_flops for f, n in zip(flops, cl.n_train,
+                                                                                        strict=True)]
+        self._deployed = trained  # a client deploys its trained sparse model, as the reference evaluates it
+        return SimRound(trained, res.loss, cl.n_train, up, down, busiest, received, flops,
+                        [density_of(masks, i) for i in range(len(cl))], {"mask": summary})
+
+    def deployed(self) -> Stack:
+        return self._deployed if self._deployed is not None else self.state.weights
+
+    def analysis(self) -> dict[str, object]:
+        """Pairwise mask Hamming distances beside the cosine similarity of label distributions."""
+        return {"hamming": hamming_matrix(self.state.masks).tolist(),
+                "label_cosine": label_cosine(self.world.label_counts.float()).tolist()}

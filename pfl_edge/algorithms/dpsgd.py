@@ -5,15 +5,16 @@ its consensus model; ``dpsgd-ft`` first fine-tunes it on its own data for ``ft_e
 from __future__ import annotations
 
 from ..arrays import Array as Tensor
-from ..arrays import Stack, ones_like
+from ..arrays import Stack, ones_like, stack_states, unstack
 from ..neighbourhood import neighbourhood_average
 from ..seeding import Stream
 from ..sgd import TrainResult
 from .algorithm import Decentralised, register_algorithm
 from .base import Clients
 from .options import FinetuneOptions
+from .simulation import SimRound, Simulation, World, traffic
 
-__all__ = ["DPSGD", "DPSGDFT", "round_step"]
+__all__ = ["DPSGD", "DPSGDFT", "DPSGDSimulation", "round_step"]
 
 
 def round_step(cl: Clients, weights: Stack, mixing: Tensor, t: int, *, finetuned: bool = False,
@@ -41,6 +42,9 @@ class DPSGD(Decentralised):
         from_all = isinstance(opts, FinetuneOptions) and opts.ft_from == "all"
         return round_step(cl, weights, mixing, t, finetuned=self.finetunes_deployed(t), from_all=from_all)
 
+    def simulation(self, world: World) -> Simulation:
+        return DPSGDSimulation(self, world)
+
     def finetunes_deployed(self, t: int) -> bool:
         return self.deploys_finetuned and (not isinstance(self.options, FinetuneOptions)
                                            or self.options.due(t, self.cfg.rounds))
@@ -58,3 +62,29 @@ class DPSGDFT(DPSGD):
 
     Options = FinetuneOptions
     deploys_finetuned = True
+
+
+class DPSGDSimulation(Simulation):
+    """Every client's D-PSGD(-FT) round at once. Bytes: each client's dense trained model once per
+    out-neighbour; FLOPs: 3 forwards per sample per epoch trained or fine-tuned."""
+
+    def __init__(self, algo: DPSGD, world: World) -> None:
+        super().__init__(algo, world)
+        self.dpsgd = algo
+        self.weights: Stack = stack_states([dict(world.init)] * len(world.clients))
+        self._deployed: Stack | None = None
+
+    def round(self, t: int, participants: Tensor) -> SimRound:
+        from ..accounting import payload_bytes
+        from ..topology import mixing_matrix
+
+        cl = self.world.clients
+        nbrs = self.algo.neighbours(t) or []
+        self.weights, res, deployed = self.dpsgd.round(cl, self.weights, mixing_matrix(nbrs), t)
+        up, down, busiest, received = traffic([payload_bytes(unstack(res.stack, i)) for i in range(len(cl))], nbrs)
+        self._deployed = deployed
+        flops = (3 * self.world.dense_flops * self.dpsgd.train_epochs(t) * cl.n_train).tolist()
+        return SimRound(deployed, res.loss, cl.n_train, up, down, busiest, received, flops, [1.0] * len(cl))
+
+    def deployed(self) -> Stack:
+        return self._deployed if self._deployed is not None else self.weights

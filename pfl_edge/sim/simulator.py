@@ -18,9 +18,8 @@ from ..flops import forward_flops
 from ..parallel import Trainer
 from ..seeding import seed_everything
 from ..train import ClientTensors, unstack
-from .algorithms import Context, RoundStats
+from .algorithms import Context, RoundStats, Runner
 from .ray_backend import RayTrainer, TrainerLike, import_ray
-from .runners import make_algorithm
 
 __all__ = ["BACKENDS", "build_context", "sample_participants", "simulate"]
 
@@ -88,7 +87,7 @@ def simulate(cfg: FederationConfig, *, save_dir: str | Path | None = None, progr
 
 def _run(cfg: FederationConfig, ctx: Context, spec: ModelSpec, t0: float, save_dir: str | Path | None,
          progress: bool | None, backend: str) -> dict[str, Any]:
-    algo = make_algorithm(ctx)
+    algo = Runner(ctx)
     setup_s = time.perf_counter() - t0
     rounds: list[dict[str, Any]] = []
     bar = tqdm(range(1, cfg.rounds + 1), desc=cfg.algorithm, unit="round", disable=None if progress is None

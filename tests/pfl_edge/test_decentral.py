@@ -2,10 +2,11 @@ import numpy as np
 import pytest
 import torch
 
+from pfl_edge.algorithms.dispfl import DisPFLSimulation
+from pfl_edge.algorithms.simulation import hamming_matrix
 from pfl_edge.data import partition
 from pfl_edge.seeding import numpy_rng
-from pfl_edge.sim import SimConfig, build_context, simulate
-from pfl_edge.sim.decentral import DisPFLRunner, hamming_matrix
+from pfl_edge.sim import Runner, SimConfig, build_context, simulate
 from pfl_edge.topology import neighbours
 
 QUICK = dict(dataset="synthetic", partition="iid", clients=6, rounds=2, samples_per_client=64, local_epochs=1,
@@ -15,15 +16,17 @@ QUICK = dict(dataset="synthetic", partition="iid", clients=6, rounds=2, samples_
 def test_dispfl_keeps_masks_and_density_through_rounds() -> None:
     cfg = SimConfig(**{**QUICK, "algorithm": "dispfl", "densities": (0.2, 0.5, 1.0)})
     ctx, _ = build_context(cfg)
-    algo = DisPFLRunner(ctx)
-    nnz0 = {k: m.flatten(1).sum(1) for k, m in algo.state.masks.items()}
-    masks0 = {k: m.clone() for k, m in algo.state.masks.items()}
+    algo = Runner(ctx)
+    sim = algo.sim
+    assert isinstance(sim, DisPFLSimulation)
+    nnz0 = {k: m.flatten(1).sum(1) for k, m in sim.state.masks.items()}
+    masks0 = {k: m.clone() for k, m in sim.state.masks.items()}
     for t in (1, 2):
-        before = {k: m.clone() for k, m in algo.state.masks.items()}
-        payloads = [algo._payload(i) for i in range(6)]
+        before = {k: m.clone() for k, m in sim.state.masks.items()}
+        payloads = [sim._payload(i) for i in range(6)]
         st = algo.run_round(t, torch.arange(6))
         trained = algo.deployed()
-        for k, m in algo.state.masks.items():
+        for k, m in sim.state.masks.items():
             assert torch.equal(m.flatten(1).sum(1), nnz0[k]), k  # per-tensor nnz preserved
             # masked SGD (momentum, weight decay) kept every weight outside the round's mask at zero ...
             assert torch.all(trained[k][before[k] == 0] == 0), k
@@ -31,9 +34,9 @@ def test_dispfl_keeps_masks_and_density_through_rounds() -> None:
             assert torch.count_nonzero(trained[k][before[k] == 1]) > 0.9 * before[k].sum(), k
         # what was evaluated is the trained model, kept as trained with the mask it was trained under;
         # prune-and-regrow changed only the mask of the next round
-        assert all(torch.equal(trained[k], algo.state.weights[k]) for k in trained)
-        assert all(torch.equal(before[k], algo.state.support[k]) for k in before)
-        assert any(not torch.equal(before[k], algo.state.masks[k]) for k in before)
+        assert all(torch.equal(trained[k], sim.state.weights[k]) for k in trained)
+        assert all(torch.equal(before[k], sim.state.support[k]) for k in before)
+        assert any(not torch.equal(before[k], sim.state.masks[k]) for k in before)
         acc, _ = ctx.trainer.evaluate(trained, torch.arange(6))
         assert acc.tolist() == pytest.approx(st.client_acc)
         # one transfer per recipient: client i downloads exactly its neighbours' payloads
@@ -45,8 +48,8 @@ def test_dispfl_keeps_masks_and_density_through_rounds() -> None:
         assert st.busiest_node_received == max(st.client_bytes_down)
         assert st.client_density[2] == 1.0 and st.client_density[0] == pytest.approx(0.2, abs=1e-3)
     # the density-1.0 client never changes its (all-ones) mask; sparse clients do
-    assert all(torch.equal(m[2], masks0[k][2]) for k, m in algo.state.masks.items())
-    assert any(not torch.equal(m[0], masks0[k][0]) for k, m in algo.state.masks.items())
+    assert all(torch.equal(m[2], masks0[k][2]) for k, m in sim.state.masks.items())
+    assert any(not torch.equal(m[0], masks0[k][0]) for k, m in sim.state.masks.items())
     ctx.trainer.close()
 
 

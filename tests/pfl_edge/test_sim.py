@@ -174,12 +174,12 @@ def test_finetune_cadence_is_selectable() -> None:
 def test_training_in_chunks_changes_nothing(alg: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A centralised round trains TRAIN_CHUNK clients at a time as the average asks for them; with chunks of one
     client or of all, the round's results and every client's model are the same to the bit."""
-    from pfl_edge.sim import algorithms as sim_algorithms
+    from pfl_edge.algorithms import central
 
     opts = {"lam": 0.5} if alg == "ditto" else None
     whole = simulate(SimConfig(**{**QUICK, "algorithm": alg, "options": opts}), save_dir=tmp_path / "a",
                      progress=False)
-    monkeypatch.setattr(sim_algorithms, "TRAIN_CHUNK", 1)
+    monkeypatch.setattr(central, "TRAIN_CHUNK", 1)
     chunked = simulate(SimConfig(**{**QUICK, "algorithm": alg, "options": opts}), save_dir=tmp_path / "b",
                        progress=False)
     for a, b in zip(whole["rounds"], chunked["rounds"], strict=True):
@@ -269,8 +269,9 @@ def test_unknown_config_key(tmp_path: Path) -> None:
 
 def test_fedper_base_is_the_sample_weighted_average_of_trained_bases() -> None:
     from pfl_edge.aggregate import weighted_average
+    from pfl_edge.algorithms.central import CentralSimulation
     from pfl_edge.seeding import derive_seed
-    from pfl_edge.sim import CentralPFL
+    from pfl_edge.sim import Runner
     from pfl_edge.split import take
     from pfl_edge.train import unstack
 
@@ -279,26 +280,30 @@ def test_fedper_base_is_the_sample_weighted_average_of_trained_bases() -> None:
     ctx, _ = build_context(cfg)
     n = ctx.train_data.n
     assert len(set(n.tolist())) > 1  # unequal sizes, so equal weights would give another answer
-    algo = CentralPFL(ctx)
+    runner = Runner(ctx)
+    algo = runner.sim
+    assert isinstance(algo, CentralSimulation)
     rows = torch.arange(4)
     # an independent replay of the round's training from the same start and generators
     gens = [torch.Generator().manual_seed(derive_seed(cfg.seed, "train", 1, i)) for i in range(4)]
     res = ctx.trainer.train(algo.clients, rows, cfg.train_config(1), gens)
-    algo.run_round(1, rows)
+    runner.run_round(1, rows)
     bases = [take(unstack(res.stack, i), ctx.split.base) for i in range(4)]
     expected = weighted_average(bases, n.tolist())
     equal = weighted_average(bases, [1.0] * 4)
     for k in ctx.split.base:
-        assert torch.allclose(algo.base[k], expected[k], atol=1e-6)
+        assert algo.base is not None and torch.allclose(algo.base[k], expected[k], atol=1e-6)
     assert any(not torch.allclose(expected[k], equal[k], atol=1e-4) for k in ctx.split.base)
     ctx.trainer.close()
 
 
 def test_fedper_ft_trains_personal_blocks_on_a_frozen_base() -> None:
-    from pfl_edge.sim import CentralPFL
+    from pfl_edge.algorithms.central import CentralSimulation
+    from pfl_edge.sim import Runner
 
     ctx, _ = build_context(SimConfig(**{**QUICK, "algorithm": "fedper-ft", "workers": 1}))
-    algo = CentralPFL(ctx)  # fine-tunes the personal blocks on the initial base at once
+    algo = Runner(ctx).sim  # fine-tunes the personal blocks on the initial base at once
+    assert isinstance(algo, CentralSimulation)
     for k, v in ctx.init_state.items():
         moved = [not torch.equal(algo.clients[k][i], v) for i in range(4)]
         assert all(moved) if k in ctx.split.personal else not any(moved), k
