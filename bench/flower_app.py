@@ -87,7 +87,7 @@ def setup(config: dict[str, Any]) -> Setup:
         from pfl_edge.federation import SimConfig, deal, init_state
 
         _SETUP.clear()
-        cfg = SimConfig(**config)
+        cfg = SimConfig.from_dict(dict(config))
         ds, part, spec = deal(cfg)
         model = build_model(spec)
         split = get_algorithm(cfg, model).split
@@ -218,7 +218,7 @@ def server_main(grid: Grid, context: Context) -> None:
     from pfl_edge.federation import SimConfig, deal_labels, init_state
 
     w = _RUN["workload"]
-    cfg = SimConfig(**w["config"])
+    cfg = SimConfig.from_dict(dict(w["config"]))
     _, spec = deal_labels(cfg)  # the model's shape, from the labels alone: the server holds no images
     model = build_model(spec)
     split = get_algorithm(cfg, model).split

@@ -285,7 +285,7 @@ def wait_proc(proc: subprocess.Popen[Any], timeout: float, what: str, logfile: P
 def run_pfl_edge(config: dict[str, Any], tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
     out, logfile = tmp / "pfl_edge.json", tmp / "pfl_edge.log"
     code = ("import json, sys; from pfl_edge.sim import SimConfig, simulate; "
-            "res = simulate(SimConfig(**json.loads(sys.argv[1])), progress=False); "
+            "res = simulate(SimConfig.from_dict(json.loads(sys.argv[1])), progress=False); "
             "open(sys.argv[2], 'w').write(json.dumps(res, default=str))")
     cfg = {**config, "workers": args.workers}
     with open(logfile, "w") as lf:

@@ -60,7 +60,7 @@ def run_all(tables: list[Table], budget: Mapping[str, Any], seeds: list[int], ou
         start = time.perf_counter()
         # a run of hours shows where it is: the bar written to the log once a minute (tqdm reads TQDM_* defaults)
         os.environ.setdefault("TQDM_MININTERVAL", "60")
-        res = simulate(SimConfig(**{**budget, **row.overrides, "seed": seed}), progress=True)
+        res = simulate(SimConfig.from_dict({**budget, **row.overrides, "seed": seed}), progress=True)
         write_result(res, path)
         print(f"[{i}/{len(todo)}] {name} seed {seed}: final {res['final']['mean_acc']:.3f} "
               f"(std {res['final']['std_acc']:.3f}) in {time.perf_counter() - start:.0f}s", flush=True)

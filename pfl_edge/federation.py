@@ -17,6 +17,7 @@ import numpy as np
 from .algorithms.algorithm import algorithm_class, device_algorithms, list_algorithms
 from .checkpoint import ModelSpec, build_model
 from .compat import tomllib
+from .config_migration import migrate
 from .data import (
     ClientArrays,
     Dataset,
@@ -98,10 +99,8 @@ class FederationConfig:
     topology: str | None = None  # None: random:K with K = min(10, clients - 1), the paper's 10 neighbours
     density: float = 0.5
     densities: tuple[float, ...] | None = None  # cycled over clients; overrides density
-    alpha0: float = 0.5
-    regrow: Literal["gradient", "random"] = "gradient"
-    # the algorithm's own options, checked by its ``Options`` dataclass (Ditto: lam, personal_epochs); a TOML
-    # config gives them as an ``[options]`` table
+    # the algorithm's own options, checked by its ``Options`` dataclass (Ditto: lam, personal_epochs; DisPFL:
+    # alpha0, regrow, neighbour_bound); a TOML config gives them as an ``[options]`` table
     options: dict[str, Any] | None = None
     engine: Literal["auto", "vmap", "loop"] = "auto"
     workers: int | None = None  # training processes; None: one per core
@@ -129,10 +128,6 @@ class FederationConfig:
                 raise ConfigError(f"densities must be in (0, 1], got {d}")
         if self.densities is not None and not self.densities:
             raise ConfigError("densities must not be empty")
-        if not 0 <= self.alpha0 <= 1:
-            raise ConfigError(f"alpha0 must be in [0, 1], got {self.alpha0}")
-        if self.regrow not in ("gradient", "random"):
-            raise ConfigError(f"regrow must be 'gradient' or 'random', got {self.regrow!r}")
         if not (math.isfinite(self.lr_decay) and 0 < self.lr_decay <= 1):
             raise ConfigError(f"lr_decay must be in (0, 1], got {self.lr_decay}")
         if self.clip_norm is not None and not self.clip_norm > 0:
@@ -180,6 +175,9 @@ class FederationConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> FederationConfig:
+        """A config from a table of keys (a TOML file, a run's JSON, a stored federation's, a CLI's flags), with
+        keys that became an algorithm's options moved there (``migrate``)."""
+        d = migrate(d)
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
@@ -191,7 +189,6 @@ class FederationConfig:
 
 
 SimConfig = FederationConfig  # the name the simulator's users know
-
 
 # ------------------------------------------------------------------------------------------- data and model
 
@@ -328,7 +325,7 @@ def _check_bounds(cfg: FederationConfig) -> None:
                 raise ConfigError(f"option {k!r:.70} is too long (names at most 64 characters, texts {_MAX_TEXT})")
     if cfg.densities is not None and len(cfg.densities) > MAX_CLIENTS:
         raise ConfigError(f"densities must list at most {MAX_CLIENTS:,} values, got {len(cfg.densities):,}")
-    for name in ("lr_decay", "alpha0", "participation", "density"):
+    for name in ("lr_decay", "participation", "density"):
         if not math.isfinite(getattr(cfg, name)):
             raise ConfigError(f"{name} must be finite, got {getattr(cfg, name)}")
 

@@ -181,7 +181,7 @@ class Algorithm:
     @classmethod
     def mask_schedule(cls, cfg: FederationConfig) -> dict[str, Any] | None:
         """How a client's mask changes round to round, for the model card (None without masks)."""
-        return {"alpha0": cfg.alpha0, "rounds": cfg.rounds, "regrow": cfg.regrow} if cls.sparse_masks else None
+        return None
 
     @classmethod
     def finetune_epochs(cls, cfg: FederationConfig) -> int:

@@ -27,6 +27,7 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -40,6 +41,9 @@ from ..sparse import erk_densities, init_masks, mask_ones, prune_rate, prune_reg
 from .algorithm import Decentralised, DeviceRound, register_algorithm
 from .base import Clients, Metrics, Received, Upload, one_row
 from .simulation import SimRound, Simulation, World, density_of, hamming_matrix, label_cosine, mask_summary, traffic
+
+if TYPE_CHECKING:
+    from ..federation import FederationConfig
 
 __all__ = [
     "DisPFL",
@@ -99,10 +103,10 @@ def update_masks(cl: Clients, trained: Stack, masks: Stack, t: int) -> Stack:
     """Prune-and-regrow after round ``t`` (1-based; alpha at t - 1, so the first update prunes at alpha0 and the
     last is not a no-op, as the reference counts rounds from 0). Tensors a client's density leaves dense keep
     their all-ones mask."""
-    cfg = cl.cfg
-    alpha = prune_rate(cfg.alpha0, t - 1, cfg.rounds)
+    cfg, opts = cl.cfg, DisPFL.options_for(cl.cfg)
+    alpha = prune_rate(opts.alpha0, t - 1, cfg.rounds)
     grads = (cl.trainer.dense_gradients(trained, cl.slots, cfg.batch_size, cl.gens(Stream.REGROW, t))
-             if cfg.regrow == "gradient" else None)
+             if opts.regrow == "gradient" else None)
     out = {k: copy(m) for k, m in masks.items()}
     for i, slot in enumerate(cl.slots.tolist()):
         mine = {k: m[i] for k, m in masks.items() if not bool(m[i].all())}
@@ -122,12 +126,24 @@ def sent_masks(support: Mapping[str, Tensor]) -> dict[str, Tensor]:
 
 @dataclass(frozen=True)
 class DisPFLOptions:
-    """``neighbour_bound``: a neighbour's model is left out of a client's average for the round where its L2 norm
-    exceeds this many times the client's own (0: no bound; a non-finite model is always left out)."""
+    """The mask schedule: ``alpha0``, the first mask update's prune rate (cosine-annealed over the rounds, the
+    paper's 0.5), and how pruned weights regrow, ``"gradient"`` (the largest dense-gradient magnitudes, the
+    paper's) or ``"random"`` (the released scripts'). ``neighbour_bound``: a neighbour's model is left out of a
+    client's average for the round where its L2 norm exceeds this many times the client's own (0: no bound; a
+    non-finite model is always left out). Before these were options, ``alpha0`` and ``regrow`` were flat keys
+    of the federation config; a config that has them there is read as if they were here
+    (``FederationConfig.from_dict``)."""
 
+    alpha0: float = 0.5
+    regrow: Literal["gradient", "random"] = "gradient"
     neighbour_bound: float = 10.0
 
     def __post_init__(self) -> None:
+        a = self.alpha0
+        if isinstance(a, bool) or not isinstance(a, int | float) or not (math.isfinite(a) and 0 <= a <= 1):
+            raise ConfigError(f"alpha0 must be in [0, 1], got {a!r:.40}")
+        if self.regrow not in ("gradient", "random"):
+            raise ConfigError(f"regrow must be 'gradient' or 'random', got {self.regrow!r:.40}")
         b = self.neighbour_bound
         if isinstance(b, bool) or not isinstance(b, int | float) or not (b == 0 or 1 <= b <= 1e6):
             raise ConfigError(f"neighbour_bound must be 0 (no bound) or a number in [1, 1e6], got {b!r:.40}")
@@ -204,6 +220,11 @@ class DisPFL(Decentralised):
     clips_unmasked = True  # as the reference does: the whole gradient is clipped, then masked
     sends_initial_model = True
     program_mode = "dispfl"
+
+    @classmethod
+    def mask_schedule(cls, cfg: FederationConfig) -> dict[str, Any] | None:
+        opts = cls.options_for(cfg)
+        return {"alpha0": opts.alpha0, "rounds": cfg.rounds, "regrow": opts.regrow}
 
     def simulation(self, world: World) -> Simulation:
         return DisPFLSimulation(self, world)
@@ -316,7 +337,7 @@ class DisPFLSimulation(Simulation):
         flops = [cfg.local_epochs * int(cl.n_train[i]) * 3
                  * forward_flops(self.algo.model, w.input_shape, {k: m[i] for k, m in masks.items()}, self.sizes)
                  for i in range(len(cl))]
-        if cfg.regrow == "gradient":  # the dense-gradient screen: one batch, 3 dense forwards per sample
+        if self.algo.options.regrow == "gradient":  # the dense-gradient screen: one batch, 3 dense forwards per sample
             flops = [f + min(cfg.batch_size, int(n)) * 3 * w.dense_flops for f, n in zip(flops, cl.n_train,
                                                                                         strict=True)]
         self._deployed = trained  # a client deploys its trained sparse model, as the reference evaluates it

@@ -81,7 +81,7 @@ def test_decentral_algorithms_learn(alg: str) -> None:
 
 
 def test_random_regrowth_runs() -> None:
-    r = simulate(SimConfig(**{**QUICK, "algorithm": "dispfl", "regrow": "random"}), progress=False)
+    r = simulate(SimConfig(**{**QUICK, "algorithm": "dispfl", "options": {"regrow": "random"}}), progress=False)
     assert len(r["rounds"]) == 2
 
 

@@ -335,8 +335,9 @@ def test_a_dispfl_card_shares_every_tensor_and_carries_the_devices_density() -> 
     assert card.density == 0.3 and not any(b.personal for b in card.blocks)
     assert card.training.clip_unmasked is True  # DisPFL clips the whole gradient before masking it
     sched = card.training.mask_schedule
-    assert sched is not None and (sched.alpha0, sched.rounds, sched.regrow) == (fm.cfg.alpha0, fm.cfg.rounds,
-                                                                                fm.cfg.regrow)
+    opts = fm.algorithm().options
+    assert sched is not None and (sched.alpha0, sched.rounds, sched.regrow) == (opts.alpha0, fm.cfg.rounds,
+                                                                                opts.regrow)
     assert sched.regrow_just_pruned is True and "first batch_size samples" in sched.regrow_batch
     # the card's formula, as a device would code it from the text, against the simulator's own rate
     import math
@@ -347,7 +348,7 @@ def test_a_dispfl_card_shares_every_tensor_and_carries_the_devices_density() -> 
                                                            ["properties"]["anneal"]["description"])
     for t in range(1, fm.cfg.rounds + 1):
         card_alpha = sched.alpha0 / 2 * (1 + math.cos(math.pi * (t - 1) / sched.rounds))
-        assert card_alpha == pytest.approx(prune_rate(fm.cfg.alpha0, t - 1, fm.cfg.rounds), abs=1e-12)
+        assert card_alpha == pytest.approx(prune_rate(opts.alpha0, t - 1, fm.cfg.rounds), abs=1e-12)
     fedper = build_card(federation="x", cfg=fed_model(FEDPER).cfg, spec=fm.spec, model=fm.model, profile="phone-low",
                         kp=0, density=1.0, base_keys=fm.base_keys(0), programs=[])
     assert fedper.training.mask_schedule is None
