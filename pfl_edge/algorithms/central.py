@@ -16,7 +16,7 @@ from ..arrays import Array as Tensor
 from ..arrays import Stack, broadcast_rows, copy, unstack
 from ..errors import InternalError
 from ..seeding import Stream
-from ..sgd import TrainResult
+from ..sgd import TrainConfig, TrainResult
 from ..split import Split, take
 from .algorithm import Algorithm, DeviceRound, register_algorithm
 from .base import Clients, Metrics, Received, Upload, one_row
@@ -73,13 +73,12 @@ def train_round(cl: Clients, state: Stack, t: int) -> TrainResult:
     return cl.trainer.train(state, cl.slots, cl.cfg.train_config(t), cl.gens(Stream.TRAIN, t))
 
 
-def deploy(cl: Clients, state: Stack, t: int, *, finetuned: bool) -> Stack:
-    """What the clients deploy (and are evaluated on): their model, or (``finetuned``: FedAvg-FT) a copy of the
-    global model fine-tuned on their data for ``ft_epochs`` (not kept)."""
-    if not finetuned or not cl.cfg.ft_epochs:
+def deploy(cl: Clients, state: Stack, t: int, *, finetune: TrainConfig | None) -> Stack:
+    """What the clients deploy (and are evaluated on): their model, or (``finetune``: FedAvg-FT's fine-tuning) a
+    copy of the global model fine-tuned on their data (not kept)."""
+    if finetune is None or not finetune.epochs:
         return state
-    return cl.trainer.train(state, cl.slots, cl.cfg.train_config(t, cl.cfg.ft_epochs),
-                            cl.gens(Stream.FINETUNE, t)).stack
+    return cl.trainer.train(state, cl.slots, finetune, cl.gens(Stream.FINETUNE, t)).stack
 
 
 def upload(state: Mapping[str, Tensor], split: Split) -> dict[str, Tensor]:
@@ -153,7 +152,16 @@ class Central(Algorithm):
 
     def deploy(self, cl: Clients, state: Stack, t: int) -> Stack:
         """What the clients deploy after round ``t`` (and are evaluated on)."""
-        return deploy(cl, self.deployed_view(state), t, finetuned=self.finetunes_deployed(t))
+        return deploy(cl, self.deployed_view(state), t, finetune=self.finetune_config(t))
+
+    def finetune_config(self, t: int) -> TrainConfig | None:
+        """The fine-tuning of what the clients deploy after round ``t`` (FedAvg-FT, on its cadence and by its
+        recipe, ``FinetuneOptions``); None where it is deployed as is."""
+        if not self.finetunes_deployed(t):
+            return None
+        opts = self.options
+        return opts.train_config(self.cfg, t) if isinstance(opts, FinetuneOptions) else self.cfg.train_config(
+            t, self.cfg.ft_epochs)
 
     def finetunes_deployed(self, t: int) -> bool:
         """Does what the clients deploy after round ``t`` get fine-tuned (FedAvg-FT, on its cadence)?"""
@@ -163,11 +171,14 @@ class Central(Algorithm):
     def train_epochs(self, participated: bool, t: int | None = None) -> int:
         """Epochs over its data a client spends in round ``t`` (for the FLOPs count): its local training if it
         took part, plus fine-tuning where the algorithm fine-tunes (in every round, or ``t``'s on its cadence)."""
-        cfg = self.cfg
+        cfg, opts = self.cfg, self.options
         personal = set(self.split.personal)
-        ft = (self.finetunes_deployed(t) if t is not None else self.deploys_finetuned) or (self.finetunes_personal
-                                        and any(k in personal for k, _ in self.model.named_parameters()))
-        return (cfg.local_epochs if participated else 0) + (cfg.ft_epochs if ft else 0)
+        if self.finetunes_deployed(t) if t is not None else self.deploys_finetuned:
+            ft = opts.epochs(cfg) if isinstance(opts, FinetuneOptions) else cfg.ft_epochs
+        else:
+            ft = cfg.ft_epochs if self.finetunes_personal and any(
+                k in personal for k, _ in self.model.named_parameters()) else 0
+        return (cfg.local_epochs if participated else 0) + ft
 
     def receive(self, cl: Clients, state: Stack, base: Mapping[str, Tensor] | None, t: int, *,
                 finetune: bool | None = None) -> Stack:

@@ -3,10 +3,15 @@ config's ``options`` table (``Algorithm.Options``)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from ..federation import FederationConfig
+    from ..sgd import TrainConfig
 
 __all__ = ["FinetuneOptions", "NoOptions"]
 
@@ -18,22 +23,47 @@ class NoOptions:
 
 @dataclass(frozen=True)
 class FinetuneOptions:
-    """When a -FT baseline fine-tunes what its clients deploy: ``ft_every`` 1 fine-tunes in every round (pfl-edge's
-    default, the strongest at short budgets); K > 1 in rounds K, 2K, ... and the last; 0 in the last round only
-    (the DisPFL reference's FedAvg-FT). A round that does not fine-tune deploys (and evaluates) the model as is.
-    ``ft_from`` (D-PSGD-FT): fine-tune each client's neighbourhood average, or the average of all clients' models
-    (the reference's D-PSGD-FT: ``ft_every = 100, ft_from = "all"``)."""
+    """How a -FT baseline fine-tunes what its clients deploy (not kept).
+
+    ``ft_every``: 1 fine-tunes in every round (pfl-edge's default, the strongest at short budgets); K > 1 in
+    rounds K, 2K, ... and the last; 0 in the last round only. A round that does not fine-tune deploys (and
+    evaluates) the model as is.
+
+    ``ft_recipe``: ``"pfl-edge"`` trains for the config's ``ft_epochs`` at the round's decayed learning rate;
+    ``"reference"`` as the DisPFL authors' code does (``client.train(w, -1)``): for the local epoch count, at
+    ``lr * lr_decay ** -1`` whatever the round.
+
+    ``ft_from`` (D-PSGD-FT): what each client fine-tunes: its neighbourhood average of the round
+    (``"neighbourhood"``); the uniform mean of every client's trained model (``"uniform"``, the reference's
+    ``w_global``); or ``"all"``, the mean of every client's neighbourhood average (pfl-edge's earlier reading of
+    the reference: it weights a client by how many neighbourhoods hold it).
+
+    The reference's baselines: FedAvg-FT ``ft_every = 0, ft_recipe = "reference"``; D-PSGD-FT ``ft_every = 100,
+    ft_from = "uniform", ft_recipe = "reference"`` (docs/algorithms.md)."""
 
     ft_every: int = 1
-    ft_from: Literal["neighbourhood", "all"] = "neighbourhood"
+    ft_from: Literal["neighbourhood", "uniform", "all"] = "neighbourhood"
+    ft_recipe: Literal["pfl-edge", "reference"] = "pfl-edge"
 
     def __post_init__(self) -> None:
         e = self.ft_every
         if isinstance(e, bool) or not isinstance(e, int) or not 0 <= e <= 1_000_000:
             raise ConfigError(f"ft_every must be an integer >= 0 (0: the last round only), got {e!r:.40}")
-        if self.ft_from not in ("neighbourhood", "all"):
-            raise ConfigError(f"ft_from must be 'neighbourhood' or 'all', got {self.ft_from!r:.40}")
+        if self.ft_from not in ("neighbourhood", "uniform", "all"):
+            raise ConfigError(f"ft_from must be 'neighbourhood', 'uniform' or 'all', got {self.ft_from!r:.40}")
+        if self.ft_recipe not in ("pfl-edge", "reference"):
+            raise ConfigError(f"ft_recipe must be 'pfl-edge' or 'reference', got {self.ft_recipe!r:.40}")
 
     def due(self, t: int, rounds: int) -> bool:
         """Does round ``t`` of ``rounds`` fine-tune?"""
         return t == rounds or (self.ft_every > 0 and t % self.ft_every == 0)
+
+    def epochs(self, cfg: FederationConfig) -> int:
+        """Epochs of one fine-tuning: the config's ``ft_epochs``, or (the reference's) its local epoch count."""
+        return cfg.local_epochs if self.ft_recipe == "reference" else cfg.ft_epochs
+
+    def train_config(self, cfg: FederationConfig, t: int) -> TrainConfig:
+        """Local SGD of round ``t``'s fine-tuning."""
+        tc = cfg.train_config(t, self.epochs(cfg))
+        # the reference computes lr * lr_decay ** round at round -1; written as it does, to the last bit
+        return dataclasses.replace(tc, lr=cfg.lr * cfg.lr_decay ** -1) if self.ft_recipe == "reference" else tc
