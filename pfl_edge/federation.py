@@ -95,8 +95,7 @@ class FederationConfig:
     test_per_client: int | None = None
     ft_epochs: int = 1
     local_norm_stats: bool = False
-    # decentralized algorithms (DisPFL, D-PSGD)
-    topology: str | None = None  # None: random:K with K = min(10, clients - 1), the paper's 10 neighbours
+    # each client's capacity where no device profile gives one: its mask's density (DisPFL)
     density: float = 0.5
     densities: tuple[float, ...] | None = None  # cycled over clients; overrides density
     # the algorithm's own options, checked by its ``Options`` dataclass (Ditto: lam, personal_epochs; DisPFL:
@@ -155,10 +154,6 @@ class FederationConfig:
     def client_density(self, i: int) -> float:
         """Client i's capacity: ``densities`` cycled over clients, else ``density``."""
         return self.densities[i % len(self.densities)] if self.densities else self.density
-
-    @property
-    def topology_spec(self) -> str:
-        return self.topology if self.topology is not None else f"random:{max(1, min(10, self.clients - 1))}"
 
     def lr_at(self, t: int) -> float:
         return self.lr * self.lr_decay ** (t - 1)

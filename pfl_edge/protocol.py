@@ -185,8 +185,8 @@ class AggregationSettings(_Msg):
 
 class FederationCreate(_Msg):
     """A federation from a config. ``config`` holds the simulator's config keys (``pfl_edge.sim.SimConfig``:
-    algorithm, model, dataset, partition, clients, rounds, local epochs, lr, kp, density, topology, seed, ...);
-    ``clients`` is the number of devices the federation waits for before round 1."""
+    algorithm, model, dataset, partition, clients, rounds, local epochs, lr, kp, density, seed, the algorithm's
+    ``options`` ...); ``clients`` is the number of devices the federation waits for before round 1."""
 
     id: str = Field(pattern=_ID_RE, description="federation id, 1-64 of A-Z a-z 0-9 _ -")
     enrol_secret: str = Field(min_length=8, max_length=256, description="what a device must show to enrol")

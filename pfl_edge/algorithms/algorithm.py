@@ -24,7 +24,7 @@ from ..seeding import Stream, mt_stream
 from ..split import Split, split_keys
 from ..topology import in_degree, neighbours
 from .base import Clients, Metrics, Participation, Received, Upload
-from .options import NoOptions
+from .options import DecentralOptions, NoOptions
 
 if TYPE_CHECKING:  # the config asks its algorithm's class; the algorithms only read its fields
     from ..aggregate import AggregationRule, PartialAverage
@@ -315,24 +315,31 @@ class Algorithm:
 
 
 class Decentralised(Algorithm):
-    """Clients average with their in-neighbours of the round (the federation's topology, drawn from its seed);
-    no server averages."""
+    """Clients average with their in-neighbours of the round (its options' topology, drawn from the federation's
+    seed); no server averages."""
 
+    Options: ClassVar[type[Any]] = DecentralOptions
     decentral = True
     keeps = "none"  # every tensor travels (DisPFL's personalisation is its mask, not its blocks)
 
     @classmethod
+    def topology_spec(cls, cfg: FederationConfig) -> str:
+        """The federation's topology (its options', the default filled in)."""
+        return str(cls.options_for(cfg).topology_spec(cfg.clients))
+
+    @classmethod
     def check_config(cls, cfg: FederationConfig) -> None:
-        degree = in_degree(cfg.topology_spec, cfg.clients)  # the topology checked, then its in-degree
+        spec = cls.topology_spec(cfg)
+        degree = in_degree(spec, cfg.clients)  # the topology checked, then its in-degree
         if cfg.participation != 1.0:
             raise ConfigError("decentralized algorithms train every client every round: participation must be 1")
         # every round lists clients x degree edges, and each device fetches its degree
         if degree > MAX_NEIGHBOURS:
-            raise ConfigError(f"topology {cfg.topology_spec!r:.40} gives each of {cfg.clients:,} clients {degree:,} "
+            raise ConfigError(f"topology {spec!r:.40} gives each of {cfg.clients:,} clients {degree:,} "
                               f"neighbours; at most {MAX_NEIGHBOURS:,} (random:K with a smaller K)")
 
     def neighbours(self, t: int) -> list[list[int]] | None:
-        return neighbours(self.cfg.topology_spec, self.cfg.clients, t, self.cfg.seed)
+        return neighbours(self.topology_spec(self.cfg), self.cfg.clients, t, self.cfg.seed)
 
     def upload_keys(self) -> tuple[str, ...]:
         return tuple(self.model.state_dict())

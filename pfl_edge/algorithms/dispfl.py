@@ -40,6 +40,7 @@ from ..sgd import TrainResult
 from ..sparse import erk_densities, init_masks, mask_ones, prune_rate, prune_regrow
 from .algorithm import Decentralised, DeviceRound, register_algorithm
 from .base import Clients, Metrics, Received, Upload, one_row
+from .options import DecentralOptions
 from .simulation import SimRound, Simulation, World, density_of, hamming_matrix, label_cosine, mask_summary, traffic
 
 if TYPE_CHECKING:
@@ -125,20 +126,21 @@ def sent_masks(support: Mapping[str, Tensor]) -> dict[str, Tensor]:
 
 
 @dataclass(frozen=True)
-class DisPFLOptions:
+class DisPFLOptions(DecentralOptions):
     """The mask schedule: ``alpha0``, the first mask update's prune rate (cosine-annealed over the rounds, the
     paper's 0.5), and how pruned weights regrow, ``"gradient"`` (the largest dense-gradient magnitudes, the
-    paper's) or ``"random"`` (the released scripts'). ``neighbour_bound``: a neighbour's model is left out of a
-    client's average for the round where its L2 norm exceeds this many times the client's own (0: no bound; a
-    non-finite model is always left out). Before these were options, ``alpha0`` and ``regrow`` were flat keys
-    of the federation config; a config that has them there is read as if they were here
-    (``FederationConfig.from_dict``)."""
+    paper's) or ``"random"`` (the released scripts'). ``topology``: ``DecentralOptions``'s. ``neighbour_bound``:
+    a neighbour's model is left out of a client's average for the round where its L2 norm exceeds this many times
+    the client's own (0: no bound; a non-finite model is always left out). Before these were options,
+    ``alpha0``, ``regrow`` and ``topology`` were flat keys of the federation config; a config that has them there
+    is read as if they were here (``FederationConfig.from_dict``)."""
 
     alpha0: float = 0.5
     regrow: Literal["gradient", "random"] = "gradient"
     neighbour_bound: float = 10.0
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         a = self.alpha0
         if isinstance(a, bool) or not isinstance(a, int | float) or not (math.isfinite(a) and 0 <= a <= 1):
             raise ConfigError(f"alpha0 must be in [0, 1], got {a!r:.40}")

@@ -11,7 +11,7 @@ from ..seeding import Stream
 from ..sgd import TrainConfig, TrainResult
 from .algorithm import Decentralised, register_algorithm
 from .base import Clients
-from .options import FinetuneOptions
+from .options import DecentralFinetuneOptions, FinetuneOptions
 from .simulation import SimRound, Simulation, World, traffic
 
 __all__ = ["DPSGD", "DPSGDFT", "DPSGDSimulation", "round_step", "uniform_mean"]
@@ -71,7 +71,7 @@ class DPSGDFT(DPSGD):
     """D-PSGD whose clients deploy their neighbourhood average fine-tuned on their own data (``FinetuneOptions``:
     every round by default; the reference's: ``ft_every = 100, ft_from = "uniform", ft_recipe = "reference"``)."""
 
-    Options = FinetuneOptions
+    Options = DecentralFinetuneOptions
     deploys_finetuned = True
 
 

@@ -13,12 +13,35 @@ if TYPE_CHECKING:
     from ..federation import FederationConfig
     from ..sgd import TrainConfig
 
-__all__ = ["FinetuneOptions", "NoOptions"]
+__all__ = ["DecentralFinetuneOptions", "DecentralOptions", "FinetuneOptions", "NoOptions", "check_topology"]
 
 
 @dataclass(frozen=True)
 class NoOptions:
     """The options of an algorithm that has none."""
+
+
+def check_topology(topology: str | None) -> None:
+    """A topology's spec as text of bounded length (``pfl_edge.topology`` checks what it says)."""
+    if topology is not None and (not isinstance(topology, str) or not 0 < len(topology) <= 256):
+        raise ConfigError(f"topology must be a spec such as random:K, ring or full, got {topology!r:.40}")
+
+
+@dataclass(frozen=True)
+class DecentralOptions:
+    """What every decentralised algorithm (DisPFL, D-PSGD) takes: ``topology``, each round's neighbour graph
+    (``random:K``, ``ring``, ``full``; None: ``random:K`` with K = min(10, clients - 1), the paper's 10
+    neighbours). Before it was an option, it was a flat key of the federation config; a config that has it there
+    is read as if it were here (``pfl_edge.config_migration``)."""
+
+    topology: str | None = None
+
+    def __post_init__(self) -> None:
+        check_topology(self.topology)
+
+    def topology_spec(self, clients: int) -> str:
+        """The topology's spec for a federation of ``clients``, the default filled in."""
+        return self.topology if self.topology is not None else f"random:{max(1, min(10, clients - 1))}"
 
 
 @dataclass(frozen=True)
@@ -67,3 +90,17 @@ class FinetuneOptions:
         tc = cfg.train_config(t, self.epochs(cfg))
         # the reference computes lr * lr_decay ** round at round -1; written as it does, to the last bit
         return dataclasses.replace(tc, lr=cfg.lr * cfg.lr_decay ** -1) if self.ft_recipe == "reference" else tc
+
+
+@dataclass(frozen=True)
+class DecentralFinetuneOptions(FinetuneOptions):
+    """D-PSGD-FT's: ``FinetuneOptions`` and a decentralised algorithm's ``topology`` (``DecentralOptions``)."""
+
+    topology: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_topology(self.topology)
+
+    def topology_spec(self, clients: int) -> str:
+        return DecentralOptions(self.topology).topology_spec(clients)

@@ -33,7 +33,7 @@ _SIM_FLAGS: list[tuple[str, type, str]] = [
     ("samples-per-client", int, "cap on training samples per client"),
     ("test-per-client", int, "test samples per client (default ceil(test split / clients))"),
     ("ft-epochs", int, "-ft algorithms: fine-tuning epochs"),
-    ("topology", str, "decentralized: random:K | ring | full"),
+    ("topology", str, "decentralized algorithms' option: random:K | ring | full"),
     ("density", float, "DisPFL: every client's density (1 - sparsity)"),
     ("densities", str, "DisPFL: comma-separated densities cycled over clients, e.g. 0.2,0.4,0.6,0.8,1.0"),
     ("alpha0", float, "DisPFL option: initial prune rate (cosine-annealed)"),

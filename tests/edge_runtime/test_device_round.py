@@ -149,7 +149,7 @@ def test_ditto_deploys_its_personal_model_and_sends_the_global_one(tmp_path: Pat
 
 @pytest.mark.parametrize("regrow", ["gradient", "random"])
 def test_dispfl_devices_match_simulator(tmp_path: Path, regrow: str) -> None:
-    cfg = SimConfig(algorithm="dispfl", densities=(0.3, 0.6, 1.0), topology="random:2", options={"regrow": regrow},
+    cfg = SimConfig(algorithm="dispfl", densities=(0.3, 0.6, 1.0), options={"regrow": regrow, "topology": "random:2"},
                     **QUICK)
     res, want = _sim(cfg, tmp_path)
     devs = _devices(cfg)

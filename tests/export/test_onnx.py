@@ -59,7 +59,7 @@ def test_executorch_inference_program_matches_eager(tmp_path: Path, model: str, 
 
 def test_checkpoint_from_the_simulator_exports_with_its_round_and_density(tmp_path: Path) -> None:
     cfg = SimConfig(algorithm="dispfl", dataset="synthetic", partition="iid", clients=3, rounds=1,
-                    samples_per_client=40, local_epochs=1, topology="random:2", density=0.5, workers=1)
+                    samples_per_client=40, local_epochs=1, options={"topology": "random:2"}, density=0.5, workers=1)
     simulate(cfg, save_dir=tmp_path / "ck", progress=False)
     prep = prepare(get_profile("phone-mid"), checkpoint=tmp_path / "ck" / "client_002.safetensors")
     assert prep.round == 1 and prep.tag == "client002"

@@ -222,7 +222,7 @@ def test_dispfl_devices_end_with_the_simulators_models(tmp_path: Path, broker: s
     from device_profiles import get_profile
 
     dens = tuple(get_profile(p).density for p in profiles)
-    cfg = SimConfig(algorithm="dispfl", clients=4, densities=dens, topology="random:2", **BASE)
+    cfg = SimConfig(algorithm="dispfl", clients=4, densities=dens, options={"topology": "random:2"}, **BASE)
     fed = _run(tmp_path / "run", cfg.to_dict(), profiles, broker=broker)
     fed.close()
     assert_simulator_models(cfg, tmp_path)
@@ -252,7 +252,7 @@ def test_a_device_killed_mid_run_picks_up_where_it_was(tmp_path: Path, broker: s
 def test_devices_ride_out_a_server_crash(tmp_path: Path, algorithm: str) -> None:
     """The server (and its embedded broker) SIGKILLed mid-run and restarted on the same data: devices retry
     HTTP with back-off, reconnect to the broker, and the federation ends as if nothing had happened."""
-    extra = {"densities": (0.3, 0.7, 1.0), "topology": "random:2"} if algorithm == "dispfl" else {"kp": 2}
+    extra = {"densities": (0.3, 0.7, 1.0), "options": {"topology": "random:2"}} if algorithm == "dispfl" else {"kp": 2}
     cfg = SimConfig(algorithm=algorithm, clients=3, **extra, **{**BASE, "rounds": 3})
     fed = _run(tmp_path / "run", cfg.to_dict(), ["phone-mid"] * 3, broker="embedded", restart_server_at=2)
     fed.close()
@@ -261,7 +261,7 @@ def test_devices_ride_out_a_server_crash(tmp_path: Path, algorithm: str) -> None
 
 @pytest.mark.parametrize("algorithm", ["fedper", "dispfl"])
 def test_a_late_device_joins_from_the_next_round(tmp_path: Path, algorithm: str) -> None:
-    extra = {"density": 0.5, "topology": "random:2"} if algorithm == "dispfl" else {"kp": 2}
+    extra = {"density": 0.5, "options": {"topology": "random:2"}} if algorithm == "dispfl" else {"kp": 2}
     cfg = SimConfig(algorithm=algorithm, clients=3, **extra, **{**BASE, "rounds": 4, "lr": 0.02, "clip_norm": 5.0})
     fed = _run(tmp_path / "run", cfg.to_dict(), ["phone-mid"] * 3, broker="embedded", late=2)
     try:
@@ -285,7 +285,7 @@ def test_devices_on_the_program_and_without_torch_end_where_the_simulator_does(t
     (``--arrays numpy``: numpy arrays throughout, the same program trains, the server's ONNX program evaluates, the
     whole initial model comes from the server, batches and masks drawn by numpy's seeding.MT); device 2 trains in
     eager PyTorch. All end with the simulator's models, within float tolerance."""
-    extra = {"densities": (0.5, 1.0, 0.3), "topology": "random:2"} if algorithm == "dispfl" else {"kp": 2}
+    extra = {"densities": (0.5, 1.0, 0.3), "options": {"topology": "random:2"}} if algorithm == "dispfl" else {"kp": 2}
     cfg = SimConfig(algorithm=algorithm, clients=3, **extra, **BASE)
     fed = _run(tmp_path / "run", cfg.to_dict(), ["phone-mid"] * 3, broker="embedded",
                extra={0: ["--training-backend", "executorch"], 1: ["--arrays", "numpy"],

@@ -54,7 +54,7 @@ def _ledger(pg: str, reps: Replicas, root: Path, n: int) -> dict[str, Any]:
 @pytest.mark.parametrize("algorithm", ["fedper", "dispfl"])
 def test_replicas_ride_out_the_leaders_death_mid_round(tmp_path: Path, pg: str, broker: str,
                                                        algorithm: str) -> None:
-    extra = {"densities": (0.3, 0.7, 1.0), "topology": "random:2"} if algorithm == "dispfl" else {"kp": 2}
+    extra = {"densities": (0.3, 0.7, 1.0), "options": {"topology": "random:2"}} if algorithm == "dispfl" else {"kp": 2}
     cfg = SimConfig(algorithm=algorithm, clients=3, **extra, **{**BASE, "rounds": 4})
     root = tmp_path / "run"
     (root / "devices").mkdir(parents=True)

@@ -25,7 +25,8 @@ def test_flat_keys_of_an_earlier_config_become_dispfls_options() -> None:
     flat = FederationConfig.from_dict({**BASE, "algorithm": "dispfl", "alpha0": 0.3, "regrow": "random"})
     given = FederationConfig.from_dict({**BASE, "algorithm": "dispfl", "options": {"alpha0": 0.3,
                                                                                   "regrow": "random"}})
-    assert flat == given and flat.options == {"alpha0": 0.3, "regrow": "random"}
+    assert flat.options is not None and given.options is not None
+    assert flat == given and flat.options == {"alpha0": 0.3, "regrow": "random", "topology": "random:2"}
     opts = _opts(flat)
     assert (opts.alpha0, opts.regrow, opts.neighbour_bound) == (0.3, "random", 10.0)
     # the card's schedule reads the options
@@ -34,7 +35,7 @@ def test_flat_keys_of_an_earlier_config_become_dispfls_options() -> None:
     # beside another option of its own, and the same value twice is one value
     both = FederationConfig.from_dict({**BASE, "algorithm": "dispfl", "alpha0": 0.2,
                                        "options": {"neighbour_bound": 5, "alpha0": 0.2}})
-    assert both.options == {"neighbour_bound": 5, "alpha0": 0.2}
+    assert both.options == {"neighbour_bound": 5, "alpha0": 0.2, "topology": "random:2"}
 
 
 def test_an_earlier_run_of_another_algorithm_reads_and_a_stray_value_is_refused(tmp_path: Path) -> None:
@@ -44,8 +45,18 @@ def test_an_earlier_run_of_another_algorithm_reads_and_a_stray_value_is_refused(
     path.write_text(json.dumps(old))
     cfg = FederationConfig.from_dict(load_config_file(path))
     assert cfg.algorithm == "fedper" and cfg.options is None
-    with pytest.raises(ConfigError, match=r"alpha0 is an option of the algorithms that have it \(dispfl\)"):
-        FederationConfig.from_dict({**BASE, "algorithm": "fedper", "alpha0": 0.3})
+    # a flat key an algorithm never used, it ignored: a stored FedPer federation with a topology (or a budget
+    # shared with DisPFL rows) means what it meant
+    stored = FederationConfig.from_dict({**BASE, "algorithm": "fedper", "alpha0": 0.3, "topology": "ring"})
+    assert stored.options is None and stored == FederationConfig.from_dict({"algorithm": "fedper", **{
+        k: v for k, v in BASE.items() if k != "topology"}})
+    # the topology moved too, to every decentralised algorithm's options
+    for name in ("dispfl", "dpsgd", "dpsgd-ft"):
+        cfg = FederationConfig.from_dict({**BASE, "algorithm": name})
+        assert cfg.options == {"topology": "random:2"}
+        assert algorithm_class(name).topology_spec(cfg) == "random:2"  # type: ignore[attr-defined]
+    assert algorithm_class("dispfl").topology_spec(  # type: ignore[attr-defined]
+        FederationConfig.from_dict({"algorithm": "dispfl", "clients": 4})) == "random:3"  # the default: min(10, N-1)
     with pytest.raises(ConfigError, match="given twice"):
         FederationConfig.from_dict({**BASE, "algorithm": "dispfl", "alpha0": 0.3, "options": {"alpha0": 0.4}})
     with pytest.raises(ConfigError, match="alpha0 must be in"):
@@ -53,7 +64,7 @@ def test_an_earlier_run_of_another_algorithm_reads_and_a_stray_value_is_refused(
     with pytest.raises(ConfigError, match="regrow must be"):
         FederationConfig.from_dict({**BASE, "algorithm": "dispfl", "options": {"regrow": "sideways"}})
     with pytest.raises(TypeError):  # the constructor takes only today's fields: code says what it means
-        FederationConfig(**{**BASE, "algorithm": "dispfl", "alpha0": 0.3})  # type: ignore[arg-type]
+        FederationConfig(algorithm="dispfl", alpha0=0.3)  # type: ignore[call-arg]
     assert migrate({"algorithm": "dispfl"}) == {"algorithm": "dispfl"}  # nothing moved: nothing added
 
 

@@ -14,7 +14,7 @@ QUICK = dict(dataset="synthetic", partition="iid", clients=6, rounds=2, samples_
 
 
 def test_dispfl_keeps_masks_and_density_through_rounds() -> None:
-    cfg = SimConfig(**{**QUICK, "algorithm": "dispfl", "densities": (0.2, 0.5, 1.0)})
+    cfg = SimConfig.from_dict({**QUICK, "algorithm": "dispfl", "densities": (0.2, 0.5, 1.0)})
     ctx, _ = build_context(cfg)
     algo = Runner(ctx)
     sim = algo.sim
@@ -54,8 +54,8 @@ def test_dispfl_keeps_masks_and_density_through_rounds() -> None:
 
 
 def test_dispfl_sends_fewer_bytes_and_flops_than_dpsgd() -> None:
-    d = simulate(SimConfig(**{**QUICK, "algorithm": "dispfl", "density": 0.5}), progress=False)
-    p = simulate(SimConfig(**{**QUICK, "algorithm": "dpsgd"}), progress=False)
+    d = simulate(SimConfig.from_dict({**QUICK, "algorithm": "dispfl", "density": 0.5}), progress=False)
+    p = simulate(SimConfig.from_dict({**QUICK, "algorithm": "dpsgd"}), progress=False)
     rd, rp = d["rounds"][-1], p["rounds"][-1]
     assert 0.45 < rd["busiest_node_bytes"] / rp["busiest_node_bytes"] < 0.65  # values + a cheap mask code
     assert rd["flops"] < 0.75 * rp["flops"]
@@ -68,20 +68,21 @@ def test_dispfl_sends_fewer_bytes_and_flops_than_dpsgd() -> None:
 
 def test_dpsgd_on_a_full_graph_with_equal_data_is_fedavg() -> None:
     base = {**QUICK, "rounds": 2}
-    a = simulate(SimConfig(**{**base, "algorithm": "dpsgd", "topology": "full"}), progress=False)
-    b = simulate(SimConfig(**{**base, "algorithm": "fedavg"}), progress=False)
+    a = simulate(SimConfig.from_dict({**base, "algorithm": "dpsgd", "topology": "full"}), progress=False)
+    b = simulate(SimConfig.from_dict({**base, "algorithm": "fedavg"}), progress=False)
     assert a["rounds"][-1]["client_loss"] == pytest.approx(b["rounds"][-1]["client_loss"], abs=1e-4)
 
 
 @pytest.mark.parametrize("alg", ["dispfl", "dpsgd", "dpsgd-ft"])
 def test_decentral_algorithms_learn(alg: str) -> None:
     # sparse models start slowly on this noisy task (masked initial weights carry less signal)
-    r = simulate(SimConfig(**{**QUICK, "algorithm": alg, "rounds": 6, "samples_per_client": 120}), progress=False)
+    r = simulate(SimConfig.from_dict({**QUICK, "algorithm": alg, "rounds": 6, "samples_per_client": 120}),
+                 progress=False)
     assert r["final"]["mean_acc"] > 0.3 and r["final"]["mean_acc"] > r["rounds"][0]["mean_acc"]
 
 
 def test_random_regrowth_runs() -> None:
-    r = simulate(SimConfig(**{**QUICK, "algorithm": "dispfl", "options": {"regrow": "random"}}), progress=False)
+    r = simulate(SimConfig.from_dict({**QUICK, "algorithm": "dispfl", "options": {"regrow": "random"}}), progress=False)
     assert len(r["rounds"]) == 2
 
 

@@ -194,7 +194,7 @@ def test_a_hostile_neighbour_cannot_stop_a_devices_round() -> None:
     for bound in (10.0, 0.0):
         cfg = SimConfig(algorithm="dispfl", dataset="synthetic", partition="pathological:2", clients=3, rounds=2,
                         samples_per_client=48, test_per_client=16, local_epochs=1, batch_size=16, lr=0.05,
-                        density=0.5, topology="full", seed=1, options={"neighbour_bound": bound})
+                        density=0.5, seed=1, options={"neighbour_bound": bound, "topology": "full"})
         data = load_local_data(cfg, 0)
         dev = device_clients(cfg, DeviceTrainer(data, TorchBackend(data.model)), 0)
         algo = get_algorithm(cfg, data.model, 0)

@@ -41,7 +41,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict[str, Any]]]:
 def test_reference_recipe_trains_local_epochs_at_the_references_lr_from_the_uniform_mean(
         calls: list[dict[str, Any]]) -> None:
     opts = {"ft_every": 1, "ft_from": "uniform", "ft_recipe": "reference"}
-    simulate(SimConfig(**{**QUICK, "algorithm": "dpsgd-ft", "options": opts}), progress=False)
+    simulate(SimConfig.from_dict({**QUICK, "algorithm": "dpsgd-ft", "options": opts}), progress=False)
     assert len(calls) == 4  # each round: the training, then the fine-tune
     for t, (training, ft) in enumerate(zip(calls[::2], calls[1::2], strict=True), start=1):
         assert training["cfg"].epochs == 3 and training["cfg"].lr == pytest.approx(0.05 * 0.9 ** (t - 1))
@@ -56,12 +56,13 @@ def test_reference_recipe_trains_local_epochs_at_the_references_lr_from_the_unif
     # the mean of the clients' neighbourhood averages (ft_from "all") weights a client by how many neighbourhoods
     # hold it, and random:1's do not hold each client equally often: another start
     calls.clear()
-    simulate(SimConfig(**{**QUICK, "algorithm": "dpsgd-ft", "options": {**opts, "ft_from": "all"}}), progress=False)
+    simulate(SimConfig.from_dict({**QUICK, "algorithm": "dpsgd-ft", "options": {**opts, "ft_from": "all"}}),
+             progress=False)
     k = next(k for k, v in calls[0]["out"].items() if v.is_floating_point())
     assert not torch.allclose(calls[1]["start"][k][0].double(), calls[0]["out"][k].double().mean(0), atol=1e-5)
     # today's recipe, for contrast: ft_epochs at the round's lr, from each client's neighbourhood average
     calls.clear()
-    simulate(SimConfig(**{**QUICK, "algorithm": "dpsgd-ft", "options": {"ft_every": 1}}), progress=False)
+    simulate(SimConfig.from_dict({**QUICK, "algorithm": "dpsgd-ft", "options": {"ft_every": 1}}), progress=False)
     assert [c["cfg"].epochs for c in calls[1::2]] == [1, 1]
     assert calls[3]["cfg"].lr == pytest.approx(0.05 * 0.9)
     k = next(k for k, v in calls[0]["out"].items() if v.is_floating_point())
@@ -70,7 +71,7 @@ def test_reference_recipe_trains_local_epochs_at_the_references_lr_from_the_unif
 
 def test_fedavg_ft_under_the_reference_recipe_fine_tunes_once_at_the_end(calls: list[dict[str, Any]]) -> None:
     opts = {"ft_every": 0, "ft_recipe": "reference"}
-    res = simulate(SimConfig(**{**QUICK, "algorithm": "fedavg-ft", "options": opts}), progress=False)
+    res = simulate(SimConfig.from_dict({**QUICK, "algorithm": "fedavg-ft", "options": opts}), progress=False)
     ft = [c for c in calls if c["cfg"].lr == 0.05 * 0.9 ** -1]
     assert len(ft) == 1 and ft[0]["cfg"].epochs == 3 and len(calls) == 3  # two rounds' training, one fine-tune
     # its FLOPs count the fine-tune's 3 epochs in the last round: 3 (trained) + 3 (fine-tuned) against 3
@@ -80,7 +81,7 @@ def test_fedavg_ft_under_the_reference_recipe_fine_tunes_once_at_the_end(calls: 
 
 
 def test_dpsgd_reports_the_papers_curve_beside_what_clients_deploy() -> None:
-    res = simulate(SimConfig(**{**QUICK, "algorithm": "dpsgd"}), progress=False)
+    res = simulate(SimConfig.from_dict({**QUICK, "algorithm": "dpsgd"}), progress=False)
     for r in res["rounds"]:
         assert len(r["client_acc_global"]) == 4
         assert r["mean_acc_global"] == pytest.approx(sum(r["client_acc_global"]) / 4)

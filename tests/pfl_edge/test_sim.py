@@ -13,7 +13,7 @@ QUICK = dict(dataset="synthetic", partition="pathological:3", clients=4, rounds=
 
 
 def _run(**kw: object) -> dict:
-    return simulate(SimConfig(**{**QUICK, **kw}), progress=False)
+    return simulate(SimConfig.from_dict({**QUICK, **kw}), progress=False)
 
 
 def test_result_json_shape() -> None:
@@ -101,12 +101,12 @@ def test_devices_sample_what_the_simulator_samples() -> None:
     from pfl_edge.algorithms import get_algorithm
     from pfl_edge.federation import FederationConfig, check_device_config
 
-    cfg = SimConfig(**{**QUICK, "algorithm": "fedper", "clients": 10, "participation": 0.3})
+    cfg = SimConfig.from_dict({**QUICK, "algorithm": "fedper", "clients": 10, "participation": 0.3})
     algo = get_algorithm(cfg, build_model(build_context(cfg)[1]), cfg.kp)
     for t in (1, 2, 3):
         assert algo.sampled(t) == frozenset(sample_participants(cfg.seed, t, 10, 0.3).tolist())
     assert len(algo.sampled(1) or ()) == 3
-    full = get_algorithm(SimConfig(**{**QUICK, "algorithm": "fedper"}), algo.model, cfg.kp)
+    full = get_algorithm(SimConfig.from_dict({**QUICK, "algorithm": "fedper"}), algo.model, cfg.kp)
     assert full.sampled(1) is None  # everyone: no filter
     dev = dict(dataset="synthetic", clients=10, rounds=2, participation=0.3)
     check_device_config(FederationConfig.from_dict({**dev, "algorithm": "fedper"}))
@@ -119,7 +119,7 @@ def test_participation_says_who_takes_part_in_each_round() -> None:
     wants them (DisPFL), and DisPFL's later rounds only devices whose initial model is in."""
     from pfl_edge.algorithms import get_algorithm
 
-    cfg = SimConfig(**{**QUICK, "algorithm": "fedper", "clients": 10, "participation": 0.3})
+    cfg = SimConfig.from_dict({**QUICK, "algorithm": "fedper", "clients": 10, "participation": 0.3})
     model = build_model(build_context(cfg)[1])
     fedper = get_algorithm(cfg, model, cfg.kp)
     p = fedper.participation(2)
@@ -128,7 +128,7 @@ def test_participation_says_who_takes_part_in_each_round() -> None:
     assert p.refusal(inside, has_initial=False) is None
     assert "is not one of them" in (p.refusal(outside, has_initial=True) or "")
     assert "round 0 takes no updates" in (fedper.participation(0).refusal(inside, has_initial=False) or "")
-    dis = get_algorithm(SimConfig(**{**QUICK, "algorithm": "dispfl", "clients": 10}), model)
+    dis = get_algorithm(SimConfig.from_dict({**QUICK, "algorithm": "dispfl", "clients": 10}), model)
     assert dis.participation(0).refusal(7, has_initial=False) is None  # its initial model, whenever it enrols
     assert dis.participation(1).slots is None and dis.participation(1).after_initial
     assert "initial model" in (dis.participation(1).refusal(7, has_initial=False) or "")
@@ -144,9 +144,9 @@ def test_finetune_cadence_is_selectable() -> None:
     assert [FinetuneOptions(ft_every=0).due(t, 5) for t in range(1, 6)] == [False] * 4 + [True]
     assert [FinetuneOptions(ft_every=2).due(t, 5) for t in range(1, 6)] == [False, True, False, True, True]
     with pytest.raises(ConfigError, match="ft_every"):
-        SimConfig(**{**QUICK, "algorithm": "fedavg-ft", "options": {"ft_every": -1}})
+        SimConfig.from_dict({**QUICK, "algorithm": "fedavg-ft", "options": {"ft_every": -1}})
     with pytest.raises(ConfigError, match="ft_from"):
-        SimConfig(**{**QUICK, "algorithm": "dpsgd-ft", "options": {"ft_from": "some"}})
+        SimConfig.from_dict({**QUICK, "algorithm": "dpsgd-ft", "options": {"ft_from": "some"}})
     plain = _run(algorithm="fedavg")
     end = _run(algorithm="fedavg-ft", options={"ft_every": 0})
     every = _run(algorithm="fedavg-ft")
@@ -177,10 +177,10 @@ def test_training_in_chunks_changes_nothing(alg: str, monkeypatch: pytest.Monkey
     from pfl_edge.algorithms import central
 
     opts = {"lam": 0.5} if alg == "ditto" else None
-    whole = simulate(SimConfig(**{**QUICK, "algorithm": alg, "options": opts}), save_dir=tmp_path / "a",
+    whole = simulate(SimConfig.from_dict({**QUICK, "algorithm": alg, "options": opts}), save_dir=tmp_path / "a",
                      progress=False)
     monkeypatch.setattr(central, "TRAIN_CHUNK", 1)
-    chunked = simulate(SimConfig(**{**QUICK, "algorithm": alg, "options": opts}), save_dir=tmp_path / "b",
+    chunked = simulate(SimConfig.from_dict({**QUICK, "algorithm": alg, "options": opts}), save_dir=tmp_path / "b",
                        progress=False)
     for a, b in zip(whole["rounds"], chunked["rounds"], strict=True):
         assert {k: v for k, v in a.items() if k != "wall_s"} == {k: v for k, v in b.items() if k != "wall_s"}
@@ -190,7 +190,7 @@ def test_training_in_chunks_changes_nothing(alg: str, monkeypatch: pytest.Monkey
 
 
 def test_checkpoints_round_trip(tmp_path: Path) -> None:
-    cfg = SimConfig(**{**QUICK, "algorithm": "fedper"})
+    cfg = SimConfig.from_dict({**QUICK, "algorithm": "fedper"})
     r = simulate(cfg, save_dir=tmp_path, progress=False)
     state, spec, extra = load_checkpoint(tmp_path / "client_002.safetensors")
     assert extra["client"] == 2 and extra["kind"] == "client"
@@ -255,7 +255,8 @@ def test_config_rerun_from_json_and_toml(tmp_path: Path) -> None:
     (dict(clients=2.5), "clients must be an integer"),
     (dict(densities=0.5), "densities must be"),
     (dict(algorithm="dispfl", clients=1), "at least 2 clients"),
-    (dict(algorithm="dispfl", topology="random:10", clients=10), "random:K"),
+    (dict(algorithm="dispfl", options={"topology": "random:10"}, clients=10), "random:K"),
+    (dict(algorithm="dispfl", options={"topology": 7}), "topology must be"),
 ])
 def test_bad_config(kw: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
@@ -275,7 +276,7 @@ def test_fedper_base_is_the_sample_weighted_average_of_trained_bases() -> None:
     from pfl_edge.split import take
     from pfl_edge.train import unstack
 
-    cfg = SimConfig(**{**QUICK, "algorithm": "fedper", "partition": "dirichlet:0.5", "samples_per_client": None,
+    cfg = SimConfig.from_dict({**QUICK, "algorithm": "fedper", "partition": "dirichlet:0.5", "samples_per_client": None,
                        "workers": 1})
     ctx, _ = build_context(cfg)
     n = ctx.train_data.n
@@ -301,7 +302,7 @@ def test_fedper_ft_trains_personal_blocks_on_a_frozen_base() -> None:
     from pfl_edge.algorithms.central import CentralSimulation
     from pfl_edge.sim import Runner
 
-    ctx, _ = build_context(SimConfig(**{**QUICK, "algorithm": "fedper-ft", "workers": 1}))
+    ctx, _ = build_context(SimConfig.from_dict({**QUICK, "algorithm": "fedper-ft", "workers": 1}))
     algo = Runner(ctx).sim  # fine-tunes the personal blocks on the initial base at once
     assert isinstance(algo, CentralSimulation)
     for k, v in ctx.init_state.items():

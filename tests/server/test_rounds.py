@@ -145,7 +145,7 @@ def test_dispfl_tasks_name_the_neighbours_latest_models(srv: BackgroundServer) -
         r = d.update(0, latest[i])
         assert r.status_code == 200 and r.json()["accepted"], r.text
     for t in (1, 2):
-        nbrs = neighbours(cfg.topology_spec, cfg.clients, t, cfg.seed)
+        nbrs = neighbours(DISPFL["topology"], cfg.clients, t, cfg.seed)  # the config as given, independently
         new: dict[int, str] = {}
         for i in range(4):
             d = by_slot[i]
