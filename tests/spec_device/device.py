@@ -114,7 +114,8 @@ class Doorbell:
         self.event = threading.Event()
         self.connected = threading.Event()  # set by the broker's CONNACK (the subscriptions follow it)
         fed, dev = enr["federation"], enr["device_id"]
-        self.fed, self.done = fed, -1  # done: the last round whose task it finished (the loop keeps it)
+        # everything the callbacks read is set before the network thread starts: a CONNACK can come back at once
+        self.fed, self.dev, self.done = fed, dev, -1  # done: the last round whose task it finished (the loop keeps it)
         self.topics = (f"pfl/{fed}/round", f"pfl/{fed}/device/{dev}/task")
         self.status_topic = f"pfl/{fed}/device/{dev}/status"
         url = urlsplit(enr["broker_url"])
@@ -130,7 +131,6 @@ class Doorbell:
         self.client.reconnect_delay_set(1, 30)
         self.client.connect_async(url.hostname or "127.0.0.1", url.port or (8883 if url.scheme == "mqtts" else 1883))
         self.client.loop_start()
-        self.dev = dev
 
     def _connected(self, client: Any, userdata: Any, flags: Any, reason: Any, props: Any = None) -> None:
         log.info("mqtt: connected (%s)", reason)
