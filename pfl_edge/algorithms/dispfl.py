@@ -37,11 +37,11 @@ from ..errors import ConfigError, DivergedError
 from ..neighbourhood import neighbourhood_average
 from ..seeding import Stream
 from ..sgd import TrainResult
-from ..sparse import erk_densities, init_masks, mask_ones, prune_rate, prune_regrow
+from ..sparse import density_of, erk_densities, init_masks, mask_ones, prune_rate, prune_regrow
 from .algorithm import Decentralised, DeviceRound, register_algorithm
 from .base import Clients, Metrics, Received, Upload, one_row
 from .options import DecentralOptions
-from .simulation import SimRound, Simulation, World, density_of, hamming_matrix, label_cosine, mask_summary, traffic
+from .simulation import SimRound, Simulation, World, hamming_matrix, label_cosine, mask_summary, traffic
 
 if TYPE_CHECKING:
     from ..federation import FederationConfig
@@ -344,7 +344,8 @@ class DisPFLSimulation(Simulation):
                                                                                         strict=True)]
         self._deployed = trained  # a client deploys its trained sparse model, as the reference evaluates it
         return SimRound(trained, res.loss, cl.n_train, up, down, busiest, received, flops,
-                        [density_of(masks, i) for i in range(len(cl))], {"mask": summary})
+                        [density_of(unstack(masks, i), {k: m.shape[1:] for k, m in masks.items()})
+                         for i in range(len(cl))], {"mask": summary})
 
     def deployed(self) -> Stack:
         return self._deployed if self._deployed is not None else self.state.weights

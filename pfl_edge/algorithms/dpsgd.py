@@ -27,8 +27,8 @@ def round_step(cl: Clients, weights: Stack, mixing: Tensor, t: int, *, finetune:
     avg = neighbourhood_average(res.stack, mixing)
     deployed = avg
     if finetune is not None and finetune.epochs:
-        start = {"neighbourhood": avg, "uniform": uniform_mean(res.stack),
-                 "all": neighbourhood_average(avg, ones_like(mixing))}[ft_from]
+        start = (avg if ft_from == "neighbourhood" else uniform_mean(res.stack) if ft_from == "uniform"
+                 else neighbourhood_average(avg, ones_like(mixing)))  # only the start asked for is computed
         deployed = cl.trainer.train(start, cl.slots, finetune, cl.gens(Stream.FINETUNE, t)).stack
     return avg, res, deployed
 

@@ -93,14 +93,9 @@ class FinetuneOptions:
 
 
 @dataclass(frozen=True)
-class DecentralFinetuneOptions(FinetuneOptions):
+class DecentralFinetuneOptions(FinetuneOptions, DecentralOptions):
     """D-PSGD-FT's: ``FinetuneOptions`` and a decentralised algorithm's ``topology`` (``DecentralOptions``)."""
 
-    topology: str | None = None
-
     def __post_init__(self) -> None:
-        super().__post_init__()
-        check_topology(self.topology)
-
-    def topology_spec(self, clients: int) -> str:
-        return DecentralOptions(self.topology).topology_spec(clients)
+        FinetuneOptions.__post_init__(self)
+        DecentralOptions.__post_init__(self)

@@ -20,7 +20,7 @@ from .base import Clients
 if TYPE_CHECKING:
     from .algorithm import Algorithm
 
-__all__ = ["SimRound", "Simulation", "World", "density_of", "hamming_matrix", "label_cosine", "mask_summary", "traffic"]
+__all__ = ["SimRound", "Simulation", "World", "hamming_matrix", "label_cosine", "mask_summary", "traffic"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -90,12 +90,6 @@ def traffic(payload: Sequence[int], nbrs: Sequence[Sequence[int]]) -> tuple[list
             down[i] += payload[j]
             up[j] += payload[j]
     return up, down, max(u + d for u, d in zip(up, down, strict=True)), max(down)
-
-
-def density_of(masks: Stack, i: int) -> float:
-    """Row ``i``'s share of ones over every masked tensor."""
-    ones = sum(float(m[i].sum()) for m in masks.values())
-    return ones / sum(m[i].numel() for m in masks.values())
 
 
 def hamming_matrix(masks: Stack) -> Tensor:
