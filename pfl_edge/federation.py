@@ -31,6 +31,7 @@ from .data import (
     partition,
 )
 from .errors import ConfigError
+from .privacy import PrivacyConfig, noise_multiplier
 from .protocol import MAX_CLIENTS, MAX_ROUND
 from .seeding import Stream, derive_seed, numpy_rng, stream
 from .sgd import TrainConfig
@@ -101,6 +102,9 @@ class FederationConfig:
     # the algorithm's own options, checked by its ``Options`` dataclass (Ditto: lam, personal_epochs; DisPFL:
     # alpha0, regrow, neighbour_bound); a TOML config gives them as an ``[options]`` table
     options: dict[str, Any] | None = None
+    # differential privacy of the shared part (pfl_edge.privacy.PrivacyConfig's keys: clip, noise_multiplier or
+    # target_epsilon, delta, mode, secret_noise); a TOML config gives it as a ``[privacy]`` table
+    privacy: dict[str, Any] | None = None
     engine: Literal["auto", "vmap", "loop"] = "auto"
     workers: int | None = None  # training processes; None: one per core
     seed: int = 0
@@ -132,6 +136,10 @@ class FederationConfig:
         if self.clip_norm is not None and not self.clip_norm > 0:
             raise ConfigError(f"clip_norm must be > 0, got {self.clip_norm}")
         algo.validate(self)  # the algorithm's own rules and options
+        dp = self.dp
+        if dp is not None:
+            dp.check(self.clients)
+            algo.check_privacy(self)
         if self.workers is not None and self.workers < 1:
             raise ConfigError(f"workers must be >= 1, got {self.workers}")
         for name in ("samples_per_client", "test_per_client"):
@@ -139,6 +147,11 @@ class FederationConfig:
             if v is not None and v < 1:
                 raise ConfigError(f"{name} must be >= 1, got {v}")
         self.train_config(1)  # lr, momentum, weight decay, clipping: TrainConfig's rules, so a bad file fails at once
+
+    @property
+    def dp(self) -> PrivacyConfig | None:
+        """The ``privacy`` table, checked (None: no differential privacy)."""
+        return PrivacyConfig.parse(self.privacy)
 
     @property
     def own_data(self) -> bool:
@@ -276,6 +289,13 @@ def check_device_config(cfg: FederationConfig) -> None:
     (the server samples each round's participants as the simulator does, by slot)."""
     check_device_algorithm(cfg.algorithm)
     algorithm_class(cfg.algorithm).check_devices(cfg)
+    dp = cfg.dp
+    if dp is not None:
+        if dp.mode == "distributed" and dp.noise_multiplier is None:
+            raise ConfigError("privacy: a distributed-mode device noises its own update, so it needs the noise "
+                              "multiplier itself (it runs no accountant): give noise_multiplier (pfl-edge privacy "
+                              "finds the one for a target epsilon)")
+        noise_multiplier(cfg)  # a target epsilon no noise reaches fails at creation, not at round 1
 
 
 def device_capacity(cfg: FederationConfig, slot: int, *, profile_density: float | None = None,
@@ -312,6 +332,8 @@ def _check_bounds(cfg: FederationConfig) -> None:
         v = getattr(cfg, f.name)
         if isinstance(v, str) and len(v) > _MAX_TEXT:
             raise ConfigError(f"{f.name} must be at most {_MAX_TEXT} characters, got {len(v)}")
+    if cfg.privacy is not None and len(cfg.privacy) > 16:
+        raise ConfigError(f"privacy must hold at most 16 entries, got {len(cfg.privacy):,}")
     if cfg.options is not None:
         if len(cfg.options) > 64:
             raise ConfigError(f"options must hold at most 64 entries, got {len(cfg.options):,}")

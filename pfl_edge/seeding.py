@@ -69,6 +69,7 @@ class Stream(StrEnum):
     REGROW_RANDOM = "regrow-random"  # (t, slot): random regrowth
     PERSONAL = "personal"  # (t, slot): batches of a second, personal model's training (Ditto)
     HOLDOUT = "holdout"  # (slot): which of a device's own images it holds out for testing
+    DP_NOISE = "dp-noise"  # (t, slot): a device's share of the noise (distributed DP, secret_noise = false)
 
 
 def stream(seed: int, name: Stream, *index: int) -> torch.Generator:

@@ -89,6 +89,9 @@ class Federation(Base):
     # the key a device's MQTT password is derived from when it enrols with a nonce (with the nonce and the enrol
     # secret: server.services.broker_access.device_password); made at the first such enrolment
     mqtt_key: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # the key of the aggregate's differential-privacy noise (pfl_edge.privacy.noise_rng), hex; made at creation
+    # where the config's privacy asks for secret noise, never sent to anyone
+    noise_key: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
 class Device(Base):

@@ -94,6 +94,8 @@ STEPS: tuple[Step, ...] = (
             "it left out", _refusals),
     Step(9, "pfl_devices.token_origin: a device's token chain has an absolute lifetime (rows without one start "
             "theirs at their next rotation)", _add_column("pfl_devices", "token_origin", "FLOAT")),
+    Step(10, "pfl_federations.noise_key: the secret key of a private federation's aggregate noise",
+         _add_column("pfl_federations", "noise_key", "VARCHAR(64)")),
 )
 SCHEMA_VERSION = STEPS[-1].version
 

@@ -35,7 +35,8 @@ NEVER = {
 # the core's third-party libraries ("never web, broker or database libraries"); the rest is the standard library
 CORE_LIBRARIES = {"torch", "numpy", "pydantic", "matplotlib", "tqdm", "rich", "safetensors", "PIL",
                   "tomli",  # pfl_edge.compat's tomllib on Python 3.10 (a device)
-                  "ray"}  # ray: the optional extra, pfl_edge/sim/ray_backend.py alone, imported lazily
+                  "ray",  # ray: the optional extra, pfl_edge/sim/ray_backend.py alone, imported lazily
+                  "opacus"}  # the privacy accountant, pfl_edge/privacy.py, imported lazily (never on a device)
 ALLOWED = {"pfl_edge/cli"}  # the CLI imports the other packages (lazily, per subcommand)
 
 

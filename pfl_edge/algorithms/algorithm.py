@@ -12,7 +12,6 @@ which algorithm it follows.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
@@ -20,13 +19,15 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 from ..arrays import Array as Tensor
 from ..errors import ConfigError, UnknownNameError
 from ..protocol import MAX_NEIGHBOURS
-from ..seeding import Stream, mt_stream
 from ..split import Split, split_keys
 from ..topology import in_degree, neighbours
 from .base import Clients, Metrics, Participation, Received, Upload
 from .options import DecentralOptions, NoOptions
+from .participants import sample_participants, sampled_slots
 
 if TYPE_CHECKING:  # the config asks its algorithm's class; the algorithms only read its fields
+    import numpy
+
     from ..aggregate import AggregationRule, PartialAverage
     from ..federation import FederationConfig
     from ..models import BlockModel
@@ -61,26 +62,6 @@ class DeviceRound:
     dropped: tuple[int, ...] = ()  # the neighbours' slots it left out of this round (DisPFL's screen)
 
 
-def sample_participants(seed: int, t: int, num_clients: int, fraction: float) -> Tensor:
-    """The clients (slots) of round ``t``, sorted: ``max(1, floor(fraction * N))`` drawn from the round's own
-    stream; everyone when the fraction is 1 (the simulator's view of ``_sampled_slots``)."""
-    import torch  # the coordinator's side: a server or the simulator
-
-    drawn = _sampled_slots(seed, t, num_clients, fraction)
-    return torch.arange(num_clients) if drawn is None else torch.tensor(sorted(drawn), dtype=torch.int64)
-
-
-@functools.lru_cache(maxsize=256)
-def _sampled_slots(seed: int, t: int, num_clients: int, fraction: float) -> frozenset[int] | None:
-    """The one definition of a round's draw, in numpy alone (``mt_stream`` draws torch's ``randperm`` numbers,
-    tests/pfl_edge/test_seeding.py), so that simulator, server and a device without torch draw alike; None when
-    every client takes part."""
-    m = max(1, min(num_clients, int(fraction * num_clients + 1e-9)))
-    if m == num_clients:
-        return None
-    return frozenset(int(i) for i in mt_stream(seed, Stream.PARTICIPANTS, t).randperm(num_clients)[:m].tolist())
-
-
 class Algorithm:
     #: the name it is registered under (``register_algorithm``) and a config names it by
     name: ClassVar[str] = ""
@@ -103,6 +84,8 @@ class Algorithm:
     deploys_finetuned: ClassVar[bool] = False
     #: the whole gradient is clipped before masks apply, when the config leaves ``clip_unmasked`` unset
     clips_unmasked: ClassVar[bool] = False
+    #: differential privacy (``pfl_edge.privacy``) covers what it shares: a base a server averages
+    private: ClassVar[bool] = False
     #: a device sends its initial model before round 1 (its first neighbours average it)
     sends_initial_model: ClassVar[bool] = False
     #: the server ends the federation with a final task on which every device evaluates (FedPer: its personal
@@ -146,6 +129,15 @@ class Algorithm:
     @classmethod
     def check_config(cls, cfg: FederationConfig) -> None:
         """The rules this algorithm adds to the federation config's own (ConfigError)."""
+
+    @classmethod
+    def check_privacy(cls, cfg: FederationConfig) -> None:
+        """ConfigError unless differential privacy (``pfl_edge.privacy``) covers what this algorithm shares."""
+        if cls.private:
+            return
+        valid = ", ".join(n for n, c in _REGISTRY.items() if c.private)
+        raise ConfigError(f"algorithm {cls.name!r}: differential privacy covers a base a server averages; "
+                          f"valid: {valid} (docs/privacy.md says what applies to the decentralised ones)")
 
     @classmethod
     def check_devices(cls, cfg: FederationConfig) -> None:
@@ -220,12 +212,14 @@ class Algorithm:
 
     # ------------------------------------------------------------------------------------------ coordinator
     def participants(self, t: int) -> Tensor:
-        return sample_participants(self.cfg.seed, t, self.cfg.clients, self.cfg.participation)
+        return sample_participants(self.cfg.seed, t, self.cfg.clients, self.cfg.participation,
+                                   poisson=self.cfg.privacy is not None)
 
     def sampled(self, t: int) -> frozenset[int] | None:
         """The slots that take part in round ``t`` (the simulator's ``participants``); None when every client
         does. The server asks on every update: the draw is cached."""
-        return _sampled_slots(self.cfg.seed, t, self.cfg.clients, self.cfg.participation)
+        return sampled_slots(self.cfg.seed, t, self.cfg.clients, self.cfg.participation,
+                              self.cfg.privacy is not None)
 
     def participation(self, t: int) -> Participation:
         """Who takes part in round ``t`` (0: the devices' initial models, where the algorithm takes them):
@@ -246,12 +240,14 @@ class Algorithm:
 
     def aggregate(self, prev: Mapping[str, Tensor], updates: Iterable[tuple[Mapping[str, Tensor], float]], *,
                   rule: AggregationRule | None = None, history: Sequence[float] = (),
-                  start: PartialAverage | None = None) -> dict[str, Tensor] | None:
+                  start: PartialAverage | None = None,
+                  noise: numpy.random.Generator | None = None) -> dict[str, Tensor] | None:
         """The coordinator's new shared model from the round's updates (weights: training samples), streamed
         one at a time, under the federation's ``rule`` (default: the mean; updates come clipped to its bound,
         a robust rule's unclipped, with the last round's norms in ``history``), after the updates already
         folded into ``start`` (``partial_sum``'s, under the mean only); None where nothing is shared through a
-        server. The server always asks here: an algorithm composes the rule with its own step."""
+        server. Under differential privacy (``pfl_edge.privacy``): the private mean, its noise from ``noise``
+        (the round's stream). The server always asks here: an algorithm composes the rule with its own step."""
         return None
 
     def simulation(self, world: World) -> Simulation:

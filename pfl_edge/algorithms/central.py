@@ -12,9 +12,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from ..arrays import Array as Tensor
 from ..arrays import Stack, broadcast_rows, copy, unstack
 from ..errors import InternalError
+from ..privacy import device_noise, private_mean, privatize, round_noise
 from ..seeding import Stream
 from ..sgd import TrainConfig, TrainResult
 from ..split import Split, take
@@ -109,18 +112,27 @@ class Central(Algorithm):
     model) says so in ``init_clients``, ``local_round`` and ``deployed_view``."""
 
     final_evaluation = True
+    private = True
 
     def partial_sum(self) -> PartialAverage | None:
         from ..aggregate import PartialAverage  # the coordinator's side (torch); a device never aggregates
 
-        return PartialAverage() if self.split.base else None
+        # the private mean re-clips every update itself: a replica's sum would hide them from it
+        return PartialAverage() if self.split.base and self.cfg.privacy is None else None
 
     def aggregate(self, prev: Mapping[str, Tensor], updates: Iterable[tuple[Mapping[str, Tensor], float]], *,
                   rule: AggregationRule | None = None, history: Sequence[float] = (),
-                  start: PartialAverage | None = None) -> dict[str, Tensor] | None:
-        """The sample-weighted mean of the bases (``aggregate_bases``), or the federation's robust ``rule``."""
+                  start: PartialAverage | None = None,
+                  noise: np.random.Generator | None = None) -> dict[str, Tensor] | None:
+        """The sample-weighted mean of the bases (``aggregate_bases``), or the federation's robust ``rule``, or
+        under differential privacy the private mean (``pfl_edge.privacy.private_mean``, which bounds every
+        update itself)."""
         if not self.split.base:
             return None
+        if self.cfg.privacy is not None:
+            if start is not None:
+                raise InternalError("partial sums under differential privacy: the private mean takes every update")
+            return private_mean(self.cfg, prev, updates, noise)
         if rule is not None and rule.rule != "mean":
             from ..aggregate import robust_aggregate
 
@@ -195,6 +207,14 @@ class Central(Algorithm):
     def device_upload(self, state: Mapping[str, Tensor]) -> Upload:
         return Upload(upload(state, self.split))
 
+    def sent(self, base: Mapping[str, Tensor], trained: Mapping[str, Tensor], t: int, slot: int) -> dict[str, Tensor]:
+        """What the client ``slot`` sends in round ``t`` of its model ``trained`` from ``base``: its base part,
+        under differential privacy clipped (and in the distributed mode noised: ``pfl_edge.privacy.privatize``)."""
+        up = upload(trained, self.split)
+        if self.cfg.privacy is None:
+            return up
+        return privatize(self.cfg, base, up, device_noise(self.cfg, t, slot))
+
     def device_round(self, dev: Clients, state: Mapping[str, Tensor], received: Received, t: int, *,
                      prev: int = 0, late: bool = False, final: bool = False) -> DeviceRound:
         """Take the base of the last round (a late joiner adapts its fresh head to it, as FedPer-FT would),
@@ -212,9 +232,9 @@ class Central(Algorithm):
                                deployed=None if deployed is None else unstack(deployed, 0))
         res = self.local_round(dev, synced, t)
         new = unstack(res.stack, 0)
+        sent = self.sent(upload(unstack(synced, 0), self.split), new, t, int(dev.slots[0]))
         # what it deploys is its state (saved anyway) until the final step puts it on the last base
-        return DeviceRound(new, self.device_upload(new), metrics, train_loss=float(res.loss[0]),
-                           steps=int(res.steps[0]))
+        return DeviceRound(new, Upload(sent), metrics, train_loss=float(res.loss[0]), steps=int(res.steps[0]))
 
 
 class CentralSimulation(Simulation):
@@ -249,7 +269,7 @@ class CentralSimulation(Simulation):
                     self.clients[k][rows] = v
             losses.append((res.loss, part.n_train))
             for j, n in enumerate(part.n_train):
-                yield upload(unstack(res.stack, j), algo.split), float(n)
+                yield algo.sent(self.base or {}, unstack(res.stack, j), t, int(part.slots[j])), float(n)
 
     def round(self, t: int, participants: Tensor) -> SimRound:
         import torch
@@ -261,7 +281,7 @@ class CentralSimulation(Simulation):
         base_bytes = payload_bytes(self.base) if self.base else 0
         uploads = self._trained(t, participants, losses)
         if self.base is not None:
-            self.base = algo.aggregate(self.base, uploads)
+            self.base = algo.aggregate(self.base, uploads, noise=round_noise(algo.cfg, t))
         for _ in uploads:  # nothing shared (local): train all the same
             pass
         n = len(everyone)
@@ -273,6 +293,8 @@ class CentralSimulation(Simulation):
         took_part = set(participants.tolist())
         epochs = torch.tensor([algo.train_epochs(i in took_part, t) for i in range(n)])
         flops = (3 * self.world.dense_flops * epochs * everyone.n_train).tolist()
+        if not losses:  # a round that drew nobody (Poisson sampling, under differential privacy)
+            losses.append((torch.zeros(0), torch.zeros(0, dtype=torch.int64)))
         return SimRound(self._deployed, torch.cat([a for a, _ in losses]), torch.cat([b for _, b in losses]), up,
                         down, sum(up) + sum(down), sum(up), flops, [1.0] * n)
 
@@ -291,6 +313,7 @@ class Local(Central):
 
     linear_base = True
     keeps = "all"
+    private = False  # nothing is shared
 
 
 @register_algorithm("fedavg")

@@ -4,6 +4,7 @@ records the round."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -101,6 +102,9 @@ class Runner:
 
 
 def weighted_loss(loss: Tensor, n: Tensor) -> float:
-    """Mean training loss over clients weighted by their samples."""
+    """Mean training loss over clients weighted by their samples (NaN where nobody trained: a round of
+    differential privacy's Poisson draw may draw nobody)."""
     w = n.to(torch.float64)
+    if not len(w):
+        return math.nan
     return float((loss.to(torch.float64) * w).sum() / w.sum())

@@ -16,6 +16,7 @@ from ..errors import ConfigError
 from ..federation import FederationConfig, deal, init_state
 from ..flops import forward_flops
 from ..parallel import Trainer
+from ..privacy import epsilon, noise_multiplier
 from ..seeding import seed_everything
 from ..train import ClientTensors, unstack
 from .algorithms import Context, RoundStats, Runner
@@ -92,12 +93,16 @@ def _run(cfg: FederationConfig, ctx: Context, spec: ModelSpec, t0: float, save_d
     rounds: list[dict[str, Any]] = []
     bar = tqdm(range(1, cfg.rounds + 1), desc=cfg.algorithm, unit="round", disable=None if progress is None
                else not progress, leave=False)
+    dp = cfg.dp
+    z = noise_multiplier(cfg) if dp is not None else None  # a target epsilon no noise reaches fails now
     for t in bar:
         start = time.perf_counter()
         participants = algo.algo.participants(t)
         st = algo.run_round(t, participants)
         wall = time.perf_counter() - start
         rounds.append(_record(t, st, wall))
+        if dp is not None:  # the privacy spent after this round, at the config's delta
+            rounds[-1]["epsilon"] = epsilon(cfg, t)
         bar.set_postfix(acc=f"{rounds[-1]['mean_acc']:.3f}")
     bar.close()
     last = rounds[-1]
@@ -123,6 +128,10 @@ def _run(cfg: FederationConfig, ctx: Context, spec: ModelSpec, t0: float, save_d
             "total_s": time.perf_counter() - t0,
         },
     }
+    if dp is not None:
+        result["privacy"] = {"noise_multiplier": z, "delta": dp.delta, "epsilon": last["epsilon"],
+                             "clip": dp.clip, "mode": dp.mode, "sample_rate": cfg.participation,
+                             "accountant": "opacus RDP (sampled Gaussian)"}
     analysis = algo.analysis()
     if analysis:
         result["mask_analysis"] = analysis
@@ -156,7 +165,7 @@ def _record(t: int, st: RoundStats, wall: float) -> dict[str, Any]:
         "busiest_node_received": st.busiest_node_received,
         "participants": st.participants,
         # per participating client (a centralised round trains a sample of the clients)
-        "flops": sum(st.client_flops[i] for i in st.participants) / len(st.participants),
+        "flops": sum(st.client_flops[i] for i in st.participants) / max(1, len(st.participants)),
         "client_flops": st.client_flops,
         "client_density": st.client_density,
         **st.extra,

@@ -18,6 +18,7 @@ from device_profiles import Profile, get_profile, list_profiles
 from pfl_edge.codec import encode
 from pfl_edge.errors import InternalError, PflEdgeError, UnknownNameError
 from pfl_edge.federation import device_capacity
+from pfl_edge.privacy import new_key
 from pfl_edge.protocol import Enrolment, EnrolRequest, FederationCreate, FederationInfo
 
 from ..db import SERVER, Device, Federation, hash_secret, hash_token, now
@@ -85,6 +86,11 @@ class EnrolmentService:
         if len(payload) > limit:  # its devices could never upload a model of this size either
             raise Unprocessable(f"model {fm.cfg.model!r} takes {len(payload)} bytes on the wire, over this server's "
                                 f"max_blob_bytes of {limit}: raise PFL_MAX_BLOB_BYTES or pick a smaller model")
+        dp = fm.cfg.dp
+        if dp is not None and req.aggregation is not None and req.aggregation.rule != "mean":
+            raise Unprocessable(f"aggregation rule {req.aggregation.rule!r} with differential privacy: the private "
+                                "mean bounds every update to privacy.clip itself; leave the rule 'mean'")
+        noise_key = new_key().hex() if dp is not None and dp.secret_noise else None
         digest = self.blobs.keep(payload)
         try:
             with self.store.write(blobs="store") as s:
@@ -97,7 +103,7 @@ class EnrolmentService:
                                  min_devices=req.min_devices, profile_capacity=req.profile_capacity,
                                  aggregation=None if req.aggregation is None else req.aggregation.model_dump(),
                                  round=ENROLMENT_ROUND, state=RoundState.OPEN.value, init_digest=digest,
-                                 base_digest=digest))
+                                 base_digest=digest, noise_key=noise_key))
                 s.flush()
                 self.blobs.add_ref(s, digest, len(payload), req.id, SERVER)
         except IntegrityError:

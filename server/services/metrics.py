@@ -10,6 +10,7 @@ from typing import Any
 
 from sqlalchemy import case, func, select
 
+from pfl_edge.privacy import epsilon
 from pfl_edge.protocol import MetricsReport, quorum_updates
 
 from ..db import Blob, Device, Federation, Metric, Round, Update, now
@@ -90,8 +91,13 @@ class Metrics:
                 per.setdefault(m.round, {})[m.device] = {
                     "accuracy": m.accuracy, "loss": m.loss, "n_test": m.n_test, "bytes_up": m.bytes_up,
                     "bytes_down": m.bytes_down, "step_ms": m.step_ms, "train_s": m.train_s, "dropped": m.dropped}
+            cfg = self.store.model(fed).cfg
         out = [_round_row(t, rounds.get(t), counts.get(t, 0), per.get(t, {}), quorum)
                for t in sorted(set(rounds) | set(per) | set(counts))]
+        if cfg.privacy is not None:  # every published round released a noised base: it spent its share
+            for row in out:
+                if row["round"] >= 1 and row["closed_at"] is not None:
+                    row["epsilon"] = epsilon(cfg, row["round"])
         return {"federation": fed_id, "rounds": out}
 
     def devices(self, fed_id: str) -> list[dict[str, Any]]:

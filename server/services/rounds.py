@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 from torch import Tensor
@@ -21,6 +22,7 @@ from torch import Tensor
 from pfl_edge.aggregate import MIN_UPDATES, AggregationRule, clip_update, update_norm
 from pfl_edge.codec import encode
 from pfl_edge.errors import InternalError
+from pfl_edge.privacy import round_noise
 
 from ..db import Device, Federation, PartialSum, Round, Update, inputs_digest, now
 from ..fedmodel import FedModel
@@ -163,7 +165,9 @@ class RoundMachine:
         result: str | None = None
         if start is not None:  # a server model to aggregate into (none where devices exchange models)
             self.last_merge = (0, 0)
-            new = self.average(fm, start, ups, rule, sums=sums, ids=ids, history=history)
+            key = bytes.fromhex(known.noise_key) if known.noise_key else None
+            new = self.average(fm, start, ups, rule, sums=sums, ids=ids, history=history,
+                               noise=round_noise(fm.cfg, t, key))
             self.merged[fed_id, t] = self.last_merge
             if all(bool(v.isfinite().all()) for v in new.values() if v.is_floating_point()):
                 result = self.blobs.store_server_blob(fed_id, encode(new, model_id=fm.model_id, round=t))
@@ -186,7 +190,8 @@ class RoundMachine:
                  len(ups), *self.merged.get((fed_id, t), (0, 0)))
 
     def average(self, fm: FedModel, start: str, ups: Sequence[_Upload], rule: AggregationRule | None = None, *,
-                sums: Sequence[Sum] = (), ids: Sequence[int] = (), history: Sequence[float] = ()) -> dict[str, Tensor]:
+                sums: Sequence[Sum] = (), ids: Sequence[int] = (), history: Sequence[float] = (),
+                noise: np.random.Generator | None = None) -> dict[str, Tensor]:
         """The aggregation of the uploads ``(digest, n_samples, kp[, norm])`` into the model ``start`` under ``rule``
         (default: the weighted mean, each update clipped to 3x the round's median update norm), in slot order
         (so the result does not depend on which device finished first). ``mean`` is the algorithm's own
@@ -200,7 +205,9 @@ class RoundMachine:
             return self.blobs.load(digest, fm, fm.expected(kp)).tensors
 
         algo = fm.algorithm()
-        if rule.rule != "mean":  # a robust rule bounds the updates itself; the algorithm composes it
+        if fm.cfg.privacy is not None:  # the private mean bounds every update itself, and adds the round's noise
+            new = algo.aggregate(prev, ((load(d, kp), float(n)) for d, n, kp, _ in rows), noise=noise)
+        elif rule.rule != "mean":  # a robust rule bounds the updates itself; the algorithm composes it
             new = algo.aggregate(prev, [(load(d, kp), float(n)) for d, n, kp, _ in rows], rule=rule, history=history)
         else:
             # each update's norm as the server computed it on accepting it; a pass over the blobs for any without

@@ -1,0 +1,216 @@
+"""Differential privacy of the shared part (pfl_edge.privacy): the accountant is Opacus's and agrees with an
+exact computation where one exists, the device's clip and the server's private mean against float64 sums written
+out here, the Poisson draw against torch's own generator, the config's rules, and the simulator's run."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from pfl_edge.algorithms.participants import sampled_slots
+from pfl_edge.errors import ConfigError
+from pfl_edge.federation import FederationConfig, check_device_config
+from pfl_edge.privacy import (
+    MARGIN,
+    ORDERS,
+    PrivacyConfig,
+    epsilon,
+    noise_multiplier,
+    noise_rng,
+    private_mean,
+    privatize,
+    round_noise,
+    seed_key,
+)
+from pfl_edge.seeding import Stream, stream
+from pfl_edge.sim import simulate
+
+QUICK: dict[str, Any] = dict(dataset="synthetic", partition="pathological:2", clients=8, rounds=3,
+                             samples_per_client=32, test_per_client=16, local_epochs=1, batch_size=16, lr=0.05,
+                             workers=1, seed=3, kp=1)
+
+
+def _cfg(**privacy: Any) -> FederationConfig:
+    extra = {k: privacy.pop(k) for k in ("participation", "clients", "rounds") if k in privacy}
+    return FederationConfig(algorithm="fedper", privacy={"clip": 1.0, **privacy}, **{**QUICK, **extra})
+
+
+# ------------------------------------------------------------------------------------------- accounting
+
+def _exact_gaussian_epsilon(mu: float, delta: float) -> float:
+    """The exact epsilon at ``delta`` of a Gaussian mechanism of sensitivity/std ``mu`` (Balle & Wang, ICML
+    2018, Theorem 8: delta(eps) = Phi(mu/2 - eps/mu) - e^eps Phi(-mu/2 - eps/mu)), by bisection in float64."""
+    def phi(x: float) -> float:
+        return 0.5 * math.erfc(-x / math.sqrt(2))
+
+    def d(eps: float) -> float:
+        return phi(mu / 2 - eps / mu) - math.exp(eps) * phi(-mu / 2 - eps / mu)
+
+    lo, hi = 0.0, 100.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if d(mid) > delta else (lo, mid)
+    return hi
+
+
+def test_the_accountant_is_opacus_and_bounds_the_exact_epsilon() -> None:
+    from opacus.accountants import RDPAccountant
+
+    for z, q, rounds in ((1.1, 0.1, 50), (0.8, 0.5, 7), (2.0, 1.0, 20)):
+        cfg = _cfg(noise_multiplier=z, participation=q, rounds=rounds)
+        acc = RDPAccountant()
+        for _ in range(rounds):
+            acc.step(noise_multiplier=z, sample_rate=q)
+        assert epsilon(cfg, rounds) == pytest.approx(acc.get_epsilon(delta=1e-5, alphas=ORDERS), rel=1e-12)
+        assert epsilon(cfg, rounds) <= acc.get_epsilon(delta=1e-5)  # more orders: never a looser bound
+        assert 0 < epsilon(cfg, rounds // 2) < epsilon(cfg, rounds)
+    # q = 1: T rounds of noise z are one Gaussian mechanism of std z / sqrt(T), whose exact epsilon is known;
+    # RDP is an upper bound, and not a loose one
+    for z, rounds in ((2.0, 20), (5.0, 100), (1.0, 1)):
+        cfg = _cfg(noise_multiplier=z, participation=1.0, rounds=rounds)
+        exact = _exact_gaussian_epsilon(math.sqrt(rounds) / z, 1e-5)
+        assert exact <= epsilon(cfg, rounds) <= 1.25 * exact + 0.3, (z, rounds, exact, epsilon(cfg, rounds))
+    assert epsilon(_cfg(noise_multiplier=0.0), 1) == math.inf and epsilon(_cfg(noise_multiplier=1.0), 0) == 0.0
+
+
+def test_a_target_epsilon_is_calibrated_by_the_accountant() -> None:
+    cfg = _cfg(target_epsilon=3.0, participation=0.25, rounds=40, clients=64)
+    z = noise_multiplier(cfg)
+    assert 2.95 <= epsilon(cfg, 40) <= 3.0
+    assert epsilon(cfg.replace(privacy={"clip": 1.0, "noise_multiplier": z * 0.9}), 40) > 3.0
+    with pytest.raises(ConfigError, match="target_epsilon"):
+        check_device_config(_cfg(target_epsilon=0.01, participation=1.0, rounds=1000).replace(clients=8))
+
+
+# ------------------------------------------------------------------------------------------- the round
+
+def _state(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"a.weight": torch.randn(3, 4, generator=g) * scale, "a.bias": torch.randn(3, generator=g) * scale,
+            "bn.num_batches_tracked": torch.tensor(seed, dtype=torch.int64)}
+
+
+def test_a_device_clips_its_update_inside_the_bound_and_keeps_integer_buffers() -> None:
+    cfg = _cfg(noise_multiplier=1.0)
+    base = _state(0)
+    small = {k: v + 0.01 if v.is_floating_point() else v + 5 for k, v in base.items()}
+    sent = privatize(cfg, base, small)
+    for k in ("a.weight", "a.bias"):  # within the bound: the update as trained (float64 round trip: same bits)
+        assert torch.equal(sent[k], small[k]), k
+    assert int(sent["bn.num_batches_tracked"]) == 0  # not noised, so not shared: the received value
+    big = {k: v + 3.0 if v.is_floating_point() else v for k, v in base.items()}
+    sent = privatize(cfg, base, big)
+    d = {k: sent[k].double() - base[k].double() for k in ("a.weight", "a.bias")}
+    norm = math.sqrt(sum(float(v.square().sum()) for v in d.values()))
+    assert norm == pytest.approx(MARGIN, abs=1e-6) and norm < 1.0
+    full = math.sqrt(15 * 9.0)
+    for k, v in d.items():  # the direction kept: every coordinate moved 3 / ||(3, ..., 3)|| * C
+        assert torch.allclose(v, torch.full_like(v, 3.0 / full * MARGIN), atol=1e-6), k
+    as_numpy = privatize(cfg, {k: v.numpy() for k, v in base.items()}, {k: v.numpy() for k, v in big.items()})
+    assert all(isinstance(v, np.ndarray) and np.array_equal(v, sent[k].numpy()) for k, v in as_numpy.items())
+
+
+def test_a_distributed_device_adds_its_share_of_the_noise() -> None:
+    cfg = _cfg(noise_multiplier=2.0, mode="distributed", participation=0.5, clients=8)
+    base = {"w": torch.zeros(20_000)}
+    sent = privatize(cfg, base, {"w": torch.zeros(20_000)}, np.random.default_rng(0))["w"].double()
+    want = 2.0 * 1.0 / math.sqrt(0.5 * 8)  # z C / sqrt(q N): the q N shares sum to the central noise
+    assert float(sent.std()) == pytest.approx(want, rel=0.03) and abs(float(sent.mean())) < 0.05
+
+
+def test_the_private_mean_against_float64_sums() -> None:
+    """Three updates (one far past the bound, one with a sample count of a billion), the central noise: prev +
+    (sum of clipped updates + N(0, (z C)^2)) / (q N), the noise's draws in the model's key order; the integer
+    buffer stays prev's."""
+    cfg = _cfg(noise_multiplier=0.7, participation=0.5, clients=8)
+    prev = _state(1)
+    ups = [(_state(2), 10.0), (_state(3, scale=50.0), 1e9), (_state(4), 3.0)]
+    got = private_mean(cfg, prev, ups, noise_rng(b"k" * 32, 4))
+    rng = noise_rng(b"k" * 32, 4)
+    floats = ["a.weight", "a.bias"]
+    total = {k: np.zeros(tuple(prev[k].shape)) for k in floats}
+    for s, _ in ups:
+        d = {k: s[k].numpy().astype(np.float64) - prev[k].numpy().astype(np.float64) for k in floats}
+        n = math.sqrt(sum(float((v ** 2).sum()) for v in d.values()))
+        for k in floats:
+            total[k] += d[k] * min(1.0, 1.0 / n)
+    for k in floats:
+        want = prev[k].numpy().astype(np.float64) + (total[k] + rng.standard_normal(total[k].shape) * 0.7) / 4.0
+        assert np.allclose(got[k].numpy(), want, atol=1e-6), k
+    assert got["bn.num_batches_tracked"] is prev["bn.num_batches_tracked"]
+    # nobody came: the round still releases prev plus the noise over q N
+    empty = private_mean(cfg, prev, [], noise_rng(b"k" * 32, 4))
+    rng = noise_rng(b"k" * 32, 4)
+    for k in floats:
+        want = prev[k].numpy().astype(np.float64) + rng.standard_normal(tuple(prev[k].shape)) * 0.7 / 4.0
+        assert np.allclose(empty[k].numpy(), want, atol=1e-6), k
+    with pytest.raises(ConfigError, match="noise stream"):
+        private_mean(cfg, prev, ups, None)
+
+
+def test_the_noise_streams() -> None:
+    cfg = _cfg(noise_multiplier=1.0)
+    a, b = round_noise(cfg, 3), round_noise(cfg, 3)
+    assert a is not None and b is not None and a.standard_normal() == b.standard_normal()
+    secret = round_noise(cfg, 3, b"s" * 32)
+    assert secret is not None and secret.standard_normal() != noise_rng(seed_key(cfg.seed), 3).standard_normal()
+    assert round_noise(cfg.replace(privacy=None), 3) is None
+
+
+def test_the_poisson_draw_is_torchs_uniforms_below_the_rate() -> None:
+    sizes = []
+    for t in range(1, 201):
+        drawn = sampled_slots(9, t, 50, 0.2, True)
+        u = torch.rand(50, generator=stream(9, Stream.PARTICIPANTS, t))
+        assert drawn == frozenset(torch.nonzero(u < 0.2).flatten().tolist()), t
+        sizes.append(len(drawn or ()))
+    # each client with probability 0.2, independently: the mean size 10, binomial spread (sd ~2.8)
+    assert 9.0 < sum(sizes) / len(sizes) < 11.0 and min(sizes) < 7 and max(sizes) > 13
+    assert sampled_slots(9, 1, 50, 1.0, True) is None
+    assert all(len(sampled_slots(9, t, 50, 0.2) or ()) == 10 for t in range(1, 20))  # without privacy: fixed
+
+
+# ------------------------------------------------------------------------------------------- the config
+
+def test_the_privacy_table_is_checked_on_creation() -> None:
+    assert _cfg(noise_multiplier=1.0).dp == PrivacyConfig(clip=1.0, noise_multiplier=1.0)
+    bad = [({"noise_multiplier": 1.0, "target_epsilon": 2.0}, "exactly one"), ({}, "exactly one"),
+           ({"noise_multiplier": -1.0}, "noise_multiplier"), ({"noise_multiplier": 1.0, "delta": 0.2}, "delta"),
+           ({"noise_multiplier": 1.0, "mode": "local"}, "mode"), ({"noise_multiplier": 1.0, "clip": 0}, "clip"),
+           ({"noise_multiplier": float("nan")}, "finite"), ({"noise_multiplier": 1.0, "epsilon": 1}, "no key"),
+           ({"noise_multiplier": 1.0, "delta": 0.09, "clients": 16}, "1 / clients")]
+    for table, match in bad:
+        with pytest.raises(ConfigError, match=match):
+            _cfg(**table)
+    with pytest.raises(ConfigError, match="clip"):
+        FederationConfig(privacy={"noise_multiplier": 1.0}, **QUICK)
+    for algorithm in ("dispfl", "local", "dpsgd"):
+        with pytest.raises(ConfigError, match="differential privacy covers"):
+            FederationConfig(algorithm=algorithm, privacy={"clip": 1.0, "noise_multiplier": 1.0},
+                             **{**QUICK, "kp": 0 if algorithm != "local" else 1})
+    for algorithm in ("fedavg", "ditto", "fedrep", "fedper-ft", "fedavg-ft"):
+        FederationConfig(algorithm=algorithm, privacy={"clip": 1.0, "noise_multiplier": 1.0}, **QUICK)
+    with pytest.raises(ConfigError, match="distributed-mode device"):
+        check_device_config(_cfg(target_epsilon=5.0, mode="distributed"))
+    check_device_config(_cfg(noise_multiplier=1.0, mode="distributed"))
+
+
+# ------------------------------------------------------------------------------------------- the run
+
+def test_a_private_simulation_reports_its_epsilon_and_repeats() -> None:
+    cfg = _cfg(noise_multiplier=0.8, participation=0.5, secret_noise=False)
+    a = simulate(cfg, progress=False)
+    b = simulate(cfg.replace(privacy={**(cfg.privacy or {}), "secret_noise": True}), progress=False)
+    assert [r["client_acc"] for r in a["rounds"]] == [r["client_acc"] for r in b["rounds"]]  # the sim's is seeded
+    eps = [r["epsilon"] for r in a["rounds"]]
+    assert eps == [epsilon(cfg, t) for t in (1, 2, 3)] and eps[0] < eps[1] < eps[2]
+    assert a["privacy"]["epsilon"] == eps[-1] and a["privacy"]["noise_multiplier"] == 0.8
+    drawn = [r["participants"] for r in a["rounds"]]
+    assert drawn == [sorted(sampled_slots(cfg.seed, t, 8, 0.5, True) or range(8)) for t in (1, 2, 3)]
+    plain = simulate(cfg.replace(privacy=None), progress=False)
+    assert [r["client_acc"] for r in plain["rounds"]] != [r["client_acc"] for r in a["rounds"]]
+    assert "epsilon" not in plain["rounds"][0] and "privacy" not in plain
