@@ -37,8 +37,10 @@ class Table:
 def command(budget: Mapping[str, Any], row: Row, seed: int) -> str:
     cfg = {**budget, **row.overrides, "seed": seed}
     options = cfg.pop("options", None) or {}
+    privacy = cfg.pop("privacy", None) or {}
     flags = " ".join([f"--{k.replace('_', '-')} {','.join(map(str, v)) if isinstance(v, tuple) else v}"
-                      for k, v in cfg.items()] + [f"--option {k}={v}" for k, v in options.items()])
+                      for k, v in cfg.items()] + [f"--option {k}={v}" for k, v in options.items()]
+                     + [f"--privacy {k}={v}" for k, v in privacy.items()])
     return f"pfl-edge simulate {flags} --out {row.name}-s{seed}.json"
 
 

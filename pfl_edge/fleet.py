@@ -57,6 +57,10 @@ class RoundSummary(_Answer):
     wall_s: float | None = Field(description="seconds from opening to close; null: still open")
     bytes_up: int = Field(description="bytes up its devices reported for it (sum of their metrics)")
     bytes_down: int = Field(description="bytes down its devices reported for it (sum of their metrics)")
+    epsilon: float | None = Field(default=None, description=(
+        "differential privacy (docs/privacy.md): the epsilon, at the config's delta, spent by every round up to "
+        "this one once it is published (Opacus's RDP accountant); null: no privacy, not yet published, or no noise "
+        "(unbounded)"))
     devices: dict[str, DeviceRoundMetrics] = Field(description="device id -> its metrics of this round (only "
                                                                "devices that reported)")
 

@@ -53,6 +53,9 @@ def _add_sim_flags(p: argparse.ArgumentParser) -> None:
                    help="clip the whole gradient before masking it (default: yes for dispfl, the reference's order)")
     p.add_argument("--option", action="append", metavar="KEY=VALUE", dest="options",
                    help="one of the algorithm's own options (repeatable), e.g. ditto's --option lam=0.5")
+    p.add_argument("--privacy", action="append", metavar="KEY=VALUE",
+                   help="differential privacy of the shared part (repeatable; docs/privacy.md), e.g. --privacy "
+                        "clip=0.5 --privacy target_epsilon=3")
     p.add_argument("--fleet", help="DisPFL: take the clients' densities from a device fleet (pfl-edge list)")
     p.add_argument("--config", type=Path, help="re-run a config: TOML, or the JSON of an earlier run")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -75,6 +78,8 @@ def _sim_config(args: argparse.Namespace, **defaults: Any) -> Any:
             raise ConfigError(f"--densities takes comma-separated numbers, got {values['densities']!r}") from None
     if getattr(args, "options", None):
         values["options"] = {**(values.get("options") or {}), **parse_options(args.options)}
+    if getattr(args, "privacy", None):
+        values["privacy"] = {**(values.get("privacy") or {}), **parse_options(args.privacy, "--privacy")}
     if getattr(args, "clip_unmasked", None) is not None:
         values["clip_unmasked"] = args.clip_unmasked
     if args.local_norm_stats:
@@ -87,7 +92,7 @@ def _sim_config(args: argparse.Namespace, **defaults: Any) -> Any:
     return SimConfig.from_dict(values)
 
 
-def parse_options(items: list[str]) -> dict[str, Any]:
+def parse_options(items: list[str], flag: str = "--option") -> dict[str, Any]:
     """``KEY=VALUE`` pairs as an options table: a value is read as JSON where it is a number, true/false or
     null, else kept as text; the algorithm's Options dataclass checks the result."""
     import json
@@ -96,7 +101,7 @@ def parse_options(items: list[str]) -> dict[str, Any]:
     for item in items:
         key, sep, text = item.partition("=")
         if not sep or not key:
-            raise ConfigError(f"--option takes KEY=VALUE, got {item!r:.80}")
+            raise ConfigError(f"{flag} takes KEY=VALUE, got {item!r:.80}")
         try:
             value = json.loads(text)
         except json.JSONDecodeError:

@@ -4,6 +4,8 @@ database's counters that ``/metrics`` exposes to Prometheus (they survive restar
 
 from __future__ import annotations
 
+import math
+
 import statistics
 from dataclasses import dataclass
 from typing import Any
@@ -97,7 +99,8 @@ class Metrics:
         if cfg.privacy is not None:  # every published round released a noised base: it spent its share
             for row in out:
                 if row["round"] >= 1 and row["closed_at"] is not None:
-                    row["epsilon"] = epsilon(cfg, row["round"])
+                    eps = epsilon(cfg, row["round"])
+                    row["epsilon"] = eps if math.isfinite(eps) else None  # no noise: unbounded (JSON has no inf)
         return {"federation": fed_id, "rounds": out}
 
     def devices(self, fed_id: str) -> list[dict[str, Any]]:

@@ -217,6 +217,27 @@ def test_sampled_fedper_devices_end_with_the_simulators_models(tmp_path: Path) -
     assert reported == want, rounds
 
 
+def test_private_fedper_devices_end_with_the_simulators_models(tmp_path: Path) -> None:
+    """Differential privacy (docs/privacy.md) on four device processes: Poisson draws at rate 0.5, each device's
+    update clipped on the device, the server's private mean noised from the seed's stream (``secret_noise =
+    false``, the simulator's): every device ends with the simulator's model, each round took its draw's updates,
+    and the server reports the simulator's epsilon for every round."""
+    from pfl_edge.algorithms.participants import sampled_slots
+
+    privacy = {"clip": 0.3, "noise_multiplier": 0.4, "delta": 1e-3, "secret_noise": False}
+    cfg = SimConfig(algorithm="fedper", clients=4, kp=2, participation=0.5, privacy=privacy, **{**BASE, "rounds": 3})
+    fed = _run(tmp_path / "run", cfg.to_dict(), ["phone-mid"] * 4, broker="embedded")
+    try:
+        rounds = fed.get(f"{API_PREFIX}/federations/{fed.fed}/metrics")["rounds"]
+    finally:
+        fed.close()
+    assert_simulator_models(cfg, tmp_path)
+    sim = simulate(cfg, progress=False)
+    drawn = [sampled_slots(cfg.seed, t, 4, 0.5, True) or frozenset(range(4)) for t in (1, 2, 3)]
+    assert [r["updates"] for r in rounds if r["round"] >= 1] == [len(d) for d in drawn]
+    assert [r["epsilon"] for r in rounds if r["round"] >= 1] == pytest.approx([r["epsilon"] for r in sim["rounds"]])
+
+
 def test_dispfl_devices_end_with_the_simulators_models(tmp_path: Path, broker: str) -> None:
     profiles = ["phone-low", "phone-mid", "phone-high", "jetson-orin-nano"]
     from device_profiles import get_profile
