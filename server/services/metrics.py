@@ -5,7 +5,6 @@ database's counters that ``/metrics`` exposes to Prometheus (they survive restar
 from __future__ import annotations
 
 import math
-
 import statistics
 from dataclasses import dataclass
 from typing import Any
