@@ -36,7 +36,8 @@ NEVER = {
 CORE_LIBRARIES = {"torch", "numpy", "pydantic", "matplotlib", "tqdm", "rich", "safetensors", "PIL",
                   "tomli",  # pfl_edge.compat's tomllib on Python 3.10 (a device)
                   "ray",  # ray: the optional extra, pfl_edge/sim/ray_backend.py alone, imported lazily
-                  "opacus"}  # the privacy accountant, pfl_edge/privacy.py, imported lazily (never on a device)
+                  "opacus",  # the privacy accountant, pfl_edge/privacy.py, imported lazily (never on a device)
+                  "cryptography"}  # secure aggregation's X25519, HKDF, AES (pfl_edge/secagg/crypto.py)
 ALLOWED = {"pfl_edge/cli"}  # the CLI imports the other packages (lazily, per subcommand)
 
 

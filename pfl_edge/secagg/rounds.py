@@ -1,0 +1,80 @@
+"""A SecAgg+ round in one process (``run_round``): every client's and the server's steps in order, clients
+dropping out where asked, with what each step sends and how long each side computes. The tests and the cost
+benchmark (bench/secagg_cost.py) run it; a federation would carry the same messages over its HTTP API."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .protocol import Client, Params, Server
+
+__all__ = ["RoundCost", "run_round"]
+
+STEPS = ("advertise", "share", "input", "unmask")
+
+
+@dataclass
+class RoundCost:
+    """What a round cost: bytes each client sent and received (summed over clients, per step), the clients'
+    compute (seconds, summed and the most any one spent) and the server's."""
+
+    sent: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STEPS, 0))
+    received: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STEPS, 0))
+    client_s: dict[int, float] = field(default_factory=dict)
+    server_s: float = 0.0
+
+    def client(self, cid: int, seconds: float) -> None:
+        self.client_s[cid] = self.client_s.get(cid, 0.0) + seconds
+
+
+def run_round(inputs: Mapping[int, np.ndarray], params: Params, seed: int, *,
+              drop: Mapping[str, Collection[int]] | None = None) -> tuple[np.ndarray, frozenset[int], RoundCost]:
+    """The sum (mod 2^32) of the survivors' inputs as the server unmasks it, the survivors, and the cost.
+    ``drop``: step name -> the clients that leave before sending that step's message ("share": after advertising;
+    "input": after sharing keys, the case SecAgg+ recovers from; "unmask": after sending their input)."""
+    gone: set[int] = set()
+    drop = drop or {}
+    cost = RoundCost()
+    clients = {cid: Client(cid, params) for cid in inputs}
+    server = Server(params, seed)
+
+    def timed(cid: int, fn, *args):  # type: ignore[no-untyped-def]
+        t0 = time.perf_counter()
+        out = fn(*args)
+        cost.client(cid, time.perf_counter() - t0)
+        return out
+
+    adverts = [timed(c.cid, c.advertise) for c in clients.values()]
+    cost.sent["advertise"] = len(adverts) * (4 + 64)
+    t0 = time.perf_counter()
+    nbrs = server.advertised(adverts)
+    cost.server_s += time.perf_counter() - t0
+    gone |= set(drop.get("share", ()))
+    for cid, c in clients.items():
+        cost.received["advertise"] += len(nbrs[cid]) * (4 + 64)
+        if cid not in gone:
+            boxes = timed(cid, c.share_keys, nbrs[cid])
+            cost.sent["share"] += sum(4 + len(b) for b in boxes.values())
+            server.route(cid, boxes)
+    gone |= set(drop.get("input", ()))
+    for cid, c in clients.items():
+        if cid not in gone:
+            inbox = server.inbox(cid)
+            cost.received["share"] += sum(4 + len(b) for b in inbox.values())
+            server.receive(cid, timed(cid, c.masked_input, inputs[cid], inbox))
+            cost.sent["input"] += 4 * params.size
+    survivors, dropped = server.unmask_request()
+    gone |= set(drop.get("unmask", ()))
+    for cid in survivors - gone:
+        cost.received["unmask"] += 4 * (len(survivors) + len(dropped))
+        shares = timed(cid, clients[cid].unmask, survivors, dropped)
+        cost.sent["unmask"] += sum(4 + 1 + len(s) for _, s in shares.values())
+        server.collect(cid, shares)
+    t0 = time.perf_counter()
+    total = server.total()
+    cost.server_s += time.perf_counter() - t0
+    return total, survivors, cost
