@@ -94,6 +94,10 @@ class FederationConfig:
     participation: float = 1.0
     samples_per_client: int | None = None
     test_per_client: int | None = None
+    # how each client's test set is drawn: "disjoint" (no test sample in two clients) or "shared" (each client's
+    # on its own from the whole split, the DisPFL reference's); None: shared for the reference's splits
+    # (pathological-random, dirichlet-client), disjoint for the others (pfl_edge.data.partition)
+    test_draw: Literal["disjoint", "shared"] | None = None
     ft_epochs: int = 1
     local_norm_stats: bool = False
     # each client's capacity where no device profile gives one: its mask's density (DisPFL)
@@ -124,6 +128,8 @@ class FederationConfig:
             raise ConfigError(f"participation must be in (0, 1], got {self.participation}")
         if self.base not in ("deep", "linear"):
             raise ConfigError(f"base must be 'deep' or 'linear', got {self.base!r}")
+        if self.test_draw not in (None, "disjoint", "shared"):
+            raise ConfigError(f"test_draw must be disjoint or shared (or unset), got {self.test_draw!r:.40}")
         if self.engine not in ("auto", "vmap", "loop"):
             raise ConfigError(f"engine must be auto, vmap or loop, got {self.engine!r}")
         for d in (self.density, *(self.densities or ())):
@@ -237,7 +243,7 @@ def deal_arrays(cfg: FederationConfig, index: int, *, data_dir: str | None = Non
     a.image_size)``."""
     return client_arrays(cfg.dataset, cfg.partition, cfg.clients, index, _partition_rng(cfg),
                          data_dir=data_dir or cfg.data_dir, samples_per_client=cfg.samples_per_client,
-                         test_per_client=cfg.test_per_client)
+                         test_per_client=cfg.test_per_client, test_draw=cfg.test_draw)
 
 
 def _partition_rng(cfg: FederationConfig) -> np.random.Generator:
@@ -251,7 +257,8 @@ def _deal(cfg: FederationConfig, lab: Labels) -> tuple[Partition, ModelSpec]:
                           "so there is nothing to deal; the simulator, and a device without its own data, need a "
                           f"dealt partition ({', '.join(list_partitioners())})")
     part = partition(cfg.partition, lab.train_y, lab.test_y, cfg.clients, lab.num_classes, _partition_rng(cfg),
-                     samples_per_client=cfg.samples_per_client, test_per_client=cfg.test_per_client)
+                     samples_per_client=cfg.samples_per_client, test_per_client=cfg.test_per_client,
+                     test_draw=cfg.test_draw)
     return part, model_spec(cfg, part.num_classes, lab.in_channels, lab.image_size)
 
 

@@ -32,6 +32,8 @@ _SIM_FLAGS: list[tuple[str, type, str]] = [
     ("participation", float, "fraction of clients sampled per round"),
     ("samples-per-client", int, "cap on training samples per client"),
     ("test-per-client", int, "test samples per client (default ceil(test split / clients))"),
+    ("test-draw", str, "disjoint (no test image in two clients) | shared (each client's test set on its own, the "
+                       "DisPFL reference's; the default for pathological-random and dirichlet-client)"),
     ("ft-epochs", int, "-ft algorithms: fine-tuning epochs"),
     ("topology", str, "decentralized algorithms' option: random:K | ring | full"),
     ("density", float, "DisPFL: every client's density (1 - sparsity)"),

@@ -50,6 +50,7 @@ def client_arrays(
     data_dir: str | Path | None = None,
     samples_per_client: int | None = None,
     test_per_client: int | None = None,
+    test_draw: str | None = None,
 ) -> ClientArrays:
     """Client ``index``'s data when ``dataset`` is dealt to ``num_clients`` by partition ``spec`` with ``rng``
     (the federation's: ``pfl_edge.seeding.numpy_rng(cfg.seed, Stream.PARTITION.value)``, a fresh one per
@@ -60,7 +61,8 @@ def client_arrays(
         raise ConfigError(f"partition index {index} out of range for {num_clients} partitions")
     ds = get_arrays(dataset, data_dir=data_dir)
     part = partition_arrays(spec, ds.train_y, ds.test_y, num_clients, ds.num_classes, rng,
-                            samples_per_client=samples_per_client, test_per_client=test_per_client)
+                            samples_per_client=samples_per_client, test_per_client=test_per_client,
+                            test_draw=test_draw)
     c = part.clients[index]
     return ClientArrays(ds.train_x[c.train_idx], c.train_y, ds.test_x[c.test_idx], c.test_y, part.num_classes,
                         None if part.label_maps is None else part.label_maps[index])

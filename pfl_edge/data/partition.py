@@ -6,9 +6,13 @@ Specs are ``name`` or ``name:ARG``: ``iid``, ``pathological:K``, ``dirichlet:ALP
 ``preference:P``, the probability that a user re-draws a class's rating; 0.1 by default). Register a new one with
 ``@register_partitioner``.
 
-Every client's test set follows the label distribution of its training set, is drawn from the test split, and
-no sample (train or test) goes to two clients, except a training sample of ``pathological-random``'s where a class
-runs out (the reference deals it again).
+Every client's test set follows the label distribution of its training set and is drawn from the test split, in
+one of two ways (``test_draw``): ``disjoint`` gives each test sample to one client at most (a class asked for more
+often than the split holds is scaled down for everyone who asks); ``shared`` draws each client's test set on its
+own from the whole split, as the DisPFL reference does (``ceil(share_c x per)`` samples of each class c, images
+shared between clients), the default for the reference's splits (``pathological-random``, ``dirichlet-client``).
+No training sample goes to two clients, except ``pathological-random``'s where a class runs out (the reference
+deals it again).
 
 The deal is numpy's (``partition_arrays``, no torch needed); ``partition`` is the same deal with the indices and
 labels as tensors sharing its arrays' memory.
@@ -25,16 +29,19 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ..errors import ConfigError, DataError, UnknownNameError
+from .testdraw import draw_disjoint, draw_shared
 
 if TYPE_CHECKING:  # torch is imported where a tensor is made: pfl_edge.data imports without it
     from torch import Tensor
 
 __all__ = [
+    "TEST_DRAWS",
     "ClientData",
     "ClientIndices",
     "Partition",
     "PartitionArrays",
     "PartitionerFn",
+    "default_test_draw",
     "list_partitioners",
     "partition",
     "partition_arrays",
@@ -42,6 +49,14 @@ __all__ = [
 ]
 
 NUM_RATINGS = 5  # the preference task's ratings
+TEST_DRAWS = ("disjoint", "shared")
+# the DisPFL reference's splits: their test sets are drawn as the reference draws them, unless a config says
+_SHARED_BY_DEFAULT = ("pathological-random", "dirichlet-client")
+
+
+def default_test_draw(spec: str) -> str:
+    """How a partition ``spec``'s test sets are drawn when the config leaves ``test_draw`` unset."""
+    return "shared" if spec.partition(":")[0] in _SHARED_BY_DEFAULT else "disjoint"
 
 
 @dataclass(frozen=True, eq=False)
@@ -134,11 +149,13 @@ def partition(
     *,
     samples_per_client: int | None = None,
     test_per_client: int | None = None,
+    test_draw: str | None = None,
 ) -> Partition:
     """Deal the data out (``partition_arrays``'s deal, as tensors). ``test_per_client`` defaults to
     ceil(len(test) / num_clients), as in DisPFL."""
     return Partition.of(partition_arrays(spec, train_y.numpy(), test_y.numpy(), num_clients, num_classes, rng,
-                                         samples_per_client=samples_per_client, test_per_client=test_per_client))
+                                         samples_per_client=samples_per_client, test_per_client=test_per_client,
+                                         test_draw=test_draw))
 
 
 def partition_arrays(
@@ -151,9 +168,14 @@ def partition_arrays(
     *,
     samples_per_client: int | None = None,
     test_per_client: int | None = None,
+    test_draw: str | None = None,
 ) -> PartitionArrays:
     """Deal the data out, in numpy: the train and test labels (int64) in, each client's indices and labels out.
-    ``test_per_client`` defaults to ceil(len(test) / num_clients), as in DisPFL."""
+    ``test_per_client`` defaults to ceil(len(test) / num_clients), as in DisPFL; ``test_draw`` (None: the
+    spec's ``default_test_draw``) is ``"disjoint"`` or ``"shared"`` (module docstring)."""
+    draw = default_test_draw(spec) if test_draw is None else test_draw
+    if draw not in TEST_DRAWS:
+        raise ConfigError(f"test_draw must be one of {', '.join(TEST_DRAWS)}, got {draw!r:.40}")
     name, _, arg = spec.partition(":")
     if name not in _PARTITIONERS:
         raise UnknownNameError("partitioner", name, list_partitioners())
@@ -172,7 +194,7 @@ def partition_arrays(
             raise DataError(f"partition {spec!r} left client {i} without training data; use fewer clients")
     per = test_per_client if test_per_client is not None else math.ceil(len(test_y) / num_clients)
     counts = np.stack([np.bincount(ytr[p], minlength=num_classes) for p in parts])
-    test_parts = _draw_test(yte, counts, per, rng)
+    test_parts = (draw_shared if draw == "shared" else draw_disjoint)(yte, counts, per, rng)
     for i, q in enumerate(test_parts):
         if len(q) == 0:
             raise DataError(f"client {i} got no test samples (its classes are exhausted in the test split); "
@@ -188,29 +210,6 @@ def partition_arrays(
         NUM_RATINGS if maps is not None else num_classes,
         None if maps is None else tuple(tuple(int(v) for v in m) for m in maps),
     )
-
-
-def _draw_test(yte: np.ndarray, counts: np.ndarray, per: int, rng: np.random.Generator) -> list[np.ndarray]:
-    """Each client's test indices in proportion to its train label counts; a class asked for more often than
-    the test split holds is scaled down for every client that asks, so no test sample is used twice."""
-    n_clients, n_classes = counts.shape
-    want = np.zeros_like(counts)
-    for i in range(n_clients):
-        exact = per * counts[i] / counts[i].sum()
-        w = np.floor(exact).astype(np.int64)
-        rest = per - w.sum()  # largest remainders get the rest
-        w[np.argsort(-(exact - w), kind="stable")[:rest]] += 1
-        want[i] = w
-    out: list[list[np.ndarray]] = [[] for _ in range(n_clients)]
-    for c in range(n_classes):
-        pool = rng.permutation(np.flatnonzero(yte == c))
-        demand = want[:, c]
-        if demand.sum() > len(pool):
-            demand = np.floor(demand * len(pool) / demand.sum()).astype(np.int64)
-        ends = np.cumsum(demand)
-        for i in range(n_clients):
-            out[i].append(pool[ends[i] - demand[i]: ends[i]])
-    return [np.sort(np.concatenate(o)) for o in out]
 
 
 def _float_arg(arg: str | None, name: str) -> float:

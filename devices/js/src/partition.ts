@@ -29,7 +29,16 @@ export interface DealSpec {
   seed: bigint | number;
   samplesPerClient?: number | null;
   testPerClient?: number | null;
+  /** 'disjoint' | 'shared'; null or absent: the partition's default (`defaultTestDraw`). */
+  testDraw?: string | null;
 }
+
+/** The DisPFL reference's splits, whose test sets are drawn shared unless the config says (pfl_edge's rule). */
+const SHARED_BY_DEFAULT = ['pathological-random', 'dirichlet-client'];
+
+/** `default_test_draw`: how a partition's test sets are drawn when the config leaves `test_draw` unset. */
+export const defaultTestDraw = (partition: string): string =>
+  SHARED_BY_DEFAULT.includes(partition.split(':')[0]!) ? 'shared' : 'disjoint';
 
 type Labels = ArrayLike<number>;
 
@@ -169,6 +178,26 @@ function drawTest(yte: Labels, counts: number[][], per: number, rng: NumpyGenera
   return out;
 }
 
+/**
+ * `draw_shared`, the DisPFL reference's draw: per slot, per class c it trains on, `ceil(n_c / n * per)` distinct
+ * test samples of class c from a fresh permutation of the class's whole pool (shared between slots).
+ */
+function drawShared(yte: Labels, counts: number[][], per: number, rng: NumpyGenerator): number[][] {
+  const pools = counts[0]!.map((_, c) => flatnonzeroEq(yte, c));
+  return counts.map((row) => {
+    const total = row.reduce((a, b) => a + b, 0);
+    const out: number[] = [];
+    row.forEach((v, c) => {
+      if (!v) return;
+      const pool = pools[c]!;
+      const perm = rng.permutation(pool.length);
+      const k = Math.min(pool.length, Math.ceil((v / total) * per));
+      for (let j = 0; j < k; j++) out.push(pool[perm[j]!]!);
+    });
+    return out;
+  });
+}
+
 const sorted = (a: number[]): Int32Array => Int32Array.from(a).sort();
 
 /**
@@ -202,7 +231,9 @@ export function deal(sha256: Sha256, trainY: Labels, testY: Labels, numClasses: 
     for (const i of p) c[trainY[i]!]! += 1;
     return c;
   });
-  const testIdx = drawTest(testY, counts, per, rng).map(sorted);
+  const draw = spec.testDraw ?? defaultTestDraw(spec.partition);
+  if (draw !== 'shared' && draw !== 'disjoint') throw new DealError(`test_draw must be disjoint or shared, got '${draw}'`);
+  const testIdx = (draw === 'shared' ? drawShared : drawTest)(testY, counts, per, rng).map(sorted);
   testIdx.forEach((q, i) => {
     if (q.length === 0) throw new DealError(`client ${i} got no test samples (its classes are exhausted in the test split)`);
   });

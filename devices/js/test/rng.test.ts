@@ -64,7 +64,7 @@ test('the deal of Fashion-MNIST equals pfl-edge\'s', { skip: haveFmnist ? false 
   for (const c of deals.cases) {
     const shares = deal(nodeSha256, labels.train, labels.test, 10, {
       partition: c.partition, clients: c.clients, seed: c.seed, samplesPerClient: c.samples_per_client,
-      testPerClient: c.test_per_client,
+      testPerClient: c.test_per_client, testDraw: c.test_draw,
     });
     shares.forEach((s, i) => {
       const what = `${c.partition} clients ${c.clients} seed ${c.seed} slot ${i}`;

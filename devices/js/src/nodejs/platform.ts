@@ -84,6 +84,7 @@ export async function loadSlotData(config: Record<string, unknown>, slot: number
   const num = (k: string): number | null => (typeof config[k] === 'number' ? (config[k] as number) : null);
   const shares = deal(nodeSha256, raw.train.y, raw.test.y, raw.numClasses, {
     partition, clients: Number(config['clients']), seed, samplesPerClient: num('samples_per_client'), testPerClient: num('test_per_client'),
+    testDraw: typeof config['test_draw'] === 'string' ? config['test_draw'] : null,
   });
   const share = shares[slot];
   if (share === undefined) throw new CardError(`slot ${slot} is out of range for ${shares.length} partitions`);
