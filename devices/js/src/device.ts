@@ -14,6 +14,7 @@ import { type EnrolConfig, EnrolRefused, Tokens, enrol, renew } from './enrol.js
 import { Http, HttpError, Stopped, sleep } from './http.js';
 import { type Enrolment, type RoundAnnouncement, type Task, federationState, parseBrokerInfo, parseTask, parseUpdateAccepted } from './messages.js';
 import { Bell, type MqttConnect } from './mqtt.js';
+import { privatize } from './privacy.js';
 import { MT19937, Stream, mtStream } from './rng.js';
 import type { Weights } from './sgd.js';
 import { toHex, type Sha256 } from './sha256.js';
@@ -142,6 +143,12 @@ export class Device {
     this.config = enr.config;
     if (!SUPPORTED.includes(this.algorithm)) {
       throw new CardError(`this device runs ${SUPPORTED.join(', ')}; federation ${enr.federation} runs ${this.algorithm}`);
+    }
+    const privacy = this.config['privacy'] as Record<string, unknown> | null | undefined;
+    if (privacy && privacy['mode'] === 'distributed') {
+      // its update would go without its share of the noise, and the server could not tell (docs/privacy.md)
+      throw new CardError(`federation ${enr.federation} adds differential privacy's noise on its devices ` +
+        '(privacy.mode "distributed"); this device does not: run the Python agent');
     }
     if (this.cfg.partitionId !== null && this.cfg.partitionId !== enr.index && Number(this.config['participation'] ?? 1) >= 1) {
       throw new EnrolRefused(`asked for partition ${this.cfg.partitionId} but the server gave slot ${enr.index}`);
@@ -444,6 +451,15 @@ export class Device {
 
   // ------------------------------------------------------------------------------------------------ FedPer
 
+  /**
+   * `pfl_edge.privacy.privatize` (central mode): under a federation's `privacy` table, what it sends of `state`
+   * is `base` plus its update clipped to `clip * (1 - 1e-6)` in L2 over the base tensors; else `state` itself.
+   */
+  private privatized(state: Weights, base: Weights): Weights {
+    const privacy = this.config['privacy'] as Record<string, unknown> | null | undefined;
+    return privacy ? privatize(state, base, this.card.baseKeys, Number(privacy['clip'])) : state;
+  }
+
   /** Puts the base part `base` on `state` (its personal tensors kept); the base must hold exactly its base keys. */
   private withBase(state: Weights, base: Weights): Weights {
     const want = new Set(this.card.baseKeys);
@@ -488,14 +504,16 @@ export class Device {
   private async round(task: Task, prog: Progress): Promise<void> {
     const t = task.round;
     const saved = await this.loadModel();
+    if (task.base === null || task.base === undefined) throw new UnusableModel(`round ${t}'s task names no base`);
+    const down = { bytes: 0 };
     if (saved.round === t) {
       // trained in round t before a restart, not staged: send that, never train twice
-      await this.stageUpload(prog, t, this.encodeModel(saved.state, this.card.baseKeys, t), saved.metrics, null, null);
+      const sent = this.config['privacy'] ? this.privatized(saved.state, this.decodeModel(await this.fetchBlob(task.base, down)).tensors)
+        : saved.state;
+      await this.stageUpload(prog, t, this.encodeModel(sent, this.card.baseKeys, t), saved.metrics, null, null);
       await this.flushUpload();
       return;
     }
-    if (task.base === null || task.base === undefined) throw new UnusableModel(`round ${t}'s task names no base`);
-    const down = { bytes: 0 };
     const base = this.decodeModel(await this.fetchBlob(task.base, down)).tensors;
     const state = this.withBase(saved.state, base);
     const prev = prog.round >= 1 ? t - 1 : 0;
@@ -527,7 +545,8 @@ export class Device {
       (metrics.length ? `; round ${prev}: accuracy ${metrics[0]!.accuracy.toFixed(4)}` : ''));
     prog.stats[String(t)] = { bytes_up: 0, bytes_down: down.bytes, train_s: trainS, step_ms: (1e3 * trainS) / Math.max(steps, 1) };
     await this.saveModel(state, t, metrics, personal);
-    await this.stageUpload(prog, t, this.encodeModel(state, this.card.baseKeys, t), metrics, st.loss, trainS);
+    await this.stageUpload(prog, t, this.encodeModel(this.privatized(state, base), this.card.baseKeys, t), metrics, st.loss,
+      trainS);
     await this.flushUpload();
   }
 
