@@ -301,7 +301,7 @@ def check_device_config(cfg: FederationConfig) -> None:
         if dp.mode == "distributed" and dp.noise_multiplier is None:
             raise ConfigError("privacy: a distributed-mode device noises its own update, so it needs the noise "
                               "multiplier itself (it runs no accountant): give noise_multiplier (pfl-edge privacy "
-                              "finds the one for a target epsilon)")
+                              "--target-epsilon E --rounds T finds the one for a target)")
         noise_multiplier(cfg)  # a target epsilon no noise reaches fails at creation, not at round 1
 
 

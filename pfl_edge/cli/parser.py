@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from ..errors import PflEdgeError
-from . import bundle, client, demo, export, info, profile, report, server, simulate
+from . import bundle, client, demo, export, info, privacy, profile, report, server, simulate
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.register(sub)
     demo.register(sub)
     report.register(sub)
+    privacy.register(sub)
     server.register(sub)
     client.register(sub)
     bundle.register(sub)

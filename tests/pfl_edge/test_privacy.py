@@ -214,3 +214,17 @@ def test_a_private_simulation_reports_its_epsilon_and_repeats() -> None:
     plain = simulate(cfg.replace(privacy=None), progress=False)
     assert [r["client_acc"] for r in plain["rounds"]] != [r["client_acc"] for r in a["rounds"]]
     assert "epsilon" not in plain["rounds"][0] and "privacy" not in plain
+
+
+def test_the_privacy_command_answers_as_the_accountant(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from pfl_edge.cli import main
+
+    assert main(["privacy", "--target-epsilon", "3", "--rounds", "40", "--participation", "0.25", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    cfg = _cfg(target_epsilon=3.0, participation=0.25, rounds=40, clients=1000)
+    assert got["noise_multiplier"] == noise_multiplier(cfg) and got["epsilon"]["40"] == epsilon(cfg, 40) <= 3.0
+    assert main(["privacy", "--noise-multiplier", "0", "--rounds", "5", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["epsilon"]["5"] is None  # no noise: unbounded
+    assert main(["privacy", "--rounds", "5"]) == 2 and "exactly one" in capsys.readouterr().err
