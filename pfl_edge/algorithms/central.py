@@ -16,7 +16,7 @@ import numpy as np
 
 from ..arrays import Array as Tensor
 from ..arrays import Stack, broadcast_rows, copy, unstack
-from ..errors import InternalError
+from ..errors import DivergedError, InternalError
 from ..privacy import device_noise, private_mean, privatize, round_noise
 from ..seeding import Stream
 from ..sgd import TrainConfig, TrainResult
@@ -237,6 +237,11 @@ class Central(Algorithm):
         return DeviceRound(new, Upload(sent), metrics, train_loss=float(res.loss[0]), steps=int(res.steps[0]))
 
 
+def all_finite(state: Mapping[str, Tensor]) -> bool:
+    """No NaN or Inf in any floating tensor of ``state``."""
+    return all(bool(v.isfinite().all()) for v in state.values() if v.is_floating_point())
+
+
 class CentralSimulation(Simulation):
     """Every client of a server-coordinated algorithm: the drawn clients train (``local_round``) from the base
     under their own blocks and send it (``upload``), the base is averaged (``aggregate``), every client takes it
@@ -282,6 +287,11 @@ class CentralSimulation(Simulation):
         uploads = self._trained(t, participants, losses)
         if self.base is not None:
             self.base = algo.aggregate(self.base, uploads, noise=round_noise(algo.cfg, t))
+            if self.base is not None and not all_finite(self.base):
+                raise DivergedError(f"round {t}: the shared base holds NaN/Inf (a client's training diverged"
+                                    + ("; under differential privacy the noise, z clip / (q N) per coordinate, may "
+                                       "be too large for this model: more clients, or a larger epsilon)"
+                                       if algo.cfg.privacy is not None else ": a smaller learning rate)"))
         for _ in uploads:  # nothing shared (local): train all the same
             pass
         n = len(everyone)

@@ -156,7 +156,8 @@ def _record(t: int, st: RoundStats, wall: float) -> dict[str, Any]:
         "std_acc": _pstd(accs),
         "client_acc": accs,
         "client_loss": st.client_loss,
-        "train_loss": st.train_loss,
+        # null where the round trained nobody (differential privacy's Poisson draw may draw nobody)
+        "train_loss": st.train_loss if math.isfinite(st.train_loss) else None,
         "bytes_up": sum(st.client_bytes_up),
         "bytes_down": sum(st.client_bytes_down),
         "client_bytes_up": st.client_bytes_up,

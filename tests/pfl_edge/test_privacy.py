@@ -228,3 +228,20 @@ def test_the_privacy_command_answers_as_the_accountant(capsys: pytest.CaptureFix
     assert main(["privacy", "--noise-multiplier", "0", "--rounds", "5", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["epsilon"]["5"] is None  # no noise: unbounded
     assert main(["privacy", "--rounds", "5"]) == 2 and "exactly one" in capsys.readouterr().err
+
+
+def test_a_round_that_draws_nobody_still_releases_noise_and_too_much_noise_is_named() -> None:
+    from pfl_edge.errors import DivergedError
+
+    cfg = _cfg(noise_multiplier=0.01, participation=0.1, rounds=6, secret_noise=False)
+    drawn = [sampled_slots(cfg.seed, t, 8, 0.1, True) for t in range(1, 7)]
+    assert frozenset() in drawn  # this seed's draw has empty rounds
+    res = simulate(cfg, progress=False)
+    for r, d in zip(res["rounds"][1:], drawn[1:], strict=True):
+        if not d:  # nobody trained: no loss, no FLOPs, but the base moved by the round's noise alone
+            assert r["participants"] == [] and r["train_loss"] is None and r["flops"] == 0
+    empty = next(t for t, d in enumerate(drawn, 1) if not d and t > 1)
+    before, after = res["rounds"][empty - 2]["client_loss"], res["rounds"][empty - 1]["client_loss"]
+    assert before != after  # the noise was released: what the clients deploy changed
+    with pytest.raises(DivergedError, match="noise"):
+        simulate(cfg.replace(privacy={"clip": 1.0, "noise_multiplier": 1.0, "delta": 1e-3}), progress=False)
