@@ -50,7 +50,16 @@ def _headline(s: Mapping[str, Any]) -> list[str]:
         "rounds closed short of quorum: " + (", ".join(map(str, short[:20])) if short else "none")
         + (f" ... ({len(short)} in all)" if len(short) > 20 else "")
         + ("" if s["quorum"] is not None else " (quorum unknown)"),
+        *_privacy_line(s.get("privacy")),
     ]
+
+
+def _privacy_line(p: Mapping[str, Any] | None) -> list[str]:
+    if not p:
+        return []
+    eps = "unbounded (no noise)" if p["epsilon"] is None else _f(p["epsilon"], 2)
+    return [f"differential privacy ({p['mode']}): epsilon {eps} at delta {p['delta']:g} after {p['rounds']} rounds "
+            f"(noise multiplier {_f(p['noise_multiplier'], 3)}, clip {p['clip']:g}; Opacus's RDP accountant)"]
 
 
 def _profiles_table(s: Mapping[str, Any]) -> Block:

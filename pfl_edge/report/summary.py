@@ -80,6 +80,28 @@ def _server_total(devices: Sequence[dict[str, Any]], key: str) -> int | None:
     return sum(vals) if vals else None
 
 
+def _privacy(run: Run, rounds: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """Differential privacy's spend (docs/privacy.md) where the run's config has a ``privacy`` table: the
+    accountant's epsilon after the rounds that released a base (a live round once closed; every simulated one)."""
+    from ..errors import ConfigError
+    from ..federation import FederationConfig
+    from ..privacy import epsilon, noise_multiplier
+
+    if not run.config.get("privacy"):
+        return None
+    try:
+        cfg = FederationConfig.from_dict(dict(run.config))
+    except (ConfigError, TypeError):  # a config this version cannot read: say nothing rather than guess
+        return None
+    dp = cfg.dp
+    released = [r["round"] for r in rounds if r["round"] >= 1 and (r["state"] is None or r["state"] in CLOSED_STATES)]
+    t = max(released, default=0)
+    eps = epsilon(cfg, t)
+    return {"rounds": t, "epsilon": eps if math.isfinite(eps) else None, "delta": dp.delta if dp else None,
+            "noise_multiplier": noise_multiplier(cfg), "clip": dp.clip if dp else None,
+            "mode": dp.mode if dp else None}
+
+
 def summarise(run: Run) -> dict[str, Any]:
     """The whole report as JSON-ready data. ``final`` is the last round any device reported an accuracy of."""
     rounds = [_round_row(r, run.quorum) for r in run.rounds]
@@ -98,4 +120,4 @@ def summarise(run: Run) -> dict[str, Any]:
     return {"source": run.source, "name": run.name, "algorithm": run.algorithm, "state": run.state,
             "rounds_planned": run.rounds_planned, "quorum": run.quorum, "devices_count": len(devices),
             "final": final, "rounds": rounds, "devices": devices, "profiles": _profile_rows(devices),
-            "config": dict(run.config)}
+            "config": dict(run.config), "privacy": _privacy(run, rounds)}

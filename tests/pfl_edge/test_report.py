@@ -270,3 +270,19 @@ def test_a_live_federation_over_http(live: tuple[str, str], tmp_path: Path,
     assert "the server answered 401" in capsys.readouterr().err
     assert main([*args[:4], "no-such-fed", *args[5:]]) == 2
     assert "answered 40" in capsys.readouterr().err
+
+
+def test_a_private_run_reports_the_epsilon_it_spent(tmp_path: Path) -> None:
+    """A simulated run with a privacy table: report.json and the page give the simulator's own final epsilon;
+    a run without one says nothing of privacy."""
+    out = tmp_path / "dp.json"
+    assert main(["simulate", "--algorithm", "fedper", "--dataset", "synthetic", "--clients", "4", "--rounds", "2",
+                 "--samples-per-client", "20", "--test-per-client", "20", "--local-epochs", "1", "--workers", "1",
+                 "--privacy", "clip=0.5", "--privacy", "noise_multiplier=0.8", "--privacy", "delta=0.001",
+                 "--out", str(out), "--no-progress"]) == 0
+    result = json.loads(out.read_text())
+    assert main(["report", str(out)]) == 0
+    rep = json.loads((tmp_path / "dp-report" / "report.json").read_text())
+    assert rep["privacy"]["rounds"] == 2 and rep["privacy"]["epsilon"] == pytest.approx(result["privacy"]["epsilon"])
+    assert rep["privacy"]["noise_multiplier"] == 0.8 and rep["privacy"]["delta"] == 0.001
+    assert "differential privacy (central): epsilon" in (tmp_path / "dp-report" / "report.md").read_text()
