@@ -106,3 +106,14 @@ def test_an_upload_is_what_privatize_made_of_it() -> None:
     sent = privatize(cfg, start, {"w": start["w"] + torch.randn(1000, generator=g)})
     back = decode(encode(sent, model_id="m", round=1)).tensors["w"]
     assert float((back.double() - start["w"].double()).norm()) <= 0.5
+
+
+def test_a_private_federation_takes_devices_of_one_base_only(srv: BackgroundServer) -> None:
+    """Capacities from profiles: a device whose profile keeps another K_P than the federation's would send
+    another base, which the private mean would shrink; it is refused, and one that fits enrols."""
+    c = httpx.Client(base_url=srv.url, timeout=30)
+    create(c, ADMIN, "dpk", {**PRIVATE, "kp": 1}, profile_capacity=True)
+    r = c.post("/v1/devices", json={"federation": "dpk", "enrol_secret": SECRET, "profile": "phone-mid"})
+    assert r.status_code == 422 and "share one base" in r.text
+    create(c, ADMIN, "dpk2", {**PRIVATE, "kp": 2}, profile_capacity=True)
+    assert Dev(c, "dpk2").e["kp"] == 2
