@@ -31,7 +31,7 @@ from .data import (
     partition,
 )
 from .errors import ConfigError
-from .privacy import PrivacyConfig, noise_multiplier
+from .privacy import PrivacyConfig, SecAggConfig, noise_multiplier
 from .protocol import MAX_CLIENTS, MAX_ROUND
 from .seeding import Stream, derive_seed, numpy_rng, stream
 from .sgd import TrainConfig
@@ -109,6 +109,9 @@ class FederationConfig:
     # differential privacy of the shared part (pfl_edge.privacy.PrivacyConfig's keys: clip, noise_multiplier or
     # target_epsilon, delta, mode, secret_noise); a TOML config gives it as a ``[privacy]`` table
     privacy: dict[str, Any] | None = None
+    # secure aggregation of the shared part (pfl_edge.secagg.SecAggConfig's keys: bound, bits, degree, threshold);
+    # a TOML config gives it as a ``[secure_aggregation]`` table; the simulator's only, for now (docs/secagg.md)
+    secure_aggregation: dict[str, Any] | None = None
     engine: Literal["auto", "vmap", "loop"] = "auto"
     workers: int | None = None  # training processes; None: one per core
     seed: int = 0
@@ -146,6 +149,10 @@ class FederationConfig:
         if dp is not None:
             dp.check(self.clients)
             algo.check_privacy(self)
+        sa = SecAggConfig.parse(self.secure_aggregation)
+        if sa is not None:
+            algo.check_privacy(self)  # what it covers: a base a server averages
+            sa.check(self)
         if self.workers is not None and self.workers < 1:
             raise ConfigError(f"workers must be >= 1, got {self.workers}")
         for name in ("samples_per_client", "test_per_client"):
@@ -296,6 +303,9 @@ def check_device_config(cfg: FederationConfig) -> None:
     (the server samples each round's participants as the simulator does, by slot)."""
     check_device_algorithm(cfg.algorithm)
     algorithm_class(cfg.algorithm).check_devices(cfg)
+    if cfg.secure_aggregation is not None:
+        raise ConfigError("secure aggregation runs in the simulator only: its four steps are not on the wire yet "
+                          "(docs/secagg.md)")
     dp = cfg.dp
     if dp is not None:
         if dp.mode == "distributed" and dp.noise_multiplier is None:
@@ -339,8 +349,10 @@ def _check_bounds(cfg: FederationConfig) -> None:
         v = getattr(cfg, f.name)
         if isinstance(v, str) and len(v) > _MAX_TEXT:
             raise ConfigError(f"{f.name} must be at most {_MAX_TEXT} characters, got {len(v)}")
-    if cfg.privacy is not None and len(cfg.privacy) > 16:
-        raise ConfigError(f"privacy must hold at most 16 entries, got {len(cfg.privacy):,}")
+    for name in ("privacy", "secure_aggregation"):
+        table = getattr(cfg, name)
+        if table is not None and len(table) > 16:
+            raise ConfigError(f"{name} must hold at most 16 entries, got {len(table):,}")
     if cfg.options is not None:
         if len(cfg.options) > 64:
             raise ConfigError(f"options must hold at most 64 entries, got {len(cfg.options):,}")

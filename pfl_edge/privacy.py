@@ -47,14 +47,18 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from .federation import FederationConfig
+    from .secagg.protocol import Params
 
 __all__ = [
     "MARGIN",
+    "MIN_CLIENTS",
     "ORDERS",
     "PrivacyConfig",
+    "SecAggConfig",
     "device_noise",
     "epsilon",
     "expected_count",
+    "max_bits",
     "new_key",
     "noise_multiplier",
     "noise_rng",
@@ -303,3 +307,75 @@ def server_bound(cfg: FederationConfig, size: int) -> float:
 
 def _floating(v: Array) -> bool:
     return bool(np.issubdtype(v.dtype, np.floating)) if is_numpy(v) else bool(v.is_floating_point())
+
+
+# ------------------------------------------------------------------------------------------- secure aggregation
+
+#: a round of fewer participants releases nothing: the sum of two would tell each the other's update
+MIN_CLIENTS = 3
+
+
+@dataclass(frozen=True)
+class SecAggConfig:
+    """A federation's ``[secure_aggregation]`` table. ``bound``: each coordinate of an update is clipped to
+    [-bound, bound] before it is quantized (None: the privacy table's ``clip``, which bounds every coordinate
+    already); ``bits``: the quantization's (None: the most that cannot wrap, 32 - ceil(log2(clients + 1)));
+    ``degree`` and ``threshold``: SecAgg+'s graph (None: about 3 log2 n neighbours, threshold 2k/3 + 1)."""
+
+    bound: float | None = None
+    bits: int | None = None
+    degree: int | None = None
+    threshold: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.bound is not None and (isinstance(self.bound, bool) or not isinstance(self.bound, int | float)
+                                       or not (math.isfinite(self.bound) and 0 < self.bound <= 1e6)):
+            raise ConfigError(f"secure_aggregation.bound must be in (0, 1e6], got {self.bound!r:.40}")
+        for name, lo, hi in (("bits", 2, 31), ("degree", 2, 10_000), ("threshold", 2, 10_000)):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi):
+                raise ConfigError(f"secure_aggregation.{name} must be an integer in [{lo}, {hi}], got {v!r:.40}")
+
+    @classmethod
+    def parse(cls, table: Mapping[str, Any] | None) -> SecAggConfig | None:
+        if table is None:
+            return None
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(table) - set(known))
+        if unknown:
+            raise ConfigError(f"secure_aggregation has no key {', '.join(map(repr, unknown))}; its keys: "
+                              f"{', '.join(known)}")
+        return cls(**table)
+
+    def check(self, cfg: FederationConfig) -> None:
+        """The rules a federation adds: a bound, bits that cannot wrap, a privacy mode that composes."""
+        dp = cfg.dp
+        if dp is not None and dp.mode != "distributed":
+            raise ConfigError("secure aggregation with differential privacy needs privacy.mode = 'distributed': "
+                              "the server cannot clip or noise what it cannot see (docs/secagg.md)")
+        if self.bound is None and dp is None:
+            raise ConfigError("secure_aggregation.bound (each coordinate's clip before quantizing) is required "
+                              "without a privacy table")
+        if self.bits is not None and cfg.clients * ((1 << self.bits) - 1) >= 1 << 32:
+            raise ConfigError(f"secure_aggregation.bits {self.bits}: {cfg.clients} clients' sums wrap around 2^32; "
+                              f"at most {max_bits(cfg.clients)}")
+
+    def resolved(self, cfg: FederationConfig, n: int) -> tuple[float, int, Params | None]:
+        """The bound, the bits and a round's parameters for ``n`` participants (None: too few)."""
+        dp = cfg.dp
+        bound = float(self.bound if self.bound is not None else dp.clip if dp is not None else 0.0)
+        bits = self.bits if self.bits is not None else max_bits(cfg.clients)
+        if n < MIN_CLIENTS:
+            return bound, bits, None
+        k = self.degree if self.degree is not None else 2 * math.ceil(1.5 * math.log2(max(n, 2)))
+        k = min(k, n - 1)
+        k -= k % 2
+        t = self.threshold if self.threshold is not None else 2 * k // 3 + 1
+        from .secagg.protocol import Params  # the protocol's own checks (cryptography: imported only here)
+
+        return bound, bits, Params(k, max(k // 2 + 1, min(t, k)), 1)
+
+
+def max_bits(clients: int) -> int:
+    """The most bits per coordinate whose sum over ``clients`` cannot wrap around 2^32."""
+    return min(31, 32 - math.ceil(math.log2(clients + 1)))

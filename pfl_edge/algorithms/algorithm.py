@@ -240,14 +240,15 @@ class Algorithm:
 
     def aggregate(self, prev: Mapping[str, Tensor], updates: Iterable[tuple[Mapping[str, Tensor], float]], *,
                   rule: AggregationRule | None = None, history: Sequence[float] = (),
-                  start: PartialAverage | None = None,
-                  noise: numpy.random.Generator | None = None) -> dict[str, Tensor] | None:
+                  start: PartialAverage | None = None, noise: numpy.random.Generator | None = None,
+                  t: int = 0) -> dict[str, Tensor] | None:
         """The coordinator's new shared model from the round's updates (weights: training samples), streamed
         one at a time, under the federation's ``rule`` (default: the mean; updates come clipped to its bound,
         a robust rule's unclipped, with the last round's norms in ``history``), after the updates already
         folded into ``start`` (``partial_sum``'s, under the mean only); None where nothing is shared through a
         server. Under differential privacy (``pfl_edge.privacy``): the private mean, its noise from ``noise``
-        (the round's stream). The server always asks here: an algorithm composes the rule with its own step."""
+        (the round's stream); under secure aggregation, round ``t``'s. The server always asks here: an algorithm
+        composes the rule with its own step."""
         return None
 
     def simulation(self, world: World) -> Simulation:

@@ -118,17 +118,23 @@ class Central(Algorithm):
         from ..aggregate import PartialAverage  # the coordinator's side (torch); a device never aggregates
 
         # the private mean re-clips every update itself: a replica's sum would hide them from it
-        return PartialAverage() if self.split.base and self.cfg.privacy is None else None
+        private = self.cfg.privacy is not None or self.cfg.secure_aggregation is not None
+        return PartialAverage() if self.split.base and not private else None
 
     def aggregate(self, prev: Mapping[str, Tensor], updates: Iterable[tuple[Mapping[str, Tensor], float]], *,
                   rule: AggregationRule | None = None, history: Sequence[float] = (),
                   start: PartialAverage | None = None,
-                  noise: np.random.Generator | None = None) -> dict[str, Tensor] | None:
+                  noise: np.random.Generator | None = None, t: int = 0) -> dict[str, Tensor] | None:
         """The sample-weighted mean of the bases (``aggregate_bases``), or the federation's robust ``rule``, or
         under differential privacy the private mean (``pfl_edge.privacy.private_mean``, which bounds every
-        update itself)."""
+        update itself), or under secure aggregation the mean of round ``t``'s unmasked sum
+        (``pfl_edge.secagg.aggregate.secure_mean``)."""
         if not self.split.base:
             return None
+        if self.cfg.secure_aggregation is not None:
+            from ..secagg.aggregate import secure_mean  # the coordinator's side (cryptography)
+
+            return secure_mean(self.cfg, prev, updates, t)
         if self.cfg.privacy is not None:
             if start is not None:
                 raise InternalError("partial sums under differential privacy: the private mean takes every update")
@@ -286,7 +292,7 @@ class CentralSimulation(Simulation):
         base_bytes = payload_bytes(self.base) if self.base else 0
         uploads = self._trained(t, participants, losses)
         if self.base is not None:
-            self.base = algo.aggregate(self.base, uploads, noise=round_noise(algo.cfg, t))
+            self.base = algo.aggregate(self.base, uploads, noise=round_noise(algo.cfg, t), t=t)
             if self.base is not None and not all_finite(self.base):
                 raise DivergedError(f"round {t}: the shared base holds NaN/Inf (a client's training diverged"
                                     + ("; under differential privacy the noise, z clip / (q N) per coordinate, may "
