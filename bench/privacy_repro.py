@@ -7,6 +7,9 @@ round drawing each with probability 0.2 (100 expected), 20 rounds of 1 local epo
 batch 20, updates clipped to C = 0.5 (honest updates' norms: 0.5-0.85 in round 1); delta 1e-5; 2 seeds. The noise
 multiplier of each target epsilon is Opacus's calibration for 20 rounds at q = 0.2.
 
+The "distributed + SecAgg+" row: each device adds its share of the noise and the server unmasks only the sum
+(pfl_edge.secagg, a whole SecAgg+ round each round over 20-bit quantized updates), at the same epsilon.
+
 FedPer noises only its base: K_P = 3 shares the two convolutions (52,096 coordinates), K_P = 2 the convolutions
 and fc1 (453,632); FedAvg shares all 462,538. The same epsilon costs each in proportion to the noise's norm,
 z C sqrt(d) / (q N).
@@ -41,8 +44,8 @@ ALGOS = {"fedper3": ("FedPer K_P=3", dict(algorithm="fedper", kp=3)),
          "fedavg": ("FedAvg", dict(algorithm="fedavg", kp=0))}
 # in the order they run (each row's seeds together): the strongest privacy first, so that a run cut short has
 # the comparison the issue asks for; "clip": the clip alone (z = 0), to tell clipping's cost from the noise's
-ORDER = (("fedper3", None), ("fedper3", 2.0), ("fedavg", 2.0), ("fedper2", 2.0), ("fedavg", None),
-         ("fedper3", 8.0), ("fedavg", 8.0), ("fedper2", 8.0), ("fedper2", None), ("fedper3", "clip"))
+ORDER = (("fedper3", None), ("fedper3", 2.0), ("fedavg", 2.0), ("fedavg", None), ("fedper3", "2-secagg"),
+         ("fedper2", 2.0), ("fedper3", 8.0), ("fedavg", 8.0), ("fedper2", 8.0), ("fedper2", None), ("fedper3", "clip"))
 
 
 def _rows(part: str, tag: str) -> tuple[Row, ...]:
@@ -54,6 +57,10 @@ def _rows(part: str, tag: str) -> tuple[Row, ...]:
             rows.append(Row(f"{algo}-nodp-{tag}", f"{label}, no DP", cfg))
         elif eps == "clip":
             rows.append(Row(f"{algo}-clip-{tag}", f"{label}, clipped, no noise", {**cfg, **_dp(None)}))
+        elif eps == "2-secagg":  # each device noises its own update; the server sees only SecAgg+'s sum
+            table = {"privacy": {**_dp(2.0)["privacy"], "mode": "distributed"}, "secure_aggregation": {}}
+            rows.append(Row(f"{algo}-eps2-secagg-{tag}", f"{label}, epsilon 2, distributed + SecAgg+",
+                            {**cfg, **table}))
         else:
             rows.append(Row(f"{algo}-eps{eps:g}-{tag}", f"{label}, epsilon {eps:g}", {**cfg, **_dp(float(eps))}))
     return tuple(rows)

@@ -38,9 +38,12 @@ def command(budget: Mapping[str, Any], row: Row, seed: int) -> str:
     cfg = {**budget, **row.overrides, "seed": seed}
     options = cfg.pop("options", None) or {}
     privacy = cfg.pop("privacy", None) or {}
+    secure = cfg.pop("secure_aggregation", None)
     flags = " ".join([f"--{k.replace('_', '-')} {','.join(map(str, v)) if isinstance(v, tuple) else v}"
                       for k, v in cfg.items()] + [f"--option {k}={v}" for k, v in options.items()]
-                     + [f"--privacy {k}={v}" for k, v in privacy.items()])
+                     + [f"--privacy {k}={v}" for k, v in privacy.items()]
+                     + ([] if secure is None else
+                        [" ".join(["--secure-aggregation", *(f"{k}={v}" for k, v in secure.items())])]))
     return f"pfl-edge simulate {flags} --out {row.name}-s{seed}.json"
 
 

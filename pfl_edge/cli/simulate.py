@@ -58,6 +58,9 @@ def _add_sim_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--privacy", action="append", metavar="KEY=VALUE",
                    help="differential privacy of the shared part (repeatable; docs/privacy.md), e.g. --privacy "
                         "clip=0.5 --privacy target_epsilon=3")
+    p.add_argument("--secure-aggregation", nargs="*", metavar="KEY=VALUE", default=None,
+                   help="secure aggregation (SecAgg+) of the shared part, the simulator's (docs/secagg.md): the flag "
+                        "alone, or its keys, e.g. --secure-aggregation bound=0.5 bits=20")
     p.add_argument("--fleet", help="DisPFL: take the clients' densities from a device fleet (pfl-edge list)")
     p.add_argument("--config", type=Path, help="re-run a config: TOML, or the JSON of an earlier run")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -82,6 +85,9 @@ def _sim_config(args: argparse.Namespace, **defaults: Any) -> Any:
         values["options"] = {**(values.get("options") or {}), **parse_options(args.options)}
     if getattr(args, "privacy", None):
         values["privacy"] = {**(values.get("privacy") or {}), **parse_options(args.privacy, "--privacy")}
+    if getattr(args, "secure_aggregation", None) is not None:
+        values["secure_aggregation"] = {**(values.get("secure_aggregation") or {}),
+                                        **parse_options(args.secure_aggregation, "--secure-aggregation")}
     if getattr(args, "clip_unmasked", None) is not None:
         values["clip_unmasked"] = args.clip_unmasked
     if args.local_norm_stats:
