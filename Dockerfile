@@ -24,11 +24,12 @@ RUN pip install ${TORCH}
 # layer): the project's metadata without its packages installs exactly its dependency list.
 # Then what neither the server nor its export worker imports (python -m export.worker, a child of the server in
 # this image, needs torch, onnx, onnxscript, onnxruntime and executorch): ExecuTorch's optional Core ML backend
-# and devtools' tables (coremltools, pandas, scikit-learn, scipy), and the plots (matplotlib; pillow stays,
-# 15 MB: a device's own images). docs/operations.md "Containers" gives the sizes.
+# and devtools' tables (coremltools, pandas, scikit-learn), and the plots (matplotlib; pillow stays, 15 MB: a
+# device's own images). scipy stays: the privacy accountant (Opacus's RDP analysis) of a private federation
+# needs it. docs/operations.md "Containers" gives the sizes.
 COPY pyproject.toml README.md /src/
 RUN pip install /src && pip uninstall -y pfl-edge \
-    && pip uninstall -y coremltools pandas scikit-learn scipy matplotlib contourpy fonttools kiwisolver cycler
+    && pip uninstall -y coremltools pandas scikit-learn matplotlib contourpy fonttools kiwisolver cycler
 
 FROM ${BASE_IMAGE}
 # a fixed, unprivileged user: /data (the SQLite file if any, the blobs, the broker port file) and /shared (the

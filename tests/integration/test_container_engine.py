@@ -229,6 +229,11 @@ def test_compose_runs_a_federation_through_a_server_restart(images: dict[str, st
         healthy_s = c.wait_healthy("server", 300)
         _report(up_to_healthy_s=round(time.monotonic() - t0, 1), server_start_to_healthy_s=round(healthy_s, 1))
         assert c.uid("server") == [str(PFL_UID)] * 4, "the server's process does not run as the image's user"
+        # a private federation's accountant runs in the image (the build prunes what the server never imports)
+        r = subprocess.run(["podman", "exec", c.container("server"), "python", "-c",
+                            "from pfl_edge.privacy import _epsilon; print(_epsilon(1.0, 0.1, 10, 1e-5))"],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and 0 < float(r.stdout) < 10, r.stderr[-2000:]
         report = _federate(c, tmp_path, restart="server", log_from="server", backends=("onnxruntime", "executorch"))
         _assert_nothing_lost(report)
         data = c.volume("server-data")
