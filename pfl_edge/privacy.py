@@ -119,10 +119,7 @@ class PrivacyConfig:
         """The config's ``privacy`` table as a ``PrivacyConfig`` (None: no differential privacy)."""
         if table is None:
             return None
-        known = [f.name for f in fields(cls)]
-        unknown = sorted(set(table) - set(known))
-        if unknown:
-            raise ConfigError(f"privacy has no key {', '.join(map(repr, unknown))}; its keys: {', '.join(known)}")
+        _check_keys(cls, table, "privacy")
         if "clip" not in table:
             raise ConfigError("privacy.clip (the L2 bound on a client's update) is required")
         return cls(**table)
@@ -132,6 +129,14 @@ class PrivacyConfig:
         if self.delta >= 1 / clients:
             raise ConfigError(f"privacy.delta {self.delta:g} must be below 1 / clients ({1 / clients:.3g}): a "
                               "delta that large allows one client's data out whole")
+
+
+def _check_keys(cls: type, table: Mapping[str, Any], name: str) -> None:
+    """ConfigError naming the keys of ``table`` that ``cls`` (a config table's dataclass) has no field for."""
+    known = [f.name for f in fields(cls)]
+    unknown = sorted(set(table) - set(known))
+    if unknown:
+        raise ConfigError(f"{name} has no key {', '.join(map(repr, unknown))}; its keys: {', '.join(known)}")
 
 
 # ------------------------------------------------------------------------------------------- accounting
@@ -340,11 +345,7 @@ class SecAggConfig:
     def parse(cls, table: Mapping[str, Any] | None) -> SecAggConfig | None:
         if table is None:
             return None
-        known = [f.name for f in fields(cls)]
-        unknown = sorted(set(table) - set(known))
-        if unknown:
-            raise ConfigError(f"secure_aggregation has no key {', '.join(map(repr, unknown))}; its keys: "
-                              f"{', '.join(known)}")
+        _check_keys(cls, table, "secure_aggregation")
         return cls(**table)
 
     def check(self, cfg: FederationConfig) -> None:

@@ -10,6 +10,7 @@ import socket
 import struct
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, cast
 
 import httpx
@@ -39,6 +40,15 @@ def sha(b: bytes) -> str:
 
 def bearer(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
+
+
+def background_server(tmp_path: Path, broker_url: str, admin: str) -> Any:
+    """A server in this process on a fresh SQLite file and ``broker_url``, ticking every 50 ms (stop it)."""
+    from server.launch import start_background
+    from server.settings import Settings
+
+    return start_background(Settings(data_dir=tmp_path / "data", database_url=f"sqlite:///{tmp_path / 'state.db'}",
+                                      broker_url=broker_url, admin_token=admin, tick_s=0.05))  # type: ignore[arg-type]
 
 
 def create(c: httpx.Client | Any, admin: str, fed: str, config: dict[str, Any], **kw: Any) -> dict[str, Any]:

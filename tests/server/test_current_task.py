@@ -10,13 +10,23 @@ from typing import Any
 
 import httpx
 import pytest
-from server_testkit import DISPFL, FEDPER, Dev, Mqtt, create, dispfl_initial, fed_state, perturbed, wait_for
+from server_testkit import (
+    DISPFL,
+    FEDPER,
+    Dev,
+    Mqtt,
+    background_server,
+    create,
+    dispfl_initial,
+    fed_state,
+    perturbed,
+    wait_for,
+)
 
 from edge_runtime.data import load_local_data
 from pfl_edge.codec import encode
 from pfl_edge.federation import FederationConfig
-from server.launch import BackgroundServer, start_background
-from server.settings import Settings
+from server.launch import BackgroundServer
 
 ADMIN = "admin-token-for-task-tests"
 METRICS = {"accuracy": 0.5, "loss": 1.0, "n_test": 10}
@@ -24,8 +34,7 @@ METRICS = {"accuracy": 0.5, "loss": 1.0, "n_test": 10}
 
 @pytest.fixture
 def srv(tmp_path: Path, broker_url: str) -> Iterator[BackgroundServer]:
-    s = start_background(Settings(data_dir=tmp_path / "data", database_url=f"sqlite:///{tmp_path / 'state.db'}",
-                                  broker_url=broker_url, admin_token=ADMIN, tick_s=0.05))  # type: ignore[arg-type]
+    s = background_server(tmp_path, broker_url, ADMIN)
     yield s
     s.stop()
 

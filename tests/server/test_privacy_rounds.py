@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from server_testkit import FEDPER, SECRET, Dev, Mqtt, bearer, create, train_one
+from server_testkit import FEDPER, SECRET, Dev, Mqtt, background_server, bearer, create, train_one
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -24,8 +24,7 @@ from pfl_edge.privacy import epsilon, noise_rng, private_mean, privatize, seed_k
 from pfl_edge.protocol import task_topic
 from pfl_edge.split import take
 from server.db import Federation
-from server.launch import BackgroundServer, start_background
-from server.settings import Settings
+from server.launch import BackgroundServer
 
 ADMIN = "admin-token-for-privacy-tests"
 PRIVATE: dict[str, Any] = {**FEDPER, "rounds": 2, "privacy": {"clip": 0.5, "noise_multiplier": 0.6, "delta": 1e-3}}
@@ -33,8 +32,7 @@ PRIVATE: dict[str, Any] = {**FEDPER, "rounds": 2, "privacy": {"clip": 0.5, "nois
 
 @pytest.fixture
 def srv(tmp_path: Path, broker_url: str) -> Iterator[BackgroundServer]:
-    s = start_background(Settings(data_dir=tmp_path / "data", database_url=f"sqlite:///{tmp_path / 'state.db'}",
-                                  broker_url=broker_url, admin_token=ADMIN, tick_s=0.05))  # type: ignore[arg-type]
+    s = background_server(tmp_path, broker_url, ADMIN)
     yield s
     s.stop()
 
