@@ -45,7 +45,8 @@ ALGOS = {"fedper3": ("FedPer K_P=3", dict(algorithm="fedper", kp=3)),
 # in the order they run (each row's seeds together): the strongest privacy first, so that a run cut short has
 # the comparison the issue asks for; "clip": the clip alone (z = 0), to tell clipping's cost from the noise's
 ORDER = (("fedper3", None), ("fedper3", 2.0), ("fedavg", 2.0), ("fedavg", None), ("fedper3", "2-secagg"),
-         ("fedper2", 2.0), ("fedper3", 8.0), ("fedavg", 8.0), ("fedper2", 8.0), ("fedper2", None), ("fedper3", "clip"))
+         ("fedper3", 0.5), ("fedavg", 0.5), ("fedper2", 2.0), ("fedper3", 8.0), ("fedavg", 8.0), ("fedper2", 8.0),
+         ("fedper2", None), ("fedper3", "clip"))
 
 
 def _rows(part: str, tag: str) -> tuple[Row, ...]:
