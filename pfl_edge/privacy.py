@@ -225,13 +225,14 @@ def round_noise(cfg: FederationConfig, t: int, key: bytes | None = None) -> np.r
     return noise_rng(seed_key(cfg.seed) if key is None else key, t)
 
 
-def device_noise(cfg: FederationConfig, t: int, slot: int) -> np.random.Generator | None:
+def device_noise(cfg: FederationConfig, t: int, slot: int, *, seeded: bool = False) -> np.random.Generator | None:
     """A distributed-mode device's stream for its share of round ``t``'s noise (None in the central mode): the
-    operating system's randomness, or with ``secret_noise = false`` its slot's seeded stream."""
+    operating system's randomness, or its slot's seeded stream with ``secret_noise = false`` or ``seeded`` (the
+    simulator: a run is reproducible from its config, and there is nobody to hide the noise from)."""
     dp = _dp(cfg)
     if dp.mode != "distributed":
         return None
-    if dp.secret_noise:
+    if dp.secret_noise and not seeded:
         return np.random.default_rng(np.random.SeedSequence(secrets.randbits(128)))
     return numpy_rng(cfg.seed, Stream.DP_NOISE.value, t, slot)
 

@@ -213,13 +213,15 @@ class Central(Algorithm):
     def device_upload(self, state: Mapping[str, Tensor]) -> Upload:
         return Upload(upload(state, self.split))
 
-    def sent(self, base: Mapping[str, Tensor], trained: Mapping[str, Tensor], t: int, slot: int) -> dict[str, Tensor]:
+    def sent(self, base: Mapping[str, Tensor], trained: Mapping[str, Tensor], t: int, slot: int, *,
+             seeded: bool = False) -> dict[str, Tensor]:
         """What the client ``slot`` sends in round ``t`` of its model ``trained`` from ``base``: its base part,
-        under differential privacy clipped (and in the distributed mode noised: ``pfl_edge.privacy.privatize``)."""
+        under differential privacy clipped (and in the distributed mode noised: ``pfl_edge.privacy.privatize``;
+        ``seeded``: the noise from the seed, the simulator's)."""
         up = upload(trained, self.split)
         if self.cfg.privacy is None:
             return up
-        return privatize(self.cfg, base, up, device_noise(self.cfg, t, slot))
+        return privatize(self.cfg, base, up, device_noise(self.cfg, t, slot, seeded=seeded))
 
     def device_round(self, dev: Clients, state: Mapping[str, Tensor], received: Received, t: int, *,
                      prev: int = 0, late: bool = False, final: bool = False) -> DeviceRound:
@@ -280,7 +282,7 @@ class CentralSimulation(Simulation):
                     self.clients[k][rows] = v
             losses.append((res.loss, part.n_train))
             for j, n in enumerate(part.n_train):
-                yield algo.sent(self.base or {}, unstack(res.stack, j), t, int(part.slots[j])), float(n)
+                yield algo.sent(self.base or {}, unstack(res.stack, j), t, int(part.slots[j]), seeded=True), float(n)
 
     def round(self, t: int, participants: Tensor) -> SimRound:
         import torch
