@@ -5,7 +5,10 @@ Client-level DP needs many clients per round (the noise is z C over the expected
 the shared part), so the budget is a large fleet of small clients: 500 clients of 100 training samples, each
 round drawing each with probability 0.2 (100 expected), 20 rounds of 1 local epoch, SGD lr 0.05 momentum 0.5,
 batch 20, updates clipped to C = 0.5 (honest updates' norms: 0.5-0.85 in round 1); delta 1e-5; 2 seeds. The noise
-multiplier of each target epsilon is Opacus's calibration for 20 rounds at q = 0.2.
+multiplier of each target epsilon is Opacus's calibration for 20 rounds at q = 0.2. Test sets: 20 images per
+client, drawn as each split's default (pfl_edge.data.testdraw): disjoint for pathological:2, the DisPFL reference's
+shared draw for dirichlet-client:0.3 (runs made before the shared draw existed are kept in
+``bench/results/privacy/disjoint-draw``: they score 7-9 points higher on the same training).
 
 The "distributed + SecAgg+" row: each device adds its share of the noise and the server unmasks only the sum
 (pfl_edge.secagg, a whole SecAgg+ round each round over 20-bit quantized updates), at the same epsilon.
