@@ -172,15 +172,13 @@ def test_enrol_gate_federation_bucket_cache_and_unknown_federation(monkeypatch: 
     gate.check("f", SECRET, stored, "10.0.0.2")
     gate.check("f", SECRET, stored, "10.0.0.3")
     assert calls == [SECRET]  # the right secret again: one HMAC, no scrypt
-    times: list[float] = []
-    for fed, st in (("f", stored), ("nope", None)):  # wrong secret, unknown federation: the same refusal
-        t0 = time.perf_counter()
+    for i, (fed, st) in enumerate((("f", stored), ("nope", None))):  # wrong secret, unknown federation: alike
         with pytest.raises(Forbidden) as e:
-            gate.check(fed, "wrong-guess", st, f"10.1.0.{len(times)}")
-        times.append(time.perf_counter() - t0)
+            gate.check(fed, "wrong-guess", st, f"10.1.0.{i}")
         assert str(e.value).startswith("wrong enrol secret for federation")
-    # the unknown federation paid a scrypt too (a dummy hash), not a dictionary miss
-    assert times[1] > 0.3 * times[0] and len(calls) == 3
+    # the unknown federation paid a scrypt too (against a dummy hash), not a dictionary miss: counted, not timed
+    # (a single time ratio failed once under load, 0.29 against 0.3)
+    assert calls == [SECRET, "wrong-guess", "wrong-guess"]
     with pytest.raises(Forbidden):  # from yet other addresses: the federation's bucket (2) is spent
         gate.check("f", "wrong-again", stored, "10.2.0.1")
     gate.check("f", SECRET, stored, "10.2.0.2")  # the verified secret needs no federation token (EnrolGate's rule)
