@@ -4,16 +4,22 @@ D-PSGD-FT and D-PSGD for 300 rounds of 5 local epochs, on the reference's two sp
 Dir(0.3) dealt in interleaved order (``dirichlet-client:0.3``).
 
 The reference's optimiser (SGD lr 0.1 x 0.998^round, momentum 0, weight decay 5e-4, gradient norm clipped at 10,
-batch 128) and its fine-tuning cadence: FedAvg-FT fine-tunes in the last round only (``ft_every = 0``; every
-other round deploys FedAvg's global model), D-PSGD-FT fine-tunes the all-client average every 100 rounds
-(``ft_every = 100, ft_from = "all"``). 20 clients of 200 training samples each (the issue asks for 20-30; the
-cost grows with both), 10 random neighbours per round as in the paper (the same graphs for every decentralised
-method, from the seed), and FedAvg-FT sampling 10 clients a round, the paper's count.
+batch 128), its fine-tuning cadence and its fine-tune (issue 37): FedAvg-FT fine-tunes in the last round only
+(``ft_every = 0``; every other round deploys FedAvg's global model), D-PSGD-FT fine-tunes the uniform mean of
+every client's trained model every 100 rounds (``ft_every = 100, ft_from = "uniform"``), both for the local epoch
+count at the reference's learning rate (``ft_recipe = "reference"``); each client's test set is drawn from its own
+training label mix, images shared between clients (the reference's draw, the default on these splits). 20 clients
+of 200 training samples each (the issue asks for 20-30; the cost grows with both), 10 random neighbours per round
+as in the paper (the same graphs for every decentralised method, from the seed), and FedAvg-FT sampling 10 clients
+a round, the paper's count. D-PSGD is read from D-PSGD-FT's run (between fine-tunes it deploys D-PSGD's models),
+scored two ways: on each client's neighbourhood average (what a client deploys) and, as the paper draws it, the
+uniform mean of every client's model on every client's test set (``mean_acc_global``).
 
-The pathological table runs first, then the Dirichlet one; each run is cached as JSON in OUT/runs, so the runs
-can be spread over several sittings (``nice`` keeps the machine usable meanwhile):
+Each run is cached as JSON in OUT/runs, so the runs can be spread over several sittings (``nice`` keeps the
+machine usable meanwhile); the issue-20 runs under pfl-edge's fine-tune and disjoint test draw stay in
+bench/results/dispfl-long:
 
-    nohup nice -n 19 .venv/bin/python bench/dispfl_long.py > bench/results/dispfl-long/log.txt 2>&1 &
+    nohup nice -n 19 .venv/bin/python bench/dispfl_long.py --seeds 0,1 > bench/results/dispfl-long-ref/log.txt 2>&1 &
 
 Beside the tables and the accuracy-against-round plots it writes ``crossings.json``: for each baseline, the
 rounds at which DisPFL's mean client accuracy (a 10-round moving average) moves above or below the baseline's.
@@ -44,9 +50,10 @@ def _rows(part: str, tag: str) -> tuple[Row, ...]:
         Row(f"dispfl-{tag}", "DisPFL (d=0.5)", dict(algorithm="dispfl", **p)),
         Row(f"local-{tag}", "Local", dict(algorithm="local", **p)),
         Row(f"fedavg-ft-{tag}", "FedAvg-FT (10/round, FT at the end)",
-            dict(algorithm="fedavg-ft", participation=0.5, options={"ft_every": 0}, **p)),
-        Row(f"dpsgd-ft-{tag}", "D-PSGD-FT (all-client average, FT every 100)",
-            dict(algorithm="dpsgd-ft", options={"ft_every": 100, "ft_from": "all"}, **p)),
+            dict(algorithm="fedavg-ft", participation=0.5, options={"ft_every": 0, "ft_recipe": "reference"}, **p)),
+        Row(f"dpsgd-ft-{tag}", "D-PSGD-FT (uniform mean, FT every 100)",
+            dict(algorithm="dpsgd-ft", options={"ft_every": 100, "ft_from": "uniform", "ft_recipe": "reference"},
+                 **p)),
         Row(f"dpsgd-{tag}", "D-PSGD", dict(algorithm="dpsgd", **p)),
     )
 
@@ -239,4 +246,4 @@ def crossings(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(__doc__, TABLES, BUDGET, "dispfl-long", crossings)
+    main(__doc__, TABLES, BUDGET, "dispfl-long-ref", crossings)
