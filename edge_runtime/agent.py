@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from device_profiles import get_profile
-from pfl_edge.algorithms import Algorithm, Metrics, Upload, get_algorithm
+from pfl_edge.algorithms import Algorithm, Upload, get_algorithm
 from pfl_edge.arrays import Array as Tensor
 from pfl_edge.codec import encode
 from pfl_edge.errors import CodecError, ConfigError, DivergedError
@@ -29,7 +29,6 @@ from pfl_edge.federation import FederationConfig, check_device_config, model_id
 from pfl_edge.protocol import (
     API_PREFIX,
     Enrolment,
-    MetricsReport,
     RoundAnnouncement,
     Task,
     UpdateRequest,
@@ -44,8 +43,10 @@ from .data import device_data
 from .enrol import enrol, renew
 from .http import Http, ServerError, ServerUnavailable
 from .programs import ProgramSource
-from .state import Progress, RoundStats, StateDir
-from .tasks import Downloads, TaskSource, UnusableModel, all_finite, finite_metric, mismatch
+from .reports import post_metrics, usable_metrics
+from .secure import send_securely
+from .state import Progress, StateDir
+from .tasks import Downloads, TaskSource, UnusableModel, all_finite, mismatch
 from .trainer import DeviceTrainer, device_clients
 from .training import BackendRequest, TrainingBackend, device_backend, get_training_backend
 
@@ -267,6 +268,10 @@ class Agent:
     def _round(self, task: Task, prog: Progress) -> None:
         t = task.round
         state, saved_t, saved_metrics = self._load_model()
+        if saved_t == t and self.fed.secure_aggregation is not None:  # its keys died with the restart
+            self._skipped.add(t)
+            log.warning("round %d: restarted during its secure aggregation; it sits the round out", t)
+            return
         if saved_t == t:  # trained in round t before a restart, not staged: send that, never train twice
             self._stage_upload(prog, t, self.algo.device_upload(state), metrics=saved_metrics)
             self._flush_upload()
@@ -287,7 +292,7 @@ class Agent:
         st = prog.stat(t)
         st.bytes_down, st.train_s = down, trainer.train_s
         st.step_ms = 1e3 * trainer.train_s / max(out.steps, 1)
-        metrics = self._metrics(out.metrics)
+        metrics = usable_metrics(out.metrics, self.data.n_test, self.on_event)
         if self.algo.readable(t, self.enr.index):  # neighbours it left out, with the round's metrics (dashboard)
             metrics = [{**m, "dropped": len(out.dropped)} if m["round"] == t else m for m in metrics]
         self._save_model(out.state, t, metrics)
@@ -295,8 +300,24 @@ class Agent:
             self.store.save_tensors("final.safetensors", out.deployed, {"round": str(t)})
         if out.upload is None:
             raise ConfigError(f"algorithm {self.algo.name!r} sent nothing for round {t}")
+        if self.fed.secure_aggregation is not None and received.base is not None:
+            self._send_securely(t, prog, received.base, out.upload, metrics, out.train_loss, trainer.train_s)
+            return
         self._stage_upload(prog, t, out.upload, metrics=metrics, train_loss=out.train_loss, train_s=trainer.train_s)
         self._flush_upload()
+
+    def _send_securely(self, t: int, prog: Progress, base: Any, up: Upload, metrics: list[dict[str, Any]],
+                       loss: float | None, train_s: float) -> None:
+        """The update goes only masked, through the round's secure aggregation (``edge_runtime.secure``)."""
+        def send(payload: bytes) -> bool:
+            self._stage_upload(prog, t, payload, metrics=metrics, train_loss=loss, train_s=train_s)
+            self._flush_upload()
+            return self.store.progress.abandoned != t
+        if not send_securely(self.http, self.fed, self.enr.federation, self.enr.index, t, base, up.tensors, send,
+                             self._stop) and self.store.progress.round != t:
+            self._skipped.add(t)  # never got to send: the last round's metrics all the same
+            for m in metrics:
+                self._post_metrics(m, prog)
 
     def _final(self, task: Task, prog: Progress) -> None:
         """The federation's last step: evaluate on the last shared model and report; nothing to send."""
@@ -312,24 +333,17 @@ class Agent:
                                          prev=task.round if prog.round >= 1 else 0, late=prog.late, final=True)
             if out.deployed is not None and all_finite(out.deployed):
                 self.store.save_tensors("final.safetensors", out.deployed, {"round": str(prog.round)})
-            for m in self._metrics(out.metrics):
+            for m in usable_metrics(out.metrics, self.data.n_test, self.on_event):
                 self._post_metrics(m, prog)
         prog.final = True
         self.store.save_progress(prog)
         self.on_event("final", {"round": prog.round})
         self.done = self.cfg.exit_when_done
 
-    def _metrics(self, ms: list[Metrics]) -> list[dict[str, Any]]:
-        """Metrics to report: a NaN or Inf (e.g. a loss on a model gone wrong) is logged, never sent."""
-        out = [{"round": m.round, "accuracy": m.accuracy, "loss": m.loss, "n_test": self.data.n_test} for m in ms]
-        for m in (m for m in out if not finite_metric(m)):
-            log.error("round %s: not reporting non-finite metrics %s", m["round"], m)
-            self.on_event("bad_metrics", m)
-        return [m for m in out if finite_metric(m)]
-
-    def _stage_upload(self, prog: Progress, t: int, up: Upload, *, metrics: list[dict[str, Any]] | None = None,
+    def _stage_upload(self, prog: Progress, t: int, up: Upload | bytes, *, metrics: list[dict[str, Any]] | None = None,
                       train_loss: float | None = None, train_s: float | None = None) -> None:
-        payload = encode(up.tensors, model_id=model_id(self.data.spec), round=t, masks=up.masks)
+        payload = up if isinstance(up, bytes) else encode(up.tensors, model_id=model_id(self.data.spec), round=t,
+                                                            masks=up.masks)
         self.store.save_upload(payload)
         prog.round, prog.posted, prog.digest = t, False, hashlib.sha256(payload).hexdigest()
         prog.train_loss, prog.train_s = train_loss, train_s
@@ -375,18 +389,7 @@ class Agent:
             self.store.save_progress(prog)
 
     def _post_metrics(self, m: dict[str, Any], prog: Progress) -> None:
-        t = int(m["round"])
-        st = prog.stats.get(str(t), RoundStats())
-        report = MetricsReport(accuracy=m["accuracy"], loss=m["loss"], n_test=m["n_test"], bytes_up=st.bytes_up,
-                               bytes_down=st.bytes_down, step_ms=st.step_ms, train_s=st.train_s,
-                               dropped=m.get("dropped"))
-        try:
-            self.http.call("POST", f"{API_PREFIX}/rounds/{t}/metrics", json_body=report.model_dump(exclude_none=True))
-            self.on_event("metrics", {"round": t, **report.model_dump()})
-        except ServerError as e:  # 409: a round the server takes no metrics of from this device; never fatal
-            if e.status != 409:
-                raise
-            log.warning("metrics of round %d not taken: %s", t, e)
+        post_metrics(self.http, m, prog, self.on_event)
 
 
 def install_signal_handlers(agent: Agent) -> None:

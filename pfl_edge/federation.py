@@ -110,7 +110,7 @@ class FederationConfig:
     # target_epsilon, delta, mode, secret_noise); a TOML config gives it as a ``[privacy]`` table
     privacy: dict[str, Any] | None = None
     # secure aggregation of the shared part (pfl_edge.secagg.SecAggConfig's keys: bound, bits, degree, threshold);
-    # a TOML config gives it as a ``[secure_aggregation]`` table; the simulator's only, for now (docs/secagg.md)
+    # a TOML config gives it as a ``[secure_aggregation]`` table (docs/secagg.md)
     secure_aggregation: dict[str, Any] | None = None
     engine: Literal["auto", "vmap", "loop"] = "auto"
     workers: int | None = None  # training processes; None: one per core
@@ -303,9 +303,6 @@ def check_device_config(cfg: FederationConfig) -> None:
     (the server samples each round's participants as the simulator does, by slot)."""
     check_device_algorithm(cfg.algorithm)
     algorithm_class(cfg.algorithm).check_devices(cfg)
-    if cfg.secure_aggregation is not None:
-        raise ConfigError("secure aggregation runs in the simulator only: its four steps are not on the wire yet "
-                          "(docs/secagg.md)")
     dp = cfg.dp
     if dp is not None:
         if dp.mode == "distributed" and dp.noise_multiplier is None:

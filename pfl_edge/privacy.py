@@ -326,12 +326,14 @@ class SecAggConfig:
     """A federation's ``[secure_aggregation]`` table. ``bound``: each coordinate of an update is clipped to
     [-bound, bound] before it is quantized (None: the privacy table's ``clip``, which bounds every coordinate
     already); ``bits``: the quantization's (None: the most that cannot wrap, 32 - ceil(log2(clients + 1)));
-    ``degree`` and ``threshold``: SecAgg+'s graph (None: about 3 log2 n neighbours, threshold 2k/3 + 1)."""
+    ``degree`` and ``threshold``: SecAgg+'s graph (None: about 3 log2 n neighbours, threshold 2k/3 + 1);
+    ``step_s``: on devices, how long each step after a device's training may wait for the slow (seconds)."""
 
     bound: float | None = None
     bits: int | None = None
     degree: int | None = None
     threshold: int | None = None
+    step_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.bound is not None and (isinstance(self.bound, bool) or not isinstance(self.bound, int | float)
@@ -341,6 +343,9 @@ class SecAggConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi):
                 raise ConfigError(f"secure_aggregation.{name} must be an integer in [{lo}, {hi}], got {v!r:.40}")
+        if isinstance(self.step_s, bool) or not isinstance(self.step_s, int | float) or not (
+                math.isfinite(self.step_s) and 0 < self.step_s <= 86_400):
+            raise ConfigError(f"secure_aggregation.step_s must be in (0, 86400] seconds, got {self.step_s!r:.40}")
 
     @classmethod
     def parse(cls, table: Mapping[str, Any] | None) -> SecAggConfig | None:

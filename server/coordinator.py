@@ -48,6 +48,9 @@ class Coordinator:
         self.recovery = Recovery(self.store, self.planner, self.publisher, self.rounds)
         self.worker = RoundWorker(self.store, self.rounds, self.recovery, tick_s=tick_s, leadership=leadership)
         self.updates = Updates(self.store, self.blob_access, on_accepted=self.worker.kick)
+        self.secure = self.rounds.secure  # secure aggregation's steps (server.services.secure)
+        self.secure.on_message = self.worker.kick
+        self.updates.secure = self.secure
         self.metrics = Metrics(self.store)
         self.enrolment = EnrolmentService(self.store, self.blob_access, device_broker_url=device_broker_url,
                                           device_mqtt_password=device_mqtt_password, on_enrolled=self.worker.kick,

@@ -47,6 +47,7 @@ __all__ = [
     "RateBucket",
     "Round",
     "SchemaVersion",
+    "SecAggMessage",
     "Update",
     "hash_secret",
     "hash_token",
@@ -139,6 +140,9 @@ class Round(Base):
     # (device, digest) pairs; a check holds the rows of the round to it (exactly once, nothing lost)
     inputs: Mapped[int | None] = mapped_column(Integer, nullable=True)
     inputs_digest: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # secure aggregation (server.services.secure): the collecting round's step and the time it may end at
+    secagg_step: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    step_deadline: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class Update(Base):
@@ -203,6 +207,20 @@ class PartialSum(Base):
     max_norm: Mapped[float | None] = mapped_column(Float, nullable=True)  # the largest of their norms
     data: Mapped[bytes] = mapped_column(LargeBinary)  # safetensors: the float64 sums, their weights and dtypes
     written_at: Mapped[float] = mapped_column(Float, default=now)
+
+
+class SecAggMessage(Base):
+    """A device's message of a secure round's step (``server.services.secure``): its keys (``keys``), its sealed
+    shares (``shares``: the receivers' slots and boxes), its revealed shares (``unmask``), as the wire's JSON."""
+
+    __tablename__ = "pfl_secagg"
+
+    federation: Mapped[str] = mapped_column(ForeignKey("pfl_federations.id"), primary_key=True)
+    round: Mapped[int] = mapped_column(Integer, primary_key=True)
+    slot: Mapped[int] = mapped_column(Integer, primary_key=True)
+    kind: Mapped[str] = mapped_column(String(8), primary_key=True)
+    body: Mapped[dict[str, Any]] = mapped_column(JSON)
+    at: Mapped[float] = mapped_column(Float, default=now)
 
 
 class RateBucket(Base):

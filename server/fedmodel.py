@@ -58,6 +58,14 @@ class FedModel:
     def expected(self, kp: int) -> dict[str, tuple[int, ...]]:
         return {k: self.shapes[k] for k in self.base_keys(kp)}
 
+    def secure_size(self) -> int:
+        """Under secure aggregation, the masked vector's length: the float coordinates of the base a device of
+        the config's K_P sends (``pfl_edge.secagg.aggregate.float_keys``)."""
+        from pfl_edge.secagg.aggregate import float_keys
+
+        state = self.model.state_dict()
+        return sum(state[k].numel() for k in float_keys({k: state[k] for k in self.base_keys(self.cfg.kp)}))
+
     def init_state(self) -> dict[str, Tensor]:
         return init_state(self.cfg, self.spec)
 

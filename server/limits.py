@@ -49,6 +49,8 @@ BODY_LIMITS: tuple[tuple[str, re.Pattern[str], int | None], ...] = (
     ("POST", re.compile(rf"^{API_PREFIX}/federations/?$"), 1 << 20),  # a federation's config (admin)
     ("PUT", re.compile(rf"^{API_PREFIX}/blobs/[^/]*$"), None),  # max_blob_bytes, streamed by the route
     ("POST", re.compile(rf"^{API_PREFIX}/broker/hook/"), 4 << 10),  # a broker's question: a few names
+    # a secure round's sealed or revealed shares: about 400 bytes per neighbour, at most 10,000 neighbours
+    ("POST", re.compile(rf"^{API_PREFIX}/rounds/[0-9]+/secagg/(shares|unmask)$"), 4 << 20),
 )
 # routes only the admin may call, whose bodies are large: the token is checked before the body is read (a stranger's
 # megabyte of JSON was read and parsed first, 1.2 s of the event loop's CPU each)

@@ -78,6 +78,11 @@ def _refusals(conn: Connection) -> None:
     _add_column("pfl_metrics", "dropped", "INTEGER")(conn)
 
 
+def _secagg(conn: Connection) -> None:
+    _add_column("pfl_rounds", "secagg_step", "VARCHAR(16)")(conn)
+    _add_column("pfl_rounds", "step_deadline", "FLOAT")(conn)
+
+
 #: every upgrade since version 1, in order; the types are frozen here (the models may change later)
 STEPS: tuple[Step, ...] = (
     Step(2, "pfl_federations.min_devices (late joiners)", _add_column("pfl_federations", "min_devices", "INTEGER")),
@@ -96,6 +101,8 @@ STEPS: tuple[Step, ...] = (
             "theirs at their next rotation)", _add_column("pfl_devices", "token_origin", "FLOAT")),
     Step(10, "pfl_federations.noise_key: the secret key of a private federation's aggregate noise",
          _add_column("pfl_federations", "noise_key", "VARCHAR(64)")),
+    Step(11, "secure aggregation: pfl_rounds.secagg_step and step_deadline, and pfl_secagg (created whole) for "
+             "the devices' messages of its steps", _secagg),
 )
 SCHEMA_VERSION = STEPS[-1].version
 

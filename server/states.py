@@ -92,11 +92,13 @@ def quorum_reached(updates: int, active: int, quorum: float) -> bool:
 
 def next_state(state: RoundState | str, round: int, *, updates: int, active: int, quorum: float,
                deadline: float | None, now: float, min_updates: int, more_rounds: bool,
-               enrolment_ready: bool) -> Transition | None:
+               enrolment_ready: bool, secure: bool | None = None) -> Transition | None:
     """The transition due now, or None. ``updates``/``active``: accepted updates of the round and devices given
     its task; a collecting round closes at quorum, or past ``deadline`` with at least ``min_updates``.
     ``more_rounds``: the federation has rounds after ``round``; ``enrolment_ready``: enough devices have
-    enrolled (and, where the algorithm asks, sent their initial model) for round 1."""
+    enrolled (and, where the algorithm asks, sent their initial model) for round 1. ``secure``: None for a plain
+    round; for a round under secure aggregation, whether its unmasking is done (it closes then, and only then:
+    its steps have their own deadlines, server.services.secure)."""
     src = _state(state)
     if round < 0:
         raise InternalError(f"round {round} < 0")
@@ -105,6 +107,8 @@ def next_state(state: RoundState | str, round: int, *, updates: int, active: int
             raise InternalError(f"round 0 is enrolment, always {RoundState.OPEN}; found {src}")
         return check_transition(src, round, RoundState.OPEN, round + 1) if enrolment_ready else None
     if src is RoundState.COLLECTING:
+        if secure is not None:
+            return check_transition(src, round, RoundState.CLOSING, round) if secure else None
         late = deadline is not None and now >= deadline and updates >= min_updates
         if not (quorum_reached(updates, active, quorum) or late):
             return None

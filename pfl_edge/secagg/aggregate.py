@@ -8,21 +8,23 @@ unmasking); the server's unmasked integer sum, dequantized and divided by the co
 privacy, else the participants), is added to the round's base. Every client counts once: a sample count would
 have to be multiplied in on the device, where no server could cap it.
 
-Runs in the simulator today; a federation of devices refuses the table until the protocol's four steps are on
-the wire (docs/secagg.md, "What wiring it takes").
+One definition for the simulator (``secure_mean``: the whole round in one process), a device (``secure_input``)
+and the server (``secure_params``, ``apply_sum``), which carry the protocol's steps over HTTP between them
+(``pfl_edge.secagg.wire``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import ConfigError
-from ..privacy import SecAggConfig
+from ..privacy import MIN_CLIENTS, SecAggConfig
 from ..seeding import derive_seed
-from .protocol import dequantize_sum, quantize
+from .protocol import Params, dequantize_sum, quantize
 from .rounds import run_round
 
 if TYPE_CHECKING:
@@ -30,34 +32,78 @@ if TYPE_CHECKING:
 
     from ..federation import FederationConfig
 
-__all__ = ["secure_mean"]
+__all__ = ["apply_sum", "float_keys", "secure_input", "secure_mean", "secure_params"]
 
-def secure_mean(cfg: FederationConfig, prev: Mapping[str, Tensor],
-                updates: Iterable[tuple[Mapping[str, Tensor], float]], t: int) -> dict[str, Tensor]:
-    """The round's new shared part (module docstring): float tensors in ``prev``'s order; integer ones, and every
-    tensor of a round with fewer than ``MIN_CLIENTS`` participants, stay ``prev``'s."""
-    import dataclasses
+def float_keys(base: Mapping[str, Any]) -> list[str]:
+    """The tensors whose coordinates a secure round sums, in the vector's order: the base's floating ones, by
+    name (the server and every device order them alike)."""
+    return sorted(k for k, v in base.items() if _floating(v))
 
+
+def _vector(tensors: Mapping[str, Any], keys: list[str]) -> np.ndarray:
+    return np.concatenate([np.asarray(_numpy(tensors[k]), dtype=np.float64).ravel() for k in keys])
+
+
+def _floating(v: Any) -> bool:
+    return bool(v.is_floating_point()) if hasattr(v, "is_floating_point") else bool(np.issubdtype(v.dtype,
+                                                                                                  np.floating))
+
+
+def _numpy(v: Any) -> Any:
+    return v.detach().cpu().double().numpy() if hasattr(v, "detach") else v
+
+
+def secure_input(cfg: FederationConfig, base: Mapping[str, Any], sent: Mapping[str, Any]) -> np.ndarray:
+    """A participant's input to the round's sum: its update (``sent``, what it would send in the clear, minus
+    the round's ``base``), each coordinate clipped to the bound and quantized (uint32); torch or numpy."""
+    sa = _config(cfg)
+    keys = float_keys(base)
+    bound, bits, _ = sa.resolved(cfg, MIN_CLIENTS)
+    return quantize(_vector(sent, keys) - _vector(base, keys), bound, bits)
+
+
+def secure_params(cfg: FederationConfig, n: int, size: int, rid: bytes) -> Params | None:
+    """The parameters of a round of ``n`` participants whose vectors hold ``size`` values (None: too few to
+    release anything)."""
+    _, _, params = _config(cfg).resolved(cfg, n)
+    return None if params is None else dataclasses.replace(params, size=size, round_id=rid)
+
+
+def apply_sum(cfg: FederationConfig, prev: Mapping[str, Tensor], total: np.ndarray,
+              survivors: int) -> dict[str, Tensor]:
+    """The round's new shared part from the unmasked sum of ``survivors`` inputs: ``prev`` plus the mean update
+    (divided by q N under differential privacy, else by the survivors); integer tensors stay ``prev``'s."""
     import torch
 
-    sa = SecAggConfig.parse(cfg.secure_aggregation)
-    if sa is None:
-        raise ConfigError("this federation has no [secure_aggregation] table")
-    keys = [k for k, v in prev.items() if v.is_floating_point()]
-    base = np.concatenate([prev[k].detach().double().numpy().ravel() for k in keys])
-    deltas = [np.concatenate([s[k].detach().double().numpy().ravel() for k in keys]) - base for s, _ in updates]
-    bound, bits, params = sa.resolved(cfg, len(deltas))
-    if params is None:
-        return dict(prev)
-    params = dataclasses.replace(params, size=len(base), round_id=f"round-{t}".encode())
-    inputs = {i: quantize(d, bound, bits) for i, d in enumerate(deltas)}
-    total, survivors, _ = run_round(inputs, params, seed=derive_seed(cfg.seed, "secagg-graph", t))
-    dp = cfg.dp
-    count = cfg.participation * cfg.clients if dp is not None else len(survivors)
-    mean = dequantize_sum(total, len(survivors), bound, bits) / count
+    bound, bits, _ = _config(cfg).resolved(cfg, MIN_CLIENTS)
+    keys = float_keys(prev)
+    count = cfg.participation * cfg.clients if cfg.dp is not None else survivors
+    mean = dequantize_sum(total, survivors, bound, bits) / count
     out, at = dict(prev), 0
     for k in keys:
         n = prev[k].numel()
-        out[k] = torch.from_numpy(base[at:at + n] + mean[at:at + n]).reshape(prev[k].shape).to(prev[k].dtype)
+        v = prev[k].detach().double().numpy().ravel() + mean[at:at + n]
+        out[k] = torch.from_numpy(v).reshape(prev[k].shape).to(prev[k].dtype)
         at += n
     return out
+
+
+def _config(cfg: FederationConfig) -> SecAggConfig:
+    sa = SecAggConfig.parse(cfg.secure_aggregation)
+    if sa is None:
+        raise ConfigError("this federation has no [secure_aggregation] table")
+    return sa
+
+
+def secure_mean(cfg: FederationConfig, prev: Mapping[str, Tensor],
+                updates: Iterable[tuple[Mapping[str, Tensor], float]], t: int) -> dict[str, Tensor]:
+    """The round's new shared part (module docstring), the simulator's: every participant's ``secure_input``
+    through a whole SecAgg+ round in this process, then ``apply_sum``; every tensor of a round with fewer than
+    ``MIN_CLIENTS`` participants stays ``prev``'s."""
+    inputs = dict(enumerate(secure_input(cfg, prev, s) for s, _ in updates))
+    size = sum(prev[k].numel() for k in float_keys(prev))
+    params = secure_params(cfg, len(inputs), size, f"round-{t}".encode())
+    if params is None:
+        return dict(prev)
+    total, survivors, _ = run_round(inputs, params, seed=derive_seed(cfg.seed, "secagg-graph", t))
+    return apply_sum(cfg, prev, total, len(survivors))

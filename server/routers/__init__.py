@@ -5,11 +5,11 @@ from fastapi import APIRouter
 
 from pfl_edge.protocol import API_PREFIX
 
-from . import blobs, broker_hook, dashboard, devices, federations, health, models, prom, rounds, spec
+from . import blobs, broker_hook, dashboard, devices, federations, health, models, prom, rounds, secagg, spec
 
 __all__ = ["api", "blobs", "broker_hook", "dashboard", "devices", "federations", "health", "models", "prom", "rounds",
-           "spec"]
+           "secagg", "spec"]
 
 api = APIRouter(prefix=API_PREFIX)
-for _area in (federations, devices, blobs, rounds, spec, models, broker_hook):
+for _area in (federations, devices, blobs, rounds, secagg, spec, models, broker_hook):
     api.include_router(_area.router)

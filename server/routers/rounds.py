@@ -14,7 +14,7 @@ from ..coordinator import Coordinator
 from ..deps import DeviceAuth, MetricsDep, UpdatesDep, coordinator
 from ..errors import NotFound
 
-__all__ = ["MetricsStored", "router"]
+__all__ = ["MetricsStored", "router", "writes"]
 
 router = APIRouter(prefix="/rounds", tags=["rounds"])
 
@@ -34,15 +34,15 @@ def current_task(dev: DeviceAuth, coord: Annotated[Coordinator, Depends(coordina
 # Updates and metrics run in threads of their own, not in the request thread pool: a round's worth of them
 # arriving together (each waits for its decode check and for the write lock) must not leave cheap requests
 # waiting for a thread (bench/responsiveness.py)
-_writes = ThreadPoolExecutor(16, thread_name_prefix="pfl-writes")
+writes = ThreadPoolExecutor(16, thread_name_prefix="pfl-writes")
 
 
 @router.post("/{t}/updates", response_model=UpdateAccepted)
 async def post_update(t: RoundNo, body: UpdateRequest, dev: DeviceAuth, updates: UpdatesDep) -> UpdateAccepted:
-    return await asyncio.wrap_future(_writes.submit(updates.submit, dev, t, body))
+    return await asyncio.wrap_future(writes.submit(updates.submit, dev, t, body))
 
 
 @router.post("/{t}/metrics", response_model=MetricsStored)
 async def post_metrics(t: RoundNo, body: MetricsReport, dev: DeviceAuth, metrics: MetricsDep) -> MetricsStored:
-    await asyncio.wrap_future(_writes.submit(metrics.report, dev, t, body))
+    await asyncio.wrap_future(writes.submit(metrics.report, dev, t, body))
     return MetricsStored(round=t, device_id=dev.id)

@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 
 from pfl_edge.codec import DEFAULT_MAX_BYTES, Decoded, decode, encode
 from pfl_edge.errors import CodecError
+from pfl_edge.secagg.wire import decode_masked
 from pfl_edge.split import take
 
 from ..blobs import BlobError, BlobStore, BlobTooLarge, DirBlobStore, sha256_hex
@@ -76,12 +77,17 @@ class BlobAccess:
             self._check_quota(s, dev)
             fm = self.store.model(self.store.existing(s, dev.federation))
         # only what this device may send: FedPer/FedAvg its base part (never its personal blocks, which must not
-        # even be stored), DisPFL its whole sparse model; a part of it may arrive (the update checks it is whole)
+        # even be stored), DisPFL its whole sparse model; a part of it may arrive (the update checks it is whole);
+        # under secure aggregation only a masked input (pfl_edge.secagg.wire), never a model in the clear
         try:
-            self.decoder.check(data.path if isinstance(data, Spooled) else data, expected=fm.expected(dev.kp),
-                               model_id=fm.model_id, max_bytes=self.store.decode_limit(fm), allow_missing=True)
+            if fm.cfg.secure_aggregation is not None:
+                decode_masked(data.read() if isinstance(data, Spooled) else data, fm.secure_size())
+            else:
+                self.decoder.check(data.path if isinstance(data, Spooled) else data, expected=fm.expected(dev.kp),
+                                   model_id=fm.model_id, max_bytes=self.store.decode_limit(fm), allow_missing=True)
         except CodecError as e:
-            what = fm.algorithm(dev.kp).describe_upload(dev.kp, dev.density)
+            what = ("its masked input only (secure aggregation)" if fm.cfg.secure_aggregation is not None
+                    else fm.algorithm(dev.kp).describe_upload(dev.kp, dev.density))
             raise Unprocessable(f"payload refused: a {fm.cfg.algorithm} device sends {what}: {e}") from None
         payload = data.read() if isinstance(data, Spooled) else data
         try:

@@ -231,9 +231,10 @@ class EnrolmentService:
         if kp > fm.num_blocks:
             raise Unprocessable(f"profile {profile.name!r} keeps {kp} personal blocks but model "
                                 f"{fm.cfg.model!r} has only {fm.num_blocks}: {fm.model.block_names}")
-        if fm.cfg.privacy is not None and kp != device_capacity(fm.cfg, slot)[1]:
+        private = fm.cfg.privacy is not None or fm.cfg.secure_aggregation is not None
+        if private and kp != device_capacity(fm.cfg, slot)[1]:
             # the private mean divides every tensor by the expected count: a base only some devices send would
-            # shrink towards its start (docs/privacy.md)
+            # shrink towards its start (docs/privacy.md); a secure round sums one vector of one length
             raise Unprocessable(f"profile {profile.name!r} keeps {kp} personal blocks; this federation is private "
                                 f"and its devices share one base (K_P {device_capacity(fm.cfg, slot)[1]})")
         dev_id, at = "dev-" + secrets.token_hex(8), now()

@@ -31,6 +31,7 @@ from .blob_access import BlobAccess
 from .partials import Partials, Sum, merge_sums
 from .planning import Planner
 from .publishing import Publisher
+from .secure import SecureRounds, is_secure
 from .store import Store
 from .updates import aggregation_rule
 
@@ -50,6 +51,7 @@ class RoundMachine:
         self.planner = planner
         self.publisher = publisher
         self.clock = clock
+        self.secure = SecureRounds(store, blobs, planner)  # secure aggregation's steps within collecting
         self._step_lock = threading.Lock()  # transitions: one at a time
         self.partial_sums = False  # merge the replicas' partial sums at close (server.services.partials)
         self.last_merge = (0, 0)  # the last average's (updates taken from partial sums, sums merged)
@@ -73,6 +75,8 @@ class RoundMachine:
         """Make every transition that is due for this federation (idempotent; safe to call any time)."""
         with self._step_lock:
             for _ in range(len(self._handlers)):  # e.g. closing -> published -> open -> collecting in one call
+                if self.secure.advance(fed_id, self.clock):  # a secure round's step within collecting
+                    self.publisher.announce(fed_id)
                 tr = self.due(fed_id)
                 if tr is None:
                     return
@@ -103,6 +107,8 @@ class RoundMachine:
             r = self.store.round(s, fed.id, fed.round)
             facts.update(updates=self.store.count_updates(s, fed.id, fed.round), active=r.active,
                          deadline=r.deadline)
+            if is_secure(fm):  # it closes when its unmasking is done, not at a quorum of updates
+                facts["secure"] = r.secagg_step == "done"
         return facts
 
     def _advance(self, s: Session, fed_id: str, tr: Transition) -> Federation | None:
@@ -136,8 +142,11 @@ class RoundMachine:
     def _collect(self, fed_id: str, tr: Transition) -> None:
         tasks = self.planner.tasks(fed_id, tr.round)  # prepares every blob a task names before anyone is told
         with self.store.write() as s:
-            if self._advance(s, fed_id, tr) is None:
+            fed = self._advance(s, fed_id, tr)
+            if fed is None:
                 return
+            if is_secure(self.store.model(fed)):
+                self.secure.begin(self.store.round(s, fed_id, tr.round))
         self.publisher.tasks(fed_id, tasks)
         self.publisher.announce(fed_id)
 
@@ -166,10 +175,13 @@ class RoundMachine:
         if start is not None:  # a server model to aggregate into (none where devices exchange models)
             self.last_merge = (0, 0)
             key = bytes.fromhex(known.noise_key) if known.noise_key else None
-            new = self.average(fm, start, ups, rule, sums=sums, ids=ids, history=history,
-                               noise=round_noise(fm.cfg, t, key))
+            new = self.secure.result(fed_id, t, fm, self.blobs.load(start, fm).tensors) if is_secure(fm) else (
+                self.average(fm, start, ups, rule, sums=sums, ids=ids, history=history,
+                             noise=round_noise(fm.cfg, t, key)))
             self.merged[fed_id, t] = self.last_merge
-            if all(bool(v.isfinite().all()) for v in new.values() if v.is_floating_point()):
+            if new is None:  # a secure round that released nothing (said there): the base stays the round's start
+                result = None
+            elif all(bool(v.isfinite().all()) for v in new.values() if v.is_floating_point()):
                 result = self.blobs.store_server_blob(fed_id, encode(new, model_id=fm.model_id, round=t))
             else:  # never announced: the base stays the round's start (the codec refuses NaN/Inf anyway)
                 log.error("federation %s: round %d's aggregate holds NaN/Inf; the base stays the round's start",

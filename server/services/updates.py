@@ -41,6 +41,7 @@ from ..errors import Conflict, Unprocessable
 from ..fedmodel import FedModel
 from ..states import ENROLMENT_ROUND, RoundState
 from .blob_access import BlobAccess
+from .secure import SecureRounds, is_secure
 from .store import Store
 
 __all__ = ["Updates", "aggregation_rule", "counted_samples", "mask_bound", "sample_cap"]
@@ -91,6 +92,7 @@ class Updates:
         self.blobs = blobs
         self.on_accepted = on_accepted  # wakes the round worker: the update may close the round
         self.on_stored: Callable[[str, int, int], None] | None = None  # (federation, round, update id) committed
+        self.secure: SecureRounds | None = None  # checks a secure round's masked inputs (server.services.secure)
 
     def submit(self, dev: Device, t: int, req: UpdateRequest) -> UpdateAccepted:
         try:
@@ -115,7 +117,10 @@ class Updates:
                                     "first")
             start = None if t == ENROLMENT_ROUND else fm.algorithm().shared_digest(
                 self.store.round(s, fed.id, t).start_digest)
-        norm = self._check_payload(fm, dev, t, req.digest, start)  # decoded outside the lock
+            masked = self.secure is not None and t != ENROLMENT_ROUND and is_secure(fm)
+            if masked and self.secure is not None:  # a masked input: nothing to decode, nothing to measure
+                self.secure.check_input(s, fm, self.store.round(s, fed.id, t), dev, self.blobs.blobs.get(req.digest))
+        norm = None if masked else self._check_payload(fm, dev, t, req.digest, start)  # decoded outside the lock
         counted = counted_samples(req.n_samples, dev.declared_samples, sample_cap(fed, fm, dev.slot))
         with self.store.write() as s:
             fed = self.store.locked(s, dev.federation)
@@ -123,6 +128,8 @@ class Updates:
             if dup is not None:  # a concurrent retry won the race
                 return self._duplicate(s, dup, t, req)
             self._check_round(s, fed, fm, dev, t)  # the round may have closed meanwhile
+            if masked and self.store.round(s, fed.id, t).secagg_step != "input":
+                raise Conflict(f"round {t} takes no more masked inputs: its secure aggregation moved on")
             if start is None and norm is not None:
                 self._check_norm(s, fm, fed.id, t, dev.id, norm)
             upd = Update(federation=fed.id, round=t, device=dev.id, digest=req.digest, n_samples=counted,

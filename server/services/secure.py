@@ -1,0 +1,297 @@
+"""Secure aggregation on the wire (docs/secagg.md, docs/protocol.md "Secure aggregation"): a collecting round of
+a federation with a ``[secure_aggregation]`` table goes through SecAgg+'s four steps (``pfl_edge.secagg.wire``)
+before it may close, and its new base is computed from the sum the server unmasks, never from an update.
+
+The step is the round's (``Round.secagg_step``, ``Round.step_deadline``), moved on by the round machine
+(``advance``) when every device still in the round has sent the step's message, or at the step's deadline:
+``advertise`` (until the round's deadline: devices train first) -> ``share`` -> ``input`` -> ``unmask`` ->
+``done``. Each device message is kept whole (``SecAggMessage``) and checked against the step and the graph
+before it is: a device sends only in its step, only to and about its neighbours, once (a retry of the same
+message is answered again; another is refused). The library's ``Server`` is rebuilt from those rows where the
+sum is needed: the server holds nothing of a round in memory, and a replica or a restart reads the same state.
+
+What the server cannot bound here: an update's norm (it sees only masked vectors); every coordinate is bounded by
+the quantization's range, so one device moves a coordinate of the mean by at most 2 x bound / n. The round
+releases nothing (its base stays the start) when fewer than ``MIN_CLIENTS`` inputs survive, or when a secret
+cannot be rebuilt (more than degree - threshold of a device's neighbours left before unmasking).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+from torch import Tensor
+
+from pfl_edge.errors import CodecError, ConfigError
+from pfl_edge.privacy import MIN_CLIENTS, SecAggConfig
+from pfl_edge.secagg.wire import (
+    SecAggKeys,
+    SecAggNeighbour,
+    SecAggParams,
+    SecAggSealed,
+    SecAggShares,
+    SecAggStep,
+    SecAggUnmask,
+    decode_masked,
+    round_id,
+)
+from pfl_edge.seeding import derive_seed
+
+from ..db import Device, Federation, Round, SecAggMessage, Update
+from ..errors import Conflict, Unprocessable
+from ..fedmodel import FedModel
+from ..states import RoundState
+from .blob_access import BlobAccess
+from .planning import Planner
+from .store import Store
+
+__all__ = ["STEPS", "SecureRounds", "is_secure"]
+
+log = logging.getLogger(__name__)
+
+STEPS = ("advertise", "share", "input", "unmask", "done")
+_KIND = {"advertise": "keys", "share": "shares", "unmask": "unmask"}  # the message each step collects
+
+
+def is_secure(fm: FedModel) -> bool:
+    return fm.cfg.secure_aggregation is not None
+
+
+class SecureRounds:
+    def __init__(self, store: Store, blobs: BlobAccess, planner: Planner, *,
+                 on_message: Callable[[], None] = lambda: None) -> None:
+        self.store = store
+        self.blobs = blobs
+        self.planner = planner
+        self.on_message = on_message  # wakes the round worker: the message may end the step
+
+    # ------------------------------------------------------------------------------------------- devices
+    def state(self, dev: Device, t: int) -> SecAggStep:
+        """What ``dev`` needs of round ``t``'s step now (``SecAggStep``)."""
+        with self.store.read() as s:
+            fed, fm, r = self._round(s, dev, t)
+            return self._answer(s, fed, fm, r, dev.slot)
+
+    def post(self, dev: Device, t: int, msg: SecAggKeys | SecAggShares | SecAggUnmask) -> SecAggStep:
+        """A device's message for the step it belongs to, checked and kept (module docstring)."""
+        step = {SecAggKeys: "advertise", SecAggShares: "share", SecAggUnmask: "unmask"}[type(msg)]
+        body = msg.model_dump()
+        with self.store.write() as s:
+            fed, fm, r = self._round(s, dev, t, lock=True)
+            kind = _KIND[step]
+            old = s.get(SecAggMessage, (fed.id, t, dev.slot, kind))
+            if old is not None:
+                if old.body != body:
+                    raise Conflict(f"this device sent a different {kind} message for round {t} already")
+                return self._answer(s, fed, fm, r, dev.slot)
+            if r.secagg_step != step:
+                raise Conflict(f"round {t}'s secure aggregation is in its {r.secagg_step} step; this message "
+                               f"belongs to the {step} step")
+            if not self.planner.takes_part(s, fed, fm, t, dev):
+                raise Conflict(f"this device takes no part in round {t}")
+            self._check(s, fed, fm, r, dev.slot, msg)
+            s.add(SecAggMessage(federation=fed.id, round=t, slot=dev.slot, kind=kind, body=body))
+            s.flush()
+            answer = self._answer(s, fed, fm, r, dev.slot)
+        self.on_message()
+        return answer
+
+    def check_input(self, s: Session, fm: FedModel, r: Round, dev: Device, payload: bytes) -> None:
+        """An update of a secure round: in its ``input`` step, from a device that shared its keys, a masked
+        payload of the round's size (Updates calls this instead of decoding a model)."""
+        if r.secagg_step != "input":
+            raise Conflict(f"round {r.round}'s secure aggregation is in its {r.secagg_step} step; masked inputs are "
+                           "taken in the input step")
+        if s.get(SecAggMessage, (r.federation, r.round, dev.slot, "shares")) is None:
+            raise Conflict(f"this device shared no keys in round {r.round}: its input could never be unmasked")
+        try:
+            got, _ = decode_masked(payload, fm.secure_size())
+        except CodecError as e:
+            raise Unprocessable(f"update refused: {e}") from None
+        if got != r.round:
+            raise Unprocessable(f"the masked payload is for round {got}, the update is posted for round {r.round}")
+
+    # ------------------------------------------------------------------------------------------- the machine
+    def begin(self, r: Round) -> None:
+        """Round ``r`` starts collecting: its devices train, then advertise until the round's deadline."""
+        r.secagg_step, r.step_deadline = "advertise", r.deadline
+
+    def advance(self, fed_id: str, clock: Callable[[], float]) -> bool:
+        """Move the current round's step on where it is due (module docstring); True if it moved."""
+        with self.store.write() as s:
+            fed = self.store.locked(s, fed_id)
+            if fed.state != RoundState.COLLECTING:
+                return False
+            fm = self.store.model(fed)
+            if not is_secure(fm):
+                return False
+            r = self.store.round(s, fed_id, fed.round)
+            step = r.secagg_step or "advertise"
+            if step == "done":
+                return False
+            have, want = self._progress(s, fed, fm, r)
+            late = clock() >= (r.step_deadline or r.deadline)
+            need = max(MIN_CLIENTS, fed.min_updates) if step == "advertise" else 0
+            if not (have >= want or (late and have >= need)):
+                return False
+            r.secagg_step = STEPS[STEPS.index(step) + 1]
+            r.step_deadline = clock() + _config(fm).step_s
+            log.info("federation %s: round %d's secure aggregation: %s -> %s (%d of %d)", fed_id, r.round, step,
+                     r.secagg_step, have, want)
+            return True
+
+    def _progress(self, s: Session, fed: Federation, fm: FedModel, r: Round) -> tuple[int, int]:
+        """(messages of the step that came, messages it waits for)."""
+        step = r.secagg_step or "advertise"
+        sent = self._slots(s, r, "keys")
+        if step == "advertise":
+            return len(sent), r.active
+        if step == "share":
+            return len(self._slots(s, r, "shares")), len(sent)
+        survivors = self._survivors(s, r)
+        if step == "input":
+            return len(survivors), len(self._slots(s, r, "shares"))
+        return len(self._slots(s, r, "unmask")), len(survivors)
+
+    def result(self, fed_id: str, t: int, fm: FedModel, prev: dict[str, Tensor]) -> dict[str, Tensor] | None:
+        """Round ``t``'s new shared part from the unmasked sum (``prev``: the round's start model); None where
+        the round releases nothing (module docstring)."""
+        from pfl_edge.secagg import Advert, Server
+        from pfl_edge.secagg.aggregate import apply_sum
+
+        with self.store.read() as s:
+            r = self.store.round(s, fed_id, t)
+            params = self._params(s, fm, r)
+            survivors = self._survivors(s, r)
+            if params is None or len(survivors) < MIN_CLIENTS:
+                log.warning("federation %s: round %d: %d masked inputs survived; the base stays the round's start",
+                            fed_id, t, len(survivors))
+                return None
+            srv = Server(params, derive_seed(fm.cfg.seed, "secagg-graph", t))
+            srv.advertised([Advert(slot, bytes.fromhex(b["c_public"]), bytes.fromhex(b["s_public"]))
+                            for slot, b in self._bodies(s, r, "keys").items()])
+            for slot, b in self._bodies(s, r, "shares").items():
+                srv.route(slot, {x["index"]: bytes.fromhex(x["box"]) for x in b["shares"]})
+            for slot, digest in survivors.items():
+                srv.receive(slot, decode_masked(self.blobs.blobs.get(digest), params.size)[1])
+            for slot, b in self._bodies(s, r, "unmask").items():
+                srv.collect(slot, {x["about"]: (x["kind"], bytes.fromhex(x["share"])) for x in b["shares"]})
+        try:
+            total = srv.total()
+        except ConfigError as e:
+            log.error("federation %s: round %d cannot be unmasked (%s); the base stays the round's start", fed_id,
+                      t, e)
+            return None
+        base = {k: prev[k] for k in fm.base_keys(fm.cfg.kp)}
+        return {**prev, **apply_sum(fm.cfg, base, total, len(survivors))}
+
+    # ------------------------------------------------------------------------------------------- internals
+    def _round(self, s: Session, dev: Device, t: int, *, lock: bool = False) -> tuple[Federation, FedModel, Round]:
+        fed = self.store.locked(s, dev.federation) if lock else self.store.existing(s, dev.federation)
+        fm = self.store.model(fed)
+        if not is_secure(fm):
+            raise Conflict(f"federation {fed.id!r} does not aggregate securely")
+        r = s.get(Round, (fed.id, t))
+        if r is None or t < 1 or r.secagg_step is None:
+            raise Conflict(f"round {t} has no secure aggregation (the federation is in round {fed.round}, "
+                           f"{fed.state})")
+        return fed, fm, r
+
+    @staticmethod
+    def _slots(s: Session, r: Round, kind: str) -> set[int]:
+        return set(s.scalars(select(SecAggMessage.slot).where(
+            SecAggMessage.federation == r.federation, SecAggMessage.round == r.round, SecAggMessage.kind == kind)))
+
+    @staticmethod
+    def _bodies(s: Session, r: Round, kind: str) -> dict[int, dict[str, Any]]:
+        rows = s.execute(select(SecAggMessage.slot, SecAggMessage.body).where(
+            SecAggMessage.federation == r.federation, SecAggMessage.round == r.round, SecAggMessage.kind == kind)
+            .order_by(SecAggMessage.slot))
+        return {slot: body for slot, body in rows}
+
+    @staticmethod
+    def _survivors(s: Session, r: Round) -> dict[int, str]:
+        """Slot -> digest of every accepted masked input of round ``r``."""
+        return dict(s.execute(select(Device.slot, Update.digest).join(Device, Device.id == Update.device).where(
+            Update.federation == r.federation, Update.round == r.round)).all())
+
+    def _params(self, s: Session, fm: FedModel, r: Round) -> Any:
+        from pfl_edge.secagg.aggregate import secure_params
+
+        n = len(self._slots(s, r, "keys"))
+        return secure_params(fm.cfg, n, fm.secure_size(), round_id(r.federation, r.round))
+
+    def _edges(self, s: Session, fm: FedModel, r: Round) -> tuple[Any, dict[int, frozenset[int]]]:
+        from pfl_edge.secagg import graph
+
+        params = self._params(s, fm, r)
+        ids = sorted(self._slots(s, r, "keys"))
+        if params is None:
+            return None, {}
+        return params, graph(ids, params.degree, derive_seed(fm.cfg.seed, "secagg-graph", r.round))
+
+    def _answer(self, s: Session, fed: Federation, fm: FedModel, r: Round, slot: int) -> SecAggStep:
+        step = "done" if fed.round != r.round or fed.state != RoundState.COLLECTING else r.secagg_step or "advertise"
+        out: dict[str, Any] = dict(round=r.round, step=step, deadline=r.step_deadline or r.deadline)
+        if step in ("advertise", "done"):
+            return SecAggStep(**out)
+        params, edges = self._edges(s, fm, r)
+        if params is not None:
+            out["params"] = SecAggParams(degree=params.degree, threshold=params.threshold, size=params.size)
+        mine = edges.get(slot, frozenset())
+        keys = self._bodies(s, r, "keys")
+        out["neighbours"] = [SecAggNeighbour(index=j, **keys[j]) for j in sorted(mine)]
+        if step in ("input", "unmask"):
+            out["inbox"] = [SecAggSealed(index=j, box=x["box"]) for j, b in self._bodies(s, r, "shares").items()
+                            if j in mine for x in b["shares"] if x["index"] == slot]
+        if step == "unmask":
+            survivors = set(self._survivors(s, r))
+            out["survivors"] = sorted(survivors)
+            out["dropped"] = sorted(self._slots(s, r, "shares") - survivors)
+        return SecAggStep(**out)
+
+    def _check(self, s: Session, fed: Federation, fm: FedModel, r: Round, slot: int,
+               msg: SecAggKeys | SecAggShares | SecAggUnmask) -> None:
+        """``msg`` fits the step, the graph and what the server asked (Unprocessable otherwise)."""
+        from pfl_edge.secagg import KeyPair
+
+        if isinstance(msg, SecAggKeys):
+            for key in (msg.c_public, msg.s_public):
+                try:  # a low-order point would make every neighbour's agreement fail: refused here, not there
+                    KeyPair().agree(bytes.fromhex(key), b"pfl-secagg:check")
+                except CodecError as e:
+                    raise Unprocessable(f"a public key of this device is unusable: {e}") from None
+            return
+        _, edges = self._edges(s, fm, r)
+        mine = edges.get(slot)
+        if mine is None:
+            raise Conflict(f"this device advertised no keys in round {r.round}: it is not in the round's graph")
+        if isinstance(msg, SecAggShares):
+            to = [x.index for x in msg.shares]
+            if sorted(to) != sorted(mine) or len(set(to)) != len(to):
+                raise Unprocessable(f"a device sends one sealed pair to each of its {len(mine)} neighbours "
+                                    f"{sorted(mine)}; got pairs for {sorted(to)}")
+            return
+        survivors = set(self._survivors(s, r))
+        if slot not in survivors:
+            raise Conflict(f"this device's masked input was not taken in round {r.round}: it is not a survivor")
+        dropped = self._slots(s, r, "shares") - survivors
+        asked = {j: "b" if j in survivors else "s" for j in mine if j in survivors or j in dropped}
+        shares = self._bodies(s, r, "shares")
+        asked = {j: k for j, k in asked.items() if j in shares and any(x["index"] == slot for x in
+                                                                         shares[j]["shares"])}
+        got = {x.about: x.kind for x in msg.shares}
+        if got != asked or len(got) != len(msg.shares):
+            raise Unprocessable(f"the unmask step asks this device for {sorted(asked.items())}; got "
+                                f"{sorted(got.items())}")
+
+
+def _config(fm: FedModel) -> SecAggConfig:
+    sa = SecAggConfig.parse(fm.cfg.secure_aggregation)
+    if sa is None:
+        raise ConfigError("this federation has no [secure_aggregation] table")
+    return sa

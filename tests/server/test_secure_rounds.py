@@ -1,0 +1,151 @@
+"""Secure aggregation on the wire (server.services.secure, docs/secagg.md): seven devices go through a round's four
+steps over HTTP, one dropping out after it shared its keys and one after it sent its masked input; the published
+base is the round's start plus the dequantized mean of the survivors' inputs, computed here from the plain inputs.
+The server refuses messages out of their step, to strangers, or asking it to learn more than the sum."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from server_testkit import FEDPER, Dev, Mqtt, background_server, bearer, create, wait_for
+
+from pfl_edge.federation import FederationConfig
+from pfl_edge.protocol import task_topic
+from pfl_edge.secagg import Advert, Client, Params, dequantize_sum, encode_masked, round_id
+from pfl_edge.secagg.aggregate import float_keys, secure_input
+from server.launch import BackgroundServer
+
+ADMIN = "admin-token-for-secure-tests"
+SECURE: dict[str, Any] = {**FEDPER, "clients": 7, "rounds": 2,
+                          "secure_aggregation": {"bound": 0.5, "bits": 16, "degree": 6, "threshold": 4}}
+
+
+@pytest.fixture
+def srv(tmp_path: Path, broker_url: str) -> Iterator[BackgroundServer]:
+    s = background_server(tmp_path, broker_url, ADMIN)
+    yield s
+    s.stop()
+
+
+def _state(c: httpx.Client, d: Dev, t: int) -> dict[str, Any]:
+    r = c.get(f"/v1/rounds/{t}/secagg", headers=d.h)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def _at(c: httpx.Client, d: Dev, t: int, step: str) -> dict[str, Any]:
+    got: dict[str, Any] = {}
+
+    def reached() -> bool:
+        got.update(_state(c, d, t))
+        return bool(got["step"] == step)
+
+    wait_for(reached, timeout=30, what=f"step {step}")
+    return got
+
+
+def test_a_secure_round_over_http_publishes_the_survivors_mean_through_dropouts(srv: BackgroundServer) -> None:
+    c = httpx.Client(base_url=srv.url, timeout=30)
+    create(c, ADMIN, "sa", SECURE)
+    cfg = FederationConfig.from_dict(dict(SECURE))
+    devs = [Dev(c, "sa", index=i) for i in range(7)]
+    mq = Mqtt(srv.broker_url, [task_topic("sa", devs[0].id)])
+    task = mq.wait(task_topic("sa", devs[0].id), lambda x: x["round"] == 1)
+    start = devs[0].get(task["base"]).tensors
+    keys = float_keys(start)
+    g = torch.Generator().manual_seed(1)
+    sent = [{k: v + 0.05 * torch.randn(v.shape, generator=g) if k in keys else v for k, v in start.items()}
+            for _ in devs]
+    xs = [secure_input(cfg, start, s) for s in sent]
+    # nothing out of its step: shares before the graph exists, a masked input while keys are advertised
+    r = c.post("/v1/rounds/1/secagg/shares", json={"shares": []}, headers=devs[0].h)
+    assert r.status_code == 409 and "advertise step" in r.text
+    clients: dict[int, Client] = {}
+    for d in devs:
+        cl = Client(d.index, Params(6, 4, 1))  # keys now; the round's parameters come with the graph
+        clients[d.index] = cl
+        r = c.post("/v1/rounds/1/secagg/keys", headers=d.h,
+                   json={"c_public": cl.c.public.hex(), "s_public": cl.s.public.hex()})
+        assert r.status_code == 200, r.text
+    # a low-order public key would break every neighbour's agreement: refused
+    r = c.post("/v1/rounds/1/secagg/keys", headers=devs[0].h, json={"c_public": "00" * 32, "s_public": "00" * 32})
+    assert r.status_code == 409  # another message from a device that advertised already
+    at = {d.index: _at(c, d, 1, "share") for d in devs}
+    size = sum(start[k].numel() for k in keys)
+    assert at[0]["params"] == {"degree": 6, "threshold": 4, "size": size}
+    for d in devs:
+        cl = clients[d.index]
+        cl.params = Params(6, 4, size, round_id("sa", 1))
+        boxes = cl.share_keys({n["index"]: Advert(n["index"], bytes.fromhex(n["c_public"]),
+                                                  bytes.fromhex(n["s_public"])) for n in at[d.index]["neighbours"]})
+        if d.index == 0:  # a pair missing: refused, nothing kept
+            r = c.post("/v1/rounds/1/secagg/shares", headers=d.h, json={"shares": [
+                {"index": j, "box": b.hex()} for j, b in list(boxes.items())[1:]]})
+            assert r.status_code == 422 and "one sealed pair to each" in r.text
+        r = c.post("/v1/rounds/1/secagg/shares", headers=d.h,
+                   json={"shares": [{"index": j, "box": b.hex()} for j, b in boxes.items()]})
+        assert r.status_code == 200, r.text
+    # device 4 drops out after sharing (never sends its input); the rest send theirs
+    survivors = [0, 1, 2, 3, 5, 6]
+    for i in survivors:
+        inbox = _at(c, devs[i], 1, "input")["inbox"]
+        assert sorted(x["index"] for x in inbox) == [j for j in range(7) if j != i]
+        y = clients[i].masked_input(xs[i], {x["index"]: bytes.fromhex(x["box"]) for x in inbox})
+        assert devs[i].update(1, devs[i].put(encode_masked(y, 1))).status_code == 200
+    srv.app_state.coordinator.rounds.clock = lambda: time.time() + 10**6  # the input step's deadline has passed
+    srv.app_state.coordinator.worker.kick()
+    ask = _at(c, devs[0], 1, "unmask")
+    assert ask["survivors"] == survivors and ask["dropped"] == [4]
+    # device 3 drops out after sending its input (never unmasks); the other survivors reveal what is asked (each
+    # secret has 4 shares left of 6: the threshold)
+    for i in (0, 1, 2, 5, 6):
+        shares = clients[i].unmask(frozenset(survivors), frozenset({4}))
+        if i == 0:  # asking to learn both secrets of one device, or sending one it was not asked: refused
+            bad = [{"about": j, "kind": "b", "share": s.hex()} for j, (_, s) in shares.items()]
+            r = c.post("/v1/rounds/1/secagg/unmask", headers=devs[i].h, json={"shares": bad})
+            assert r.status_code == 422 and "asks this device for" in r.text
+        r = c.post("/v1/rounds/1/secagg/unmask", headers=devs[i].h, json={"shares": [
+            {"about": j, "kind": k, "share": s.hex()} for j, (k, s) in shares.items()]})
+        assert r.status_code == 200, r.text
+    srv.app_state.coordinator.rounds.clock = lambda: time.time() + 2 * 10**6  # and the unmask step's
+    srv.app_state.coordinator.worker.kick()
+    nxt = mq.wait(task_topic("sa", devs[0].id), lambda x: x["round"] == 2, timeout=30)
+    got = devs[0].get(nxt["base"]).tensors
+    total = np.sum([xs[i].astype(np.uint64) for i in survivors], axis=0).astype(np.uint32)
+    mean = dequantize_sum(total, len(survivors), 0.5, 16) / len(survivors)
+    at_ = 0
+    for k in keys:
+        n = start[k].numel()
+        want = torch.from_numpy(start[k].double().numpy().ravel() + mean[at_:at_ + n]).reshape(start[k].shape)
+        assert torch.equal(got[k], want.to(start[k].dtype)), k
+        at_ += n
+    # the mean of the plain updates, to the quantization's step (2 x bound / (2^16 - 1) per coordinate)
+    for k in keys:
+        plain = torch.stack([sent[i][k] - start[k] for i in survivors]).clamp(-0.5, 0.5).double().mean(0)
+        assert float((got[k].double() - start[k].double() - plain).abs().max()) <= 1.0 / 65535 + 1e-6
+    mq.close()
+
+
+def test_secure_messages_need_a_secure_round_and_a_device(srv: BackgroundServer) -> None:
+    c = httpx.Client(base_url=srv.url, timeout=30)
+    create(c, ADMIN, "plain", FEDPER)
+    d = Dev(c, "plain")
+    r = c.get("/v1/rounds/1/secagg", headers=d.h)
+    assert r.status_code == 409 and "does not aggregate securely" in r.text
+    r = c.get("/v1/rounds/1/secagg", headers=bearer("not-a-token"))
+    assert r.status_code == 401
+    create(c, ADMIN, "sa2", SECURE)
+    d2 = Dev(c, "sa2")
+    # before round 1 (enrolment): no secure round yet
+    r = c.post("/v1/rounds/1/secagg/keys", headers=d2.h, json={"c_public": "11" * 32, "s_public": "22" * 32})
+    assert r.status_code == 409 and "no secure aggregation" in r.text
+    # malformed keys never reach the service
+    r = c.post("/v1/rounds/1/secagg/keys", headers=d2.h, json={"c_public": "zz", "s_public": "22" * 32})
+    assert r.status_code == 422
