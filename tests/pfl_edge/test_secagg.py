@@ -208,8 +208,9 @@ def test_the_secure_aggregation_table_is_checked() -> None:
         FederationConfig(secure_aggregation={"bound": 1.0, "k": 3}, **base)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="differential privacy covers"):
         FederationConfig(algorithm="dispfl", secure_aggregation={"bound": 1.0}, **base)  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="simulator only"):
-        check_device_config(FederationConfig(secure_aggregation={"bound": 1.0}, **base))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="step_s"):
+        FederationConfig(secure_aggregation={"bound": 1.0, "step_s": 0}, **base)  # type: ignore[arg-type]
+    check_device_config(FederationConfig(secure_aggregation={"bound": 1.0}, **base))  # type: ignore[arg-type]
 
 
 def test_a_simulated_federation_under_secure_aggregation_trains_as_the_plain_mean_would() -> None:
