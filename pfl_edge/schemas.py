@@ -24,6 +24,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from . import protocol
+from .secagg import wire
 
 __all__ = ["DIALECT", "MESSAGES", "index", "main", "message_types", "schema", "schemas", "write"]
 
@@ -36,6 +37,9 @@ MESSAGES: tuple[type[BaseModel], ...] = (
     protocol.Task, protocol.Neighbour, protocol.RoundAnnouncement, protocol.DeviceStatus,
     protocol.BlobStored, protocol.UpdateRequest, protocol.UpdateAccepted,
     protocol.MetricsReport, protocol.MetricsStored, protocol.ErrorBody, protocol.ValidationIssue,
+    # secure aggregation's steps (pfl_edge.secagg.wire: no cryptography imported)
+    wire.SecAggStep, wire.SecAggParams, wire.SecAggNeighbour, wire.SecAggSealed, wire.SecAggKeys,
+    wire.SecAggShares, wire.SecAggShare, wire.SecAggUnmask,
 )
 
 # Messages defined in modules of their own, included when the module exists (imported lazily: pfl_edge.schemas

@@ -45,11 +45,26 @@ GOOD: dict[str, dict[str, Any]] = {
     "MetricsStored": {"round": 1, "device_id": "dev-1"},
     "ErrorBody": {"detail": [{"loc": ["body", "n_samples"], "msg": "too small", "type": "greater_than_equal"}]},
     "ValidationIssue": {"loc": ["path", "t"], "msg": "m", "type": "t"},
+    "SecAggStep": {"round": 2, "step": "unmask", "deadline": 1.8e9,
+                   "params": {"degree": 2, "threshold": 2, "size": 10},
+                   "neighbours": [{"index": 1, "c_public": "ab" * 32, "s_public": "cd" * 32}],
+                   "inbox": [{"index": 1, "box": "ef" * 168}], "survivors": [0, 1], "dropped": [2]},
+    "SecAggParams": {"degree": 4, "threshold": 3, "size": 1},
+    "SecAggNeighbour": {"index": 0, "c_public": "00" * 32, "s_public": "ff" * 32},
+    "SecAggSealed": {"index": 3, "box": "01" * 168},
+    "SecAggKeys": {"c_public": "ab" * 32, "s_public": "cd" * 32},
+    "SecAggShares": {"shares": [{"index": 3, "box": "01" * 168}]},
+    "SecAggShare": {"about": 1, "kind": "s", "share": "02" * 66},
+    "SecAggUnmask": {"shares": [{"about": 1, "kind": "b", "share": "02" * 66}]},
 }
 
 # (message, change) pairs that both pydantic and the schema must refuse
 BAD: list[tuple[str, dict[str, Any]]] = [
     ("UpdateRequest", {"personal": {"w": 1}}),  # an extra field
+    ("SecAggKeys", {"c_public": "AB" * 32}),  # upper-case hex
+    ("SecAggSealed", {"box": "01" * 167}),  # a sealed pair is 168 bytes exactly
+    ("SecAggShare", {"kind": "both"}),
+    ("SecAggStep", {"step": "closing"}),
     ("UpdateRequest", {"digest": "A" * 64}),  # upper-case hex
     ("UpdateRequest", {"digest": "../../etc/passwd"}),
     ("UpdateRequest", {"n_samples": 0}),

@@ -225,3 +225,24 @@ def test_a_simulated_federation_under_secure_aggregation_trains_as_the_plain_mea
     assert [r["participants"] for r in secure["rounds"]] == [list(range(6))] * 2
     for a, b in zip(secure["rounds"], plain["rounds"], strict=True):  # equal data sizes: the same weights
         assert a["client_loss"] == pytest.approx(b["client_loss"], abs=1e-3)
+
+
+def test_the_masked_payload_is_its_vectors() -> None:
+    """docs/codec.md section 10: the worked example's bytes, written out by hand there, and the refusals."""
+    from pathlib import Path
+
+    from pfl_edge.errors import CodecError
+    from pfl_edge.secagg import decode_masked, encode_masked
+
+    vectors = Path(__file__).resolve().parents[2] / "docs" / "masked-vectors"
+    want = bytes.fromhex("50464c4d 01 03000000 04000000 00000000 01000000 ffffffff 04030201".replace(" ", ""))
+    y = np.array([0, 1, 2**32 - 1, 0x01020304], dtype=np.uint32)
+    assert encode_masked(y, 3) == want == (vectors / "masked_round3.bin").read_bytes()
+    t, back = decode_masked(want, 4)
+    assert t == 3 and back.dtype == np.uint32 and back.tolist() == y.tolist()
+    for name, why in (("masked_short", "this one says 4 in 25 bytes"), ("masked_bad_magic", "not a masked payload"),
+                      ("masked_bad_version", "version 2")):
+        with pytest.raises(CodecError, match=why):
+            decode_masked((vectors / f"{name}.bin").read_bytes(), 4)
+    with pytest.raises(CodecError, match="holds 5 values"):  # the right bytes for another round's size
+        decode_masked(want, 5)

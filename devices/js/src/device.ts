@@ -150,6 +150,11 @@ export class Device {
       throw new CardError(`federation ${enr.federation} adds differential privacy's noise on its devices ` +
         '(privacy.mode "distributed"); this device does not: run the Python agent');
     }
+    if (this.config['secure_aggregation'] != null) {
+      // its update would go to the server in the clear, which secure aggregation exists to prevent (docs/secagg.md)
+      throw new CardError(`federation ${enr.federation} aggregates securely (SecAgg+); this device does not ` +
+        'run its steps: run the Python agent');
+    }
     if (this.cfg.partitionId !== null && this.cfg.partitionId !== enr.index && Number(this.config['participation'] ?? 1) >= 1) {
       throw new EnrolRefused(`asked for partition ${this.cfg.partitionId} but the server gave slot ${enr.index}`);
     }
