@@ -200,6 +200,28 @@ def test_js_device_trains_in_a_fedper_federation(tmp_path: Path) -> None:
     _compare(out, *_simulate(CONFIG, tmp_path))
 
 
+@pytest.mark.slow  # about a minute
+@pytest.mark.needs_fmnist
+def test_js_device_aggregates_securely_beside_python_agents(tmp_path: Path) -> None:
+    """SecAgg+ (docs/secagg.md) with the JS device among the three: its keys, sealed shares and unmask shares (Web
+    Crypto) work with the Python agents' and the server's; every update it stored on the server is a masked input
+    of its round, and it ends with the simulator's model as in the plain federation."""
+    _skip_without_node()
+    from pfl_edge.secagg import decode_masked
+    from server.fedmodel import fed_model
+
+    config = {**CONFIG, "secure_aggregation": {"bound": 0.5, "bits": 16}}
+    out = _run(tmp_path, config)
+    _check_rounds(out, 1)
+    sent = _ledger(out["root"])
+    size = fed_model(config).secure_size()
+    assert [u["round"] for u in sent] == [1, 2, 3], sent
+    for u in sent:
+        blob = (out["root"] / "server" / "blobs" / u["digest"][:2] / u["digest"]).read_bytes()
+        assert decode_masked(blob, size)[0] == u["round"]
+    _compare(out, *_simulate(config, tmp_path))
+
+
 @pytest.mark.slow
 @pytest.mark.needs_fmnist
 def test_js_device_killed_mid_federation_resumes_from_its_state_dir(tmp_path: Path) -> None:

@@ -8,10 +8,13 @@
  * fine-tuned alone on each new base), DisPFL (./dispfl.ts). Platform-neutral: the platform (files, MQTT client,
  * ONNX runtime, data, randomness) is passed in.
  */
+import type { webcrypto } from 'node:crypto';
 import { type ModelCard, CardError, DATASET_SHAPES, findProgram, modelIdOf, parseCard, trainConfig } from './card.js';
 import { CodecError, decode, encode } from './codec.js';
 import { type EnrolConfig, EnrolRefused, Tokens, enrol, renew } from './enrol.js';
 import { Http, HttpError, Stopped, sleep } from './http.js';
+import { maxBits, quantize } from './secagg.js';
+import { runSecureRound } from './securestep.js';
 import { type Enrolment, type RoundAnnouncement, type Task, federationState, parseBrokerInfo, parseTask, parseUpdateAccepted } from './messages.js';
 import { Bell, type MqttConnect } from './mqtt.js';
 import { privatize } from './privacy.js';
@@ -150,10 +153,10 @@ export class Device {
       throw new CardError(`federation ${enr.federation} adds differential privacy's noise on its devices ` +
         '(privacy.mode "distributed"); this device does not: run the Python agent');
     }
-    if (this.config['secure_aggregation'] != null) {
-      // its update would go to the server in the clear, which secure aggregation exists to prevent (docs/secagg.md)
-      throw new CardError(`federation ${enr.federation} aggregates securely (SecAgg+); this device does not ` +
-        'run its steps: run the Python agent');
+    if (this.config['secure_aggregation'] != null && this.subtle === undefined) {
+      // its update must never go in the clear (docs/secagg.md): without Web Crypto it cannot run SecAgg+'s steps
+      throw new CardError(`federation ${enr.federation} aggregates securely (SecAgg+), which needs Web Crypto ` +
+        '(X25519, AES-GCM, AES-CTR, HKDF); this platform has none');
     }
     if (this.cfg.partitionId !== null && this.cfg.partitionId !== enr.index && Number(this.config['participation'] ?? 1) >= 1) {
       throw new EnrolRefused(`asked for partition ${this.cfg.partitionId} but the server gave slot ${enr.index}`);
@@ -511,6 +514,12 @@ export class Device {
     const saved = await this.loadModel();
     if (task.base === null || task.base === undefined) throw new UnusableModel(`round ${t}'s task names no base`);
     const down = { bytes: 0 };
+    if (saved.round === t && this.config['secure_aggregation'] != null) {
+      // its keys died with the restart (securestep.ts): it sits the round out, a dropout the round recovers from
+      this.skipped.add(t);
+      this.log('warn', `round ${t}: restarted during its secure aggregation; it sits the round out`);
+      return;
+    }
     if (saved.round === t) {
       // trained in round t before a restart, not staged: send that, never train twice
       const sent = this.config['privacy'] ? this.privatized(saved.state, this.decodeModel(await this.fetchBlob(task.base, down)).tensors)
@@ -550,9 +559,47 @@ export class Device {
       (metrics.length ? `; round ${prev}: accuracy ${metrics[0]!.accuracy.toFixed(4)}` : ''));
     prog.stats[String(t)] = { bytes_up: 0, bytes_down: down.bytes, train_s: trainS, step_ms: (1e3 * trainS) / Math.max(steps, 1) };
     await this.saveModel(state, t, metrics, personal);
+    if (this.config['secure_aggregation'] != null) {
+      await this.sendSecurely(t, prog, this.privatized(state, base), base, metrics, st.loss, trainS);
+      return;
+    }
     await this.stageUpload(prog, t, this.encodeModel(this.privatized(state, base), this.card.baseKeys, t), metrics, st.loss,
       trainS);
     await this.flushUpload();
+  }
+
+  /** Its update goes only masked, through the round's secure aggregation (securestep.ts, docs/secagg.md). */
+  private async sendSecurely(t: number, prog: Progress, sent: Weights, base: Weights, metrics: MetricRecord[],
+    loss: number, trainS: number): Promise<void> {
+    const sa = this.config['secure_aggregation'] as Record<string, unknown>;
+    const privacy = this.config['privacy'] as Record<string, unknown> | null | undefined;
+    const bound = Number(sa['bound'] ?? privacy?.['clip']);
+    const bits = typeof sa['bits'] === 'number' ? sa['bits'] : maxBits(Number(this.config['clients']));
+    const keys = [...this.card.baseKeys].sort(); // the tensors by name, as the server orders the vector
+    const delta = new Float64Array(keys.reduce((n, k) => n + base.get(k)!.length, 0));
+    let at = 0;
+    for (const k of keys) {
+      const a = sent.get(k)!;
+      const b = base.get(k)!;
+      for (let i = 0; i < a.length; i++) delta[at++] = a[i]! - b[i]!;
+    }
+    const sendInput = async (payload: Uint8Array): Promise<boolean> => {
+      await this.stageUpload(prog, t, payload, metrics, loss, trainS);
+      await this.flushUpload();
+      return (await this.store.progress()).abandoned !== t;
+    };
+    const ok = await runSecureRound({ http: this.http, subtle: this.subtle!, random: (n) => this.platform.random(n),
+      federation: this.enr.federation, slot: this.enr.index, stepS: Number(sa['step_s'] ?? 60), signal: this.stopper.signal,
+      log: (level, msg) => this.log(level, msg) }, t, quantize(delta, bound, bits), sendInput);
+    if (!ok && (await this.store.progress()).round !== t) {
+      this.skipped.add(t); // it never got to send: the last round's metrics all the same
+      for (const m of metrics) await this.postMetrics(m, prog);
+    }
+  }
+
+  /** Web Crypto, where the platform has it (Node 20, browsers; not React Native without a polyfill). */
+  get subtle(): webcrypto.SubtleCrypto | undefined {
+    return (globalThis.crypto as { subtle?: webcrypto.SubtleCrypto } | undefined)?.subtle;
   }
 
   /** The federation's last step (FedPer): evaluate on the last average, report round T's metrics, keep the model. */
