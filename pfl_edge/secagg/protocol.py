@@ -186,7 +186,8 @@ class Server:
     edges: dict[int, frozenset[int]] = field(default_factory=dict)
     boxes: dict[int, dict[int, bytes]] = field(default_factory=dict)  # receiver -> sender -> sealed pair
     sharers: set[int] = field(default_factory=set)
-    masked: dict[int, np.ndarray] = field(default_factory=dict)
+    survivors: set[int] = field(default_factory=set)  # whose y came: summed as it comes, never held
+    summed: np.ndarray | None = None
     shares: dict[int, dict[str, dict[int, bytes]]] = field(default_factory=dict)  # about j -> kind -> x -> share
 
     def advertised(self, adverts: list[Advert]) -> dict[int, dict[int, Advert]]:
@@ -210,11 +211,14 @@ class Server:
     def receive(self, cid: int, y: np.ndarray) -> None:
         if cid not in self.sharers or y.dtype != np.uint32 or y.shape != (self.params.size,):
             raise ConfigError(f"client {cid}: not a sharer, or not a uint32 vector of the round's size")
-        self.masked[cid] = y
+        if cid in self.survivors:
+            raise ConfigError(f"client {cid}: its masked input came already")
+        self.survivors.add(cid)
+        self.summed = y.copy() if self.summed is None else self.summed + y  # wraps mod 2^32
 
     def unmask_request(self) -> tuple[frozenset[int], frozenset[int]]:
         """Step 3's question: the survivors (their y arrived) and the dropouts (shared keys, sent no y)."""
-        survivors = frozenset(self.masked)
+        survivors = frozenset(self.survivors)
         return survivors, frozenset(self.sharers - survivors)
 
     def collect(self, cid: int, shares: Mapping[int, tuple[str, bytes]]) -> None:
@@ -236,9 +240,7 @@ class Server:
         """The sum of the survivors' inputs mod 2^32 (ConfigError where fewer than t shares of a secret came)."""
         survivors, dropped = self.unmask_request()
         size = self.params.size
-        out = np.zeros(size, dtype=np.uint32)
-        for y in self.masked.values():
-            out = out + y
+        out = np.zeros(size, dtype=np.uint32) if self.summed is None else self.summed.copy()
         for j in survivors:
             out = out - prg(self._secret(j, "b"), size)
         for j in dropped:

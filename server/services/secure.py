@@ -121,28 +121,38 @@ class SecureRounds:
         r.secagg_step, r.step_deadline = "advertise", r.deadline
 
     def advance(self, fed_id: str, clock: Callable[[], float]) -> bool:
-        """Move the current round's step on where it is due (module docstring); True if it moved."""
+        """Move the current round's step on where it is due (module docstring); True if it moved. Read first: a
+        plain federation, or a step not due, costs one read, never a write."""
+        with self.store.read() as s:
+            if not self._due(s, s.get(Federation, fed_id), clock):
+                return False
         with self.store.write() as s:
             fed = self.store.locked(s, fed_id)
-            if fed.state != RoundState.COLLECTING:
+            if not self._due(s, fed, clock):  # moved on meanwhile
                 return False
             fm = self.store.model(fed)
-            if not is_secure(fm):
-                return False
             r = self.store.round(s, fed_id, fed.round)
             step = r.secagg_step or "advertise"
-            if step == "done":
-                return False
-            have, want = self._progress(s, fed, fm, r)
-            late = clock() >= (r.step_deadline or r.deadline)
-            need = max(MIN_CLIENTS, fed.min_updates) if step == "advertise" else 0
-            if not (have >= want or (late and have >= need)):
-                return False
             r.secagg_step = STEPS[STEPS.index(step) + 1]
             r.step_deadline = clock() + _config(fm).step_s
-            log.info("federation %s: round %d's secure aggregation: %s -> %s (%d of %d)", fed_id, r.round, step,
-                     r.secagg_step, have, want)
+            log.info("federation %s: round %d's secure aggregation: %s -> %s", fed_id, r.round, step, r.secagg_step)
             return True
+
+    def _due(self, s: Session, fed: Federation | None, clock: Callable[[], float]) -> bool:
+        """Whether ``fed``'s current round is in a step that may end now."""
+        if fed is None or fed.state != RoundState.COLLECTING:
+            return False
+        fm = self.store.model(fed)
+        if not is_secure(fm):
+            return False
+        r = self.store.round(s, fed.id, fed.round)
+        step = r.secagg_step or "advertise"
+        if step == "done":
+            return False
+        have, want = self._progress(s, fed, fm, r)
+        late = clock() >= (r.step_deadline or r.deadline)
+        need = max(MIN_CLIENTS, fed.min_updates) if step == "advertise" else 0
+        return have >= want or (late and have >= need)
 
     def _progress(self, s: Session, fed: Federation, fm: FedModel, r: Round) -> tuple[int, int]:
         """(messages of the step that came, messages it waits for)."""
