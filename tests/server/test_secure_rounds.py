@@ -146,6 +146,11 @@ def test_secure_messages_need_a_secure_round_and_a_device(srv: BackgroundServer)
     # before round 1 (enrolment): no secure round yet
     r = c.post("/v1/rounds/1/secagg/keys", headers=d2.h, json={"c_public": "11" * 32, "s_public": "22" * 32})
     assert r.status_code == 409 and "no secure aggregation" in r.text
-    # malformed keys never reach the service
+    # malformed keys never reach the service; a body past its bound is refused before it is parsed
     r = c.post("/v1/rounds/1/secagg/keys", headers=d2.h, json={"c_public": "zz", "s_public": "22" * 32})
     assert r.status_code == 422
+    r = c.post("/v1/rounds/1/secagg/keys", headers={**d2.h, "Content-Type": "application/json"},
+               content=b'{"c_public": "' + b"a" * (70 << 10) + b'"}')
+    assert r.status_code == 413
+    big = {"shares": [{"index": 1, "box": "01" * 168}] * 12_000}  # 4.2 MB: past the shares' 4 MiB
+    assert c.post("/v1/rounds/1/secagg/shares", headers=d2.h, json=big).status_code == 413
