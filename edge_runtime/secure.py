@@ -48,12 +48,9 @@ def send_securely(http: Http, cfg: FederationConfig, federation: str, slot: int,
                   stop: threading.Event | None = None) -> bool:
     """Round ``t``'s update (``sent`` from ``base``, as it would go in the clear) through the round's secure
     aggregation (``SecureRound.run``)."""
-    from pfl_edge.privacy import SecAggConfig
-    from pfl_edge.secagg.aggregate import secure_input
+    from pfl_edge.secagg.aggregate import secagg_config, secure_input
 
-    sa = SecAggConfig.parse(cfg.secure_aggregation)
-    if sa is None:
-        raise ConfigError("this federation has no [secure_aggregation] table")
+    sa = secagg_config(cfg)
     x = secure_input(cfg, {k: base[k] for k in sent}, sent)
     return SecureRound(http, federation, slot, t, sa.step_s, stop).run(x, send_input)
 

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
     from ..federation import FederationConfig
 
-__all__ = ["apply_sum", "float_keys", "secure_input", "secure_mean", "secure_params"]
+__all__ = ["apply_sum", "float_keys", "secagg_config", "secure_input", "secure_mean", "secure_params"]
 
 def float_keys(base: Mapping[str, Any]) -> list[str]:
     """The tensors whose coordinates a secure round sums, in the vector's order: the base's floating ones, by
@@ -56,7 +56,7 @@ def _numpy(v: Any) -> Any:
 def secure_input(cfg: FederationConfig, base: Mapping[str, Any], sent: Mapping[str, Any]) -> np.ndarray:
     """A participant's input to the round's sum: its update (``sent``, what it would send in the clear, minus
     the round's ``base``), each coordinate clipped to the bound and quantized (uint32); torch or numpy."""
-    sa = _config(cfg)
+    sa = secagg_config(cfg)
     keys = float_keys(base)
     bound, bits, _ = sa.resolved(cfg, MIN_CLIENTS)
     return quantize(_vector(sent, keys) - _vector(base, keys), bound, bits)
@@ -65,7 +65,7 @@ def secure_input(cfg: FederationConfig, base: Mapping[str, Any], sent: Mapping[s
 def secure_params(cfg: FederationConfig, n: int, size: int, rid: bytes) -> Params | None:
     """The parameters of a round of ``n`` participants whose vectors hold ``size`` values (None: too few to
     release anything)."""
-    _, _, params = _config(cfg).resolved(cfg, n)
+    _, _, params = secagg_config(cfg).resolved(cfg, n)
     return None if params is None else dataclasses.replace(params, size=size, round_id=rid)
 
 
@@ -75,7 +75,7 @@ def apply_sum(cfg: FederationConfig, prev: Mapping[str, Tensor], total: np.ndarr
     (divided by q N under differential privacy, else by the survivors); integer tensors stay ``prev``'s."""
     import torch
 
-    bound, bits, _ = _config(cfg).resolved(cfg, MIN_CLIENTS)
+    bound, bits, _ = secagg_config(cfg).resolved(cfg, MIN_CLIENTS)
     keys = float_keys(prev)
     count = cfg.participation * cfg.clients if cfg.dp is not None else survivors
     mean = dequantize_sum(total, survivors, bound, bits) / count
@@ -88,7 +88,8 @@ def apply_sum(cfg: FederationConfig, prev: Mapping[str, Tensor], total: np.ndarr
     return out
 
 
-def _config(cfg: FederationConfig) -> SecAggConfig:
+def secagg_config(cfg: FederationConfig) -> SecAggConfig:
+    """The federation's ``[secure_aggregation]`` table, parsed (ConfigError where it has none)."""
     sa = SecAggConfig.parse(cfg.secure_aggregation)
     if sa is None:
         raise ConfigError("this federation has no [secure_aggregation] table")

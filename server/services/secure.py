@@ -27,7 +27,8 @@ from sqlalchemy.orm import Session
 from torch import Tensor
 
 from pfl_edge.errors import CodecError, ConfigError
-from pfl_edge.privacy import MIN_CLIENTS, SecAggConfig
+from pfl_edge.privacy import MIN_CLIENTS
+from pfl_edge.secagg.aggregate import secagg_config
 from pfl_edge.secagg.wire import (
     SecAggKeys,
     SecAggNeighbour,
@@ -134,7 +135,7 @@ class SecureRounds:
             r = self.store.round(s, fed_id, fed.round)
             step = r.secagg_step or "advertise"
             r.secagg_step = STEPS[STEPS.index(step) + 1]
-            r.step_deadline = clock() + _config(fm).step_s
+            r.step_deadline = clock() + secagg_config(fm.cfg).step_s
             log.info("federation %s: round %d's secure aggregation: %s -> %s", fed_id, r.round, step, r.secagg_step)
             return True
 
@@ -298,10 +299,3 @@ class SecureRounds:
         if got != asked or len(got) != len(msg.shares):
             raise Unprocessable(f"the unmask step asks this device for {sorted(asked.items())}; got "
                                 f"{sorted(got.items())}")
-
-
-def _config(fm: FedModel) -> SecAggConfig:
-    sa = SecAggConfig.parse(fm.cfg.secure_aggregation)
-    if sa is None:
-        raise ConfigError("this federation has no [secure_aggregation] table")
-    return sa
