@@ -115,6 +115,10 @@ def _curves(out: Path, part: str, tag: str) -> tuple[dict[str, Curve], dict[str,
     dpsgd_ft, dpsgd = rows[3].label, rows[4].label
     if dpsgd not in acc and dpsgd_ft in acc:
         acc[f"{dpsgd} (read from D-PSGD-FT)"] = acc[dpsgd_ft]
+        # the paper's D-PSGD figure: the uniform mean of every client's trained model on every client's test set
+        res = _run(out, rows[3].name)
+        if res is not None and all("mean_acc_global" in x for x in res["rounds"]):
+            acc[f"{dpsgd}, all-client mean (the paper's)"] = [x["mean_acc_global"] for x in res["rounds"]]
     return acc, ft
 
 
