@@ -5,9 +5,10 @@ before it may close, and its new base is computed from the sum the server unmask
 The step is the round's (``Round.secagg_step``, ``Round.step_deadline``), moved on by the round machine
 (``advance``) when every device still in the round has sent the step's message, or at the step's deadline:
 ``advertise`` (until the round's deadline: devices train first) -> ``share`` -> ``input`` -> ``unmask`` ->
-``done``. Each device message is kept whole (``SecAggMessage``) and checked against the step and the graph
-before it is: a device sends only in its step, only to and about its neighbours, once (a retry of the same
-message is answered again; another is refused). The library's ``Server`` is rebuilt from those rows where the
+``done``; advertising ends early at the federation's quorum of the round's devices, as a plain round closes
+at its quorum of updates. Each device message is kept whole (``SecAggMessage``) and checked against the step
+and the graph before it is: a device sends only in its step, only to and about its neighbours, once (a retry of
+the same message is answered again; another is refused). The library's ``Server`` is rebuilt from those rows where the
 sum is needed: the server holds nothing of a round in memory, and a replica or a restart reads the same state.
 
 What the server cannot bound here: an update's norm (it sees only masked vectors); every coordinate is bounded by
@@ -28,6 +29,7 @@ from torch import Tensor
 
 from pfl_edge.errors import CodecError, ConfigError
 from pfl_edge.privacy import MIN_CLIENTS
+from pfl_edge.protocol import quorum_updates
 from pfl_edge.secagg.aggregate import secagg_config
 from pfl_edge.secagg.wire import (
     SecAggKeys,
@@ -153,7 +155,9 @@ class SecureRounds:
         have, want = self._progress(s, fed, fm, r)
         late = clock() >= (r.step_deadline or r.deadline)
         need = max(MIN_CLIENTS, fed.min_updates) if step == "advertise" else 0
-        return have >= want or (late and have >= need)
+        if step == "advertise":  # the federation's quorum, as a plain round's updates: the rest sit it out
+            want = quorum_updates(fed.quorum, want)
+        return (have >= want and have >= need) or (late and have >= need)
 
     def _progress(self, s: Session, fed: Federation, fm: FedModel, r: Round) -> tuple[int, int]:
         """(messages of the step that came, messages it waits for)."""

@@ -154,3 +154,28 @@ def test_secure_messages_need_a_secure_round_and_a_device(srv: BackgroundServer)
     assert r.status_code == 413
     big = {"shares": [{"index": 1, "box": "01" * 168}] * 12_000}  # 4.2 MB: past the shares' 4 MiB
     assert c.post("/v1/rounds/1/secagg/shares", headers=d2.h, json=big).status_code == 413
+
+
+def test_advertising_ends_at_the_federations_quorum(srv: BackgroundServer) -> None:
+    """Half of six devices advertising ends the step (quorum 0.5), as a plain round closes at its quorum of
+    updates; a fourth device's keys come too late and are refused, and it is in nobody's graph."""
+    from pfl_edge.secagg import KeyPair
+
+    c = httpx.Client(base_url=srv.url, timeout=30)
+    create(c, ADMIN, "sq", {**SECURE, "clients": 6}, quorum=0.5)
+    devs = [Dev(c, "sq", index=i) for i in range(6)]
+    wait_for(lambda: c.get("/v1/rounds/1/secagg", headers=devs[0].h).status_code == 200, timeout=30,
+             what="round 1 collecting")
+
+    def keys(d: Dev) -> httpx.Response:
+        k = KeyPair()
+        return c.post("/v1/rounds/1/secagg/keys", headers=d.h, json={"c_public": k.public.hex(),
+                                                                     "s_public": KeyPair().public.hex()})
+
+    for d in devs[:3]:
+        assert keys(d).status_code == 200
+    at = _at(c, devs[0], 1, "share")
+    assert sorted(n["index"] for n in at["neighbours"]) == [1, 2]
+    r = keys(devs[3])
+    assert r.status_code == 409 and "share step" in r.text
+    assert _state(c, devs[3], 1)["neighbours"] == []
