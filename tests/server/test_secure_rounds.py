@@ -74,9 +74,9 @@ def test_a_secure_round_over_http_publishes_the_survivors_mean_through_dropouts(
         r = c.post("/v1/rounds/1/secagg/keys", headers=d.h,
                    json={"c_public": cl.c.public.hex(), "s_public": cl.s.public.hex()})
         assert r.status_code == 200, r.text
-    # a low-order public key would break every neighbour's agreement: refused
+    # another message from a device that advertised already
     r = c.post("/v1/rounds/1/secagg/keys", headers=devs[0].h, json={"c_public": "00" * 32, "s_public": "00" * 32})
-    assert r.status_code == 409  # another message from a device that advertised already
+    assert r.status_code == 409 and "different keys message" in r.text
     at = {d.index: _at(c, d, 1, "share") for d in devs}
     size = sum(start[k].numel() for k in keys)
     assert at[0]["params"] == {"degree": 6, "threshold": 4, "size": size}
@@ -172,6 +172,9 @@ def test_advertising_ends_at_the_federations_quorum(srv: BackgroundServer) -> No
         return c.post("/v1/rounds/1/secagg/keys", headers=d.h, json={"c_public": k.public.hex(),
                                                                      "s_public": KeyPair().public.hex()})
 
+    # a low-order public key would make every neighbour's agreement fail: refused, nothing kept
+    r = c.post("/v1/rounds/1/secagg/keys", headers=devs[0].h, json={"c_public": "00" * 32, "s_public": "00" * 32})
+    assert r.status_code == 422 and "unusable" in r.text
     for d in devs[:3]:
         assert keys(d).status_code == 200
     at = _at(c, devs[0], 1, "share")
