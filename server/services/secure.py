@@ -222,10 +222,14 @@ class SecureRounds:
             SecAggMessage.federation == r.federation, SecAggMessage.round == r.round, SecAggMessage.kind == kind)))
 
     @staticmethod
-    def _bodies(s: Session, r: Round, kind: str) -> dict[int, dict[str, Any]]:
-        rows = s.execute(select(SecAggMessage.slot, SecAggMessage.body).where(
+    def _bodies(s: Session, r: Round, kind: str, slots: frozenset[int] | None = None) -> dict[int, dict[str, Any]]:
+        """The round's messages of ``kind`` by slot (``slots``: only theirs: a device's answer reads its
+        neighbours' rows, not the round's)."""
+        q = select(SecAggMessage.slot, SecAggMessage.body).where(
             SecAggMessage.federation == r.federation, SecAggMessage.round == r.round, SecAggMessage.kind == kind)
-            .order_by(SecAggMessage.slot))
+        if slots is not None:
+            q = q.where(SecAggMessage.slot.in_(sorted(slots)))
+        rows = s.execute(q.order_by(SecAggMessage.slot))
         return {slot: body for slot, body in rows}
 
     @staticmethod
@@ -261,8 +265,8 @@ class SecureRounds:
         keys = self._bodies(s, r, "keys")
         out["neighbours"] = [SecAggNeighbour(index=j, **keys[j]) for j in sorted(mine)]
         if step in ("input", "unmask"):
-            out["inbox"] = [SecAggSealed(index=j, box=x["box"]) for j, b in self._bodies(s, r, "shares").items()
-                            if j in mine for x in b["shares"] if x["index"] == slot]
+            out["inbox"] = [SecAggSealed(index=j, box=x["box"]) for j, b in self._bodies(s, r, "shares", mine).items()
+                            for x in b["shares"] if x["index"] == slot]
         if step == "unmask":
             survivors = set(self._survivors(s, r))
             out["survivors"] = sorted(survivors)
@@ -294,11 +298,9 @@ class SecureRounds:
         survivors = set(self._survivors(s, r))
         if slot not in survivors:
             raise Conflict(f"this device's masked input was not taken in round {r.round}: it is not a survivor")
-        dropped = self._slots(s, r, "shares") - survivors
-        asked = {j: "b" if j in survivors else "s" for j in mine if j in survivors or j in dropped}
-        shares = self._bodies(s, r, "shares")
-        asked = {j: k for j, k in asked.items() if j in shares and any(x["index"] == slot for x in
-                                                                         shares[j]["shares"])}
+        # a neighbour that shared sent this device a pair (its shares were checked to be one per neighbour)
+        sharers = self._slots(s, r, "shares")
+        asked = {j: "b" if j in survivors else "s" for j in mine & sharers}
         got = {x.about: x.kind for x in msg.shares}
         if got != asked or len(got) != len(msg.shares):
             raise Unprocessable(f"the unmask step asks this device for {sorted(asked.items())}; got "
