@@ -37,8 +37,9 @@ from repro import Row, Table, main
 
 from pfl_edge.algorithms import FinetuneOptions
 
+ROUNDS = 300
 BUDGET = dict(model="cnn", dataset="fashion-mnist", clients=20, samples_per_client=200, local_epochs=5,
-              rounds=300, batch_size=128, lr=0.1, lr_decay=0.998, momentum=0.0, weight_decay=5e-4, clip_norm=10.0,
+              rounds=ROUNDS, batch_size=128, lr=0.1, lr_decay=0.998, momentum=0.0, weight_decay=5e-4, clip_norm=10.0,
               topology="random:10", density=0.5, alpha0=0.5, regrow="gradient")
 SPLITS = {"L1": ("pathological-random:2", "patho"), "L2": ("dirichlet-client:0.3", "dir")}
 WINDOW = 10  # rounds in the moving average the crossings are read from
@@ -84,7 +85,7 @@ def _ft_rounds(row: Row) -> set[int]:
     if "ft" not in row.overrides["algorithm"].split("-"):
         return set()
     due = FinetuneOptions(**row.overrides["options"]).due
-    return {t for t in range(1, BUDGET["rounds"] + 1) if due(t, BUDGET["rounds"])}
+    return {t for t in range(1, ROUNDS + 1) if due(t, ROUNDS)}
 
 
 def _run(out: Path, name: str, seed: int = 0) -> dict[str, Any] | None:
@@ -92,9 +93,19 @@ def _run(out: Path, name: str, seed: int = 0) -> dict[str, Any] | None:
     return json.loads(f.read_text()) if f.exists() else None
 
 
-def _curves(out: Path, part: str, tag: str) -> tuple[dict[str, Curve], dict[str, dict[int, float]]]:
-    """Each method's curve on a split, and the -FT baselines' fine-tuned rounds apart from it (a -FT baseline on
-    the reference's cadence deploys its un-fine-tuned model in every other round: FedAvg's, D-PSGD's).
+Curves = tuple[dict[str, Curve], dict[str, dict[int, float]]]  # each method's curve, its fine-tuned rounds apart
+CHECKPOINTS = (50, 100, 200, 300)
+POINT = 0.01  # a difference under a point is a tie (issue 37)
+
+
+def _seeds(out: Path) -> list[int]:
+    """The seeds some run of this benchmark has."""
+    return sorted({int(f.stem.rsplit("-s", 1)[1]) for f in (out / "runs").glob("*-s*.json")})
+
+
+def _curves(out: Path, part: str, tag: str, seed: int = 0) -> Curves:
+    """Each method's curve on a split for one seed, and the -FT baselines' fine-tuned rounds apart from it (a -FT
+    baseline on the reference's cadence deploys its un-fine-tuned model in every other round: FedAvg's, D-PSGD's).
 
     Where D-PSGD was not run, its curve is read from D-PSGD-FT's run: between fine-tunes D-PSGD-FT deploys exactly
     D-PSGD's models (the same random streams; a fine-tune feeds nothing back:
@@ -104,7 +115,7 @@ def _curves(out: Path, part: str, tag: str) -> tuple[dict[str, Curve], dict[str,
     ft: dict[str, dict[int, float]] = {}
     rows = _rows(part, tag)
     for row in rows:
-        res = _run(out, row.name)
+        res = _run(out, row.name, seed)
         if res is None:
             continue
         xs = [x["mean_acc"] for x in res["rounds"]]
@@ -116,7 +127,7 @@ def _curves(out: Path, part: str, tag: str) -> tuple[dict[str, Curve], dict[str,
     if dpsgd not in acc and dpsgd_ft in acc:
         acc[f"{dpsgd} (read from D-PSGD-FT)"] = acc[dpsgd_ft]
         # the paper's D-PSGD figure: the uniform mean of every client's trained model on every client's test set
-        res = _run(out, rows[3].name)
+        res = _run(out, rows[3].name, seed)
         if res is not None and all("mean_acc_global" in x for x in res["rounds"]):
             acc[f"{dpsgd}, all-client mean (the paper's)"] = [x["mean_acc_global"] for x in res["rounds"]]
     return acc, ft
@@ -162,21 +173,113 @@ def _value(acc: dict[str, Curve], ft: dict[str, dict[int, float]], label: str, t
     return ft[label][t] if t in ft.get(label, {}) else _at(acc[label], t)
 
 
-def _checkpoints(curves: dict[str, tuple[dict[str, Curve], dict[str, dict[int, float]]]]) -> str:
+def _tail_mean(xs: Curve) -> float | None:
+    """The mean over rounds 251-300 of a method that deploys the same kind of model every round."""
+    tail = [x for x in xs[250:300] if x is not None]
+    return statistics.fmean(tail) if tail else None
+
+
+def _cell(vals: list[float | None], seeds: list[int]) -> str:
+    """The mean over seeds, each seed's value in brackets (a lone seed named)."""
+    got = [v for v in vals if v is not None]
+    if not got:
+        return "–"
+    if len(got) == 1:
+        return f"{got[0]:.3f} (s{seeds[0]})"
+    return f"{statistics.fmean(got):.3f} ({' / '.join(f'{v:.3f}' for v in got)})"
+
+
+def _checkpoints(curves: dict[str, dict[int, Curves]]) -> str:
     """Per split, each method's mean client accuracy as deployed at rounds 50/100/200/300 and, for those that
-    deploy the same kind of model every round, its mean over rounds 251-300 (one round's figure is noisy)."""
+    deploy the same kind of model every round, its mean over rounds 251-300 (one round's figure is noisy): the
+    mean over the seeds that ran it, each seed's value in brackets."""
     md = []
-    for part, (acc, ft) in curves.items():
-        md += [f"**{part}** (seed 0; a -FT baseline's value in a round it does not fine-tune is its plain model's)",
-               "", "| method | round 50 | round 100 | round 200 | round 300 | mean of rounds 251-300 |",
+    for part, by_seed in curves.items():
+        seeds = sorted(by_seed)
+        md += [f"**{part}**: the mean over seeds, each seed's value in brackets (seeds {', '.join(map(str, seeds))}; "
+               "a -FT baseline's value in a round it does not fine-tune is its plain model's)", "",
+               "| method | round 50 | round 100 | round 200 | round 300 | mean of rounds 251-300 |",
                "|---|---|---|---|---|---|"]
-        for label, xs in acc.items():
-            tail = [x for x in xs[250:300] if x is not None]
-            cells = [f"{_value(acc, ft, label, t):.3f}" if len(xs) >= t else "–" for t in (50, 100, 200, 300)]
-            mean = f"{statistics.fmean(tail):.3f}" if tail and label not in ft else "–"
-            md.append(f"| {label} | {' | '.join(cells)} | {mean} |")
+        labels = list(dict.fromkeys(label for s in seeds for label in by_seed[s][0]))
+        for label in labels:
+            have = [s for s in seeds if label in by_seed[s][0]]
+
+            cells = [_cell([_value(*by_seed[s], label, t) if len(by_seed[s][0][label]) >= t else None
+                            for s in have], have) for t in CHECKPOINTS]
+            tails = [None if label in by_seed[s][1] else _tail_mean(by_seed[s][0][label]) for s in have]
+            md.append(f"| {label} | {' | '.join(cells)} | {_cell(tails, have)} |")
         md.append("")
     return "\n".join(md)
+
+
+def _verdict(margins: list[float]) -> str:
+    """DisPFL's standing against a baseline from its margin on each seed: a sub-point difference is a tie."""
+    if all(m > POINT for m in margins):
+        return "holds"
+    if all(m < -POINT for m in margins):
+        return "reversed"
+    if abs(statistics.fmean(margins)) <= POINT:
+        return "tie"
+    return "seeds disagree"
+
+
+def claims(curves: dict[str, dict[int, Curves]], tags: dict[str, str], out: Path) -> dict[str, Any]:
+    """The paper's rankings from every seed that ran both DisPFL and the baseline: at each checkpoint DisPFL's
+    accuracy minus the baseline's as each deploys it (a -FT baseline's fine-tuned value where it fine-tunes), per
+    seed, their mean and spread (max - min), and the verdict; against Local and plain D-PSGD also the mean over
+    rounds 251-300, and the rounds DisPFL is above."""
+    found: dict[str, Any] = {}
+    for part, by_seed in curves.items():
+        dispfl = _rows(part, tags[part])[0].label
+        labels = list(dict.fromkeys(label for c in by_seed.values() for label in c[0] if label != dispfl))
+        split: dict[str, Any] = {}
+        for label in labels:
+            seeds = [s for s, (acc, _) in sorted(by_seed.items()) if dispfl in acc and label in acc]
+            if not seeds:
+                continue
+            at: dict[str, Any] = {}
+            points: list[int | str] = [*CHECKPOINTS, "251-300"]
+            for t in points:
+                margins = []
+                for s in seeds:
+                    acc, ft = by_seed[s]
+                    if t == "251-300":
+                        mine, theirs = _tail_mean(acc[dispfl]), None if label in ft else _tail_mean(acc[label])
+                        if mine is None or theirs is None:
+                            break
+                        margins.append(mine - theirs)
+                    else:
+                        assert isinstance(t, int)
+                        if len(acc[label]) < t or len(acc[dispfl]) < t:
+                            break
+                        margins.append(_value(acc, ft, dispfl, t) - _value(acc, ft, label, t))
+                else:
+                    at[str(t)] = {"per_seed": {str(s): round(m, 4) for s, m in zip(seeds, margins, strict=True)},
+                                  "mean": round(statistics.fmean(margins), 4),
+                                  "spread": round(max(margins) - min(margins), 4),
+                                  "verdict": _verdict(margins)}
+            above = {str(s): sum(1 for o, x in zip(by_seed[s][0][dispfl], by_seed[s][0][label], strict=False)
+                                 if o is not None and x is not None and o > x) for s in seeds}
+            split[label] = {"seeds": seeds, "dispfl_minus_baseline": at, "rounds_dispfl_above_per_seed": above}
+        found[part] = split
+    (out / "claims.json").write_text(json.dumps(found, indent=1))
+    md = ["DisPFL's accuracy minus each baseline's, in points, as each deploys it (a -FT baseline's fine-tuned "
+          "value where it fine-tunes): the mean over seeds [each seed's]; the verdict: holds / reversed when every "
+          f"seed's margin is past {POINT * 100:.0f} point, a tie when the mean is within it", ""]
+    for part, split in found.items():
+        md += [f"**{part}**", "", "| baseline | " + " | ".join(f"round {t}" for t in CHECKPOINTS)
+               + " | rounds 251-300 |", "|---|" + "---|" * (len(CHECKPOINTS) + 1)]
+        for label, c in split.items():
+            cells = []
+            for t in [*map(str, CHECKPOINTS), "251-300"]:
+                m = c["dispfl_minus_baseline"].get(t)
+                cells.append("–" if m is None else
+                             f"{m['mean'] * 100:+.1f} [{', '.join(f'{v * 100:+.1f}' for v in m['per_seed'].values())}]"
+                             f" {m['verdict']}")
+            md.append(f"| {label} | {' | '.join(cells)} |")
+        md.append("")
+    (out / "claims.md").write_text("\n".join(md))
+    return found
 
 
 def _against_local(out: Path, tag: str) -> dict[str, Any]:
@@ -208,45 +311,76 @@ def _against_local(out: Path, tag: str) -> dict[str, Any]:
 
 
 def crossings(out: Path) -> None:
-    """Per split: where DisPFL's smoothed curve crosses each baseline's (the -FT baselines' curves between their
-    fine-tunes), DisPFL's lead at rounds 50/100/200/300 (a -FT baseline's fine-tuned value where it has one), and
-    every method's rank there."""
+    """Per split and seed: where DisPFL's smoothed curve crosses each baseline's (the -FT baselines' curves between
+    their fine-tunes), DisPFL's lead at rounds 50/100/200/300 (a -FT baseline's fine-tuned value where it has one),
+    and every method's rank there; then the checkpoints and the claims over every seed, and the curves' plot (the
+    mean over seeds)."""
     found: dict[str, Any] = {}
-    curves = {}
+    curves: dict[str, dict[int, Curves]] = {}
+    tags = {part: tag for part, tag in SPLITS.values()}
     for part, tag in SPLITS.values():
-        acc, ft = curves[part] = _curves(out, part, tag)
-        if (dispfl := _rows(part, tag)[0].label) not in acc:
-            continue
-        ours = acc[dispfl]
-        mine = _smooth(ours)
-
-        split: dict[str, Any] = {}
-        for label, xs in acc.items():
-            if xs is ours:
+        dispfl = _rows(part, tag)[0].label
+        curves[part] = {s: c for s in _seeds(out) if (c := _curves(out, part, tag, s))[0]}
+        found[part] = {}
+        for seed, (acc, ft) in curves[part].items():
+            if dispfl not in acc:
                 continue
-            theirs = _smooth(xs)
-            n = min(len(mine), len(theirs))
-            diff = [mine[i] - theirs[i] for i in range(n)]
-            # its lead over the model the baseline deploys between fine-tunes, from round 50 on (unsmoothed)
-            lead = [o - x for o, x in zip(ours[49:], xs[49:], strict=False) if o is not None and x is not None]
-            split[label] = {
-                "crossings": [{"round": i + 1, "dispfl_now": "above" if diff[i] > 0 else "below"}
-                              for i in range(1, n) if (diff[i] > 0) != (diff[i - 1] > 0)],
-                "dispfl_minus_baseline": {str(t): round(_at(ours, t) - _value(acc, ft, label, t), 4)
-                                          for t in (50, 100, 200, 300) if t <= n},
-                "lead_rounds_50_on_min_max": [round(min(lead), 4), round(max(lead), 4)] if lead else None,
-            }
-        # the paper ranks methods by their accuracy at the end; here at each checkpoint, unsmoothed
-        split["ranking"] = {str(t): sorted(((label, round(_value(acc, ft, label, t), 4)) for label, xs in acc.items()
-                                            if len(xs) >= t), key=lambda p: -p[1])
-                            for t in (50, 100, 200, 300)}
-        split["against_local_per_seed"] = _against_local(out, tag)
-        found[part] = split
-        _plot_zoom(acc, ft, out / f"curves-{tag}.png",
-                   f"{part}: mean client accuracy, {WINDOW}-round moving average; stars: fine-tuned rounds")
+            ours = acc[dispfl]
+            mine = _smooth(ours)
+            split: dict[str, Any] = {}
+            for label, xs in acc.items():
+                if xs is ours:
+                    continue
+                theirs = _smooth(xs)
+                n = min(len(mine), len(theirs))
+                diff = [mine[i] - theirs[i] for i in range(n)]
+                # its lead over the model the baseline deploys between fine-tunes, from round 50 on (unsmoothed)
+                lead = [o - x for o, x in zip(ours[49:], xs[49:], strict=False) if o is not None and x is not None]
+                split[label] = {
+                    "crossings": [{"round": i + 1, "dispfl_now": "above" if diff[i] > 0 else "below"}
+                                  for i in range(1, n) if (diff[i] > 0) != (diff[i - 1] > 0)],
+                    "dispfl_minus_baseline": {str(t): round(_at(ours, t) - _value(acc, ft, label, t), 4)
+                                              for t in CHECKPOINTS if t <= n},
+                    "lead_rounds_50_on_min_max": [round(min(lead), 4), round(max(lead), 4)] if lead else None,
+                }
+            # the paper ranks methods by their accuracy at the end; here at each checkpoint, unsmoothed
+            split["ranking"] = {str(t): sorted(((label, round(_value(acc, ft, label, t), 4))
+                                                for label, xs in acc.items() if len(xs) >= t), key=lambda p: -p[1])
+                                for t in CHECKPOINTS}
+            found[part][f"seed {seed}"] = split
+        found[part]["against_local_per_seed"] = _against_local(out, tag)
+        if curves[part]:
+            acc, ft = _mean_curves(curves[part])
+            _plot_zoom(acc, ft, out / f"curves-{tag}.png",
+                       f"{part}: mean client accuracy, mean of seeds {', '.join(map(str, sorted(curves[part])))}, "
+                       f"{WINDOW}-round moving average; stars: fine-tuned rounds")
     (out / "crossings.json").write_text(json.dumps(found, indent=1))
-    (out / "checkpoints.md").write_text(_checkpoints({p: c for p, c in curves.items() if c[0]}))
-    print(json.dumps(found, indent=1))
+    (out / "checkpoints.md").write_text(_checkpoints({p: c for p, c in curves.items() if c}))
+    claims({p: c for p, c in curves.items() if c}, tags, out)
+    print((out / "claims.md").read_text())
+
+
+def _mean_curves(by_seed: dict[int, Curves]) -> Curves:
+    """Each method's curve and fine-tuned rounds averaged over the seeds that ran it (a -FT baseline's rounds
+    without a value are the same on every seed: its cadence)."""
+    acc: dict[str, Curve] = {}
+    ft: dict[str, dict[int, float]] = {}
+    labels = list(dict.fromkeys(label for c in by_seed.values() for label in c[0]))
+    for label in labels:
+        runs = [c for c in by_seed.values() if label in c[0]]
+        n = min(len(c[0][label]) for c in runs)
+        acc[label] = [None if any(c[0][label][i] is None for c in runs)
+                      else statistics.fmean(c[0][label][i] or 0.0 for c in runs) for i in range(n)]
+        if any(label in c[1] for c in runs):
+            ft[label] = {t: statistics.fmean(c[1][label][t] for c in runs)
+                         for t in runs[0][1][label] if all(t in c[1][label] for c in runs)}
+    # D-PSGD read from D-PSGD-FT is the same curve under two names: keep it one object, as _plot_zoom expects
+    for label in labels:
+        if label.endswith("(read from D-PSGD-FT)"):
+            ft_label = next((x for x in labels if x.startswith("D-PSGD-FT")), None)
+            if ft_label is not None:
+                acc[label] = acc[ft_label]
+    return acc, ft
 
 
 if __name__ == "__main__":
