@@ -352,7 +352,7 @@ def crossings(out: Path) -> None:
         if curves[part]:
             acc, ft = _mean_curves(curves[part])
             _plot_zoom(acc, ft, out / f"curves-{tag}.png",
-                       f"{part}: mean client accuracy, mean of seeds {', '.join(map(str, sorted(curves[part])))}, "
+                       f"{part}: mean client accuracy, the mean of seeds {', '.join(map(str, sorted(curves[part])))}\n"
                        f"{WINDOW}-round moving average; stars: fine-tuned rounds")
     (out / "crossings.json").write_text(json.dumps(found, indent=1))
     (out / "checkpoints.md").write_text(_checkpoints({p: c for p, c in curves.items() if c}))
