@@ -21,8 +21,11 @@ bench/results/dispfl-long:
 
     nohup nice -n 19 .venv/bin/python bench/dispfl_long.py --seeds 0,1 > bench/results/dispfl-long-ref/log.txt 2>&1 &
 
-Beside the tables and the accuracy-against-round plots it writes ``crossings.json``: for each baseline, the
-rounds at which DisPFL's mean client accuracy (a 10-round moving average) moves above or below the baseline's.
+Beside the tables and the accuracy-against-round plots (the mean of the seeds) it writes, from every seed that ran:
+``checkpoints.md`` (each method at rounds 50/100/200/300, the mean and each seed), ``claims.md``/``claims.json``
+(DisPFL's margin over each baseline per seed, its mean, spread and verdict: a sub-point difference is a tie) and
+``crossings.json`` (per seed, the rounds at which DisPFL's 10-round moving average moves above or below each
+baseline's, and every method's rank at the checkpoints).
 """
 
 from __future__ import annotations
@@ -175,18 +178,18 @@ def _value(acc: dict[str, Curve], ft: dict[str, dict[int, float]], label: str, t
 
 def _tail_mean(xs: Curve) -> float | None:
     """The mean over rounds 251-300 of a method that deploys the same kind of model every round."""
-    tail = [x for x in xs[250:300] if x is not None]
+    tail = [x for x in xs[ROUNDS - 50:ROUNDS] if x is not None]
     return statistics.fmean(tail) if tail else None
 
 
 def _cell(vals: list[float | None], seeds: list[int]) -> str:
     """The mean over seeds, each seed's value in brackets (a lone seed named)."""
-    got = [v for v in vals if v is not None]
+    got = [(s, v) for s, v in zip(seeds, vals, strict=True) if v is not None]
     if not got:
         return "–"
     if len(got) == 1:
-        return f"{got[0]:.3f} (s{seeds[0]})"
-    return f"{statistics.fmean(got):.3f} ({' / '.join(f'{v:.3f}' for v in got)})"
+        return f"{got[0][1]:.3f} (s{got[0][0]})"
+    return f"{statistics.fmean(v for _, v in got):.3f} ({' / '.join(f'{v:.3f}' for _, v in got)})"
 
 
 def _checkpoints(curves: dict[str, dict[int, Curves]]) -> str:
@@ -203,7 +206,6 @@ def _checkpoints(curves: dict[str, dict[int, Curves]]) -> str:
         labels = list(dict.fromkeys(label for s in seeds for label in by_seed[s][0]))
         for label in labels:
             have = [s for s in seeds if label in by_seed[s][0]]
-
             cells = [_cell([_value(*by_seed[s], label, t) if len(by_seed[s][0][label]) >= t else None
                             for s in have], have) for t in CHECKPOINTS]
             tails = [None if label in by_seed[s][1] else _tail_mean(by_seed[s][0][label]) for s in have]
@@ -223,6 +225,18 @@ def _verdict(margins: list[float]) -> str:
     return "seeds disagree"
 
 
+def _margin(c: Curves, dispfl: str, label: str, t: int | None) -> float | None:
+    """DisPFL's accuracy minus a baseline's in round ``t`` as each deploys it, or (``t`` None) over rounds
+    251-300 where the baseline deploys one kind of model throughout; None where a run has no such value."""
+    acc, ft = c
+    if t is None:
+        mine, theirs = _tail_mean(acc[dispfl]), None if label in ft else _tail_mean(acc[label])
+        return None if mine is None or theirs is None else mine - theirs
+    if min(len(acc[label]), len(acc[dispfl])) < t:
+        return None
+    return _value(acc, ft, dispfl, t) - _value(acc, ft, label, t)
+
+
 def claims(curves: dict[str, dict[int, Curves]], tags: dict[str, str], out: Path) -> dict[str, Any]:
     """The paper's rankings from every seed that ran both DisPFL and the baseline: at each checkpoint DisPFL's
     accuracy minus the baseline's as each deploys it (a -FT baseline's fine-tuned value where it fine-tunes), per
@@ -238,26 +252,14 @@ def claims(curves: dict[str, dict[int, Curves]], tags: dict[str, str], out: Path
             if not seeds:
                 continue
             at: dict[str, Any] = {}
-            points: list[int | str] = [*CHECKPOINTS, "251-300"]
-            for t in points:
-                margins = []
-                for s in seeds:
-                    acc, ft = by_seed[s]
-                    if t == "251-300":
-                        mine, theirs = _tail_mean(acc[dispfl]), None if label in ft else _tail_mean(acc[label])
-                        if mine is None or theirs is None:
-                            break
-                        margins.append(mine - theirs)
-                    else:
-                        assert isinstance(t, int)
-                        if len(acc[label]) < t or len(acc[dispfl]) < t:
-                            break
-                        margins.append(_value(acc, ft, dispfl, t) - _value(acc, ft, label, t))
-                else:
-                    at[str(t)] = {"per_seed": {str(s): round(m, 4) for s, m in zip(seeds, margins, strict=True)},
-                                  "mean": round(statistics.fmean(margins), 4),
-                                  "spread": round(max(margins) - min(margins), 4),
-                                  "verdict": _verdict(margins)}
+            for key, t in [*((str(t), t) for t in CHECKPOINTS), ("251-300", None)]:
+                got = [_margin(by_seed[s], dispfl, label, t) for s in seeds]
+                margins = [m for m in got if m is not None]
+                if len(margins) == len(seeds):
+                    at[key] = {"per_seed": {str(s): round(m, 4) for s, m in zip(seeds, margins, strict=True)},
+                               "mean": round(statistics.fmean(margins), 4),
+                               "spread": round(max(margins) - min(margins), 4),
+                               "verdict": _verdict(margins)}
             above = {str(s): sum(1 for o, x in zip(by_seed[s][0][dispfl], by_seed[s][0][label], strict=False)
                                  if o is not None and x is not None and o > x) for s in seeds}
             split[label] = {"seeds": seeds, "dispfl_minus_baseline": at, "rounds_dispfl_above_per_seed": above}
@@ -271,8 +273,8 @@ def claims(curves: dict[str, dict[int, Curves]], tags: dict[str, str], out: Path
                + " | rounds 251-300 |", "|---|" + "---|" * (len(CHECKPOINTS) + 1)]
         for label, c in split.items():
             cells = []
-            for t in [*map(str, CHECKPOINTS), "251-300"]:
-                m = c["dispfl_minus_baseline"].get(t)
+            for key in [*map(str, CHECKPOINTS), "251-300"]:
+                m = c["dispfl_minus_baseline"].get(key)
                 cells.append("–" if m is None else
                              f"{m['mean'] * 100:+.1f} [{', '.join(f'{v * 100:+.1f}' for v in m['per_seed'].values())}]"
                              f" {m['verdict']}")
@@ -339,8 +341,6 @@ def crossings(out: Path) -> None:
                 split[label] = {
                     "crossings": [{"round": i + 1, "dispfl_now": "above" if diff[i] > 0 else "below"}
                                   for i in range(1, n) if (diff[i] > 0) != (diff[i - 1] > 0)],
-                    "dispfl_minus_baseline": {str(t): round(_at(ours, t) - _value(acc, ft, label, t), 4)
-                                              for t in CHECKPOINTS if t <= n},
                     "lead_rounds_50_on_min_max": [round(min(lead), 4), round(max(lead), 4)] if lead else None,
                 }
             # the paper ranks methods by their accuracy at the end; here at each checkpoint, unsmoothed
@@ -374,12 +374,11 @@ def _mean_curves(by_seed: dict[int, Curves]) -> Curves:
         if any(label in c[1] for c in runs):
             ft[label] = {t: statistics.fmean(c[1][label][t] for c in runs)
                          for t in runs[0][1][label] if all(t in c[1][label] for c in runs)}
-    # D-PSGD read from D-PSGD-FT is the same curve under two names: keep it one object, as _plot_zoom expects
-    for label in labels:
-        if label.endswith("(read from D-PSGD-FT)"):
-            ft_label = next((x for x in labels if x.startswith("D-PSGD-FT")), None)
-            if ft_label is not None:
-                acc[label] = acc[ft_label]
+    # a curve read under two names (D-PSGD from D-PSGD-FT's run) stays one object, as _plot_zoom expects
+    for i, a in enumerate(labels):
+        for b in labels[i + 1:]:
+            if all(a in c[0] and b in c[0] and c[0][a] is c[0][b] for c in by_seed.values()):
+                acc[b] = acc[a]
     return acc, ft
 
 
