@@ -108,6 +108,28 @@ class MT:
             out[i], out[j] = out[j], out[i]
         return out
 
+    def randperm_head(self, n: int, k: int) -> NDArray[np.int64]:
+        """``torch.randperm(n, generator=g)[:k]``, moving the generator as the whole permutation does: a swap
+        only touches positions at or after its own, so the first k are final after k swaps (O(k) Python work,
+        where a neighbour draw of k among a thousand clients would otherwise loop a thousand times)."""
+        if not 0 <= n < self._MAX_PERM:
+            raise ValueError(f"randperm of {n} is out of the range drawn like torch (0 <= n < {self._MAX_PERM})")
+        k = max(0, min(k, n))
+        if n < 2:
+            self._bits.random_raw(0)
+            return np.arange(n, dtype=np.int64)[:k]
+        raw = self._bits.random_raw(n - 1)  # every swap's draw, as randperm(n) takes them
+        moved: dict[int, int] = {}  # the positions a swap has written, others still hold their own index
+        out = np.empty(k, dtype=np.int64)
+        for i in range(min(k, n - 1)):
+            j = i + int(raw[i]) % (n - i)
+            vi, vj = moved.get(i, i), moved.get(j, j)
+            moved[i], moved[j] = vj, vi
+            out[i] = vj
+        if k == n:  # the last position is never a swap's i
+            out[n - 1] = moved.get(n - 1, n - 1)
+        return out
+
     def rand(self, n: int) -> NDArray[np.float32]:
         """``torch.rand(n, generator=g)`` in float32."""
         raw = self._bits.random_raw(n)

@@ -1,14 +1,15 @@
 """Who receives from whom in decentralized algorithms. The graph of round t comes from its own random stream
-(``seeding``), so the same seed gives the same graphs to every algorithm."""
+(``seeding``), so the same seed gives the same graphs to every algorithm. The graph is drawn with numpy alone
+(``seeding.MT``, torch's CPU generator's numbers), so a device without torch reads the simulator's graph."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from .errors import ConfigError
-from .seeding import generator
+from .seeding import Stream, mt_stream
 
-if TYPE_CHECKING:  # the coordinator draws the graphs (torch); a device only reads its neighbours from its task
+if TYPE_CHECKING:  # mixing_matrix is the simulator's (torch); graphs are drawn without it
     import torch
 
 __all__ = ["check_topology", "in_degree", "mixing_matrix", "neighbours"]
@@ -45,13 +46,13 @@ def neighbours(spec: str, num_clients: int, t: int, seed: int) -> list[list[int]
         return [[j for j in range(n) if j != i] for i in range(n)]
     if name == "ring":
         return [sorted({(i - 1) % n, (i + 1) % n} - {i}) for i in range(n)]
-    import torch
-
     k = int(arg)
-    gen = generator(seed, "topology", t)
+    # torch.randperm(n - 1, generator=generator(seed, "topology", t)) call after call, drawn without torch
+    # (tests/pfl_edge/test_topology.py holds it to torch's draws)
+    gen = mt_stream(seed, Stream.TOPOLOGY, t)
     out = []
     for i in range(n):
-        others = torch.randperm(n - 1, generator=gen)[:k].tolist()
+        others = gen.randperm_head(n - 1, k).tolist()
         out.append(sorted(j + (j >= i) for j in others))  # skip i itself
     return out
 

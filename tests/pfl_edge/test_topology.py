@@ -88,3 +88,29 @@ def _conv_positions(model: torch.nn.Module,
     for h in hooks:
         h.remove()
     return out
+
+
+@pytest.mark.parametrize("n,k", [(2, 1), (5, 2), (10, 9), (31, 10), (100, 10), (257, 1)])
+def test_random_graph_is_torchs_randperm_draw_without_torch(n: int, k: int) -> None:
+    """The graph a device without torch reads (numpy's MT) is the one torch.randperm draws from the round's
+    seeded generator, client after client on one generator: the reference is torch itself."""
+    from pfl_edge.seeding import generator
+
+    for t in (1, 7):
+        gen = generator(11, "topology", t)
+        want = []
+        for i in range(n):
+            others = torch.randperm(n - 1, generator=gen)[:k].tolist()
+            want.append(sorted(j + (j >= i) for j in others))
+        assert neighbours(f"random:{k}", n, t, 11) == want
+
+
+@pytest.mark.parametrize("n,k", [(0, 0), (1, 1), (2, 2), (9, 0), (9, 4), (9, 9), (40, 13)])
+def test_randperm_head_is_the_permutations_prefix_and_moves_the_generator_alike(n: int, k: int) -> None:
+    from pfl_edge.seeding import MT
+
+    a, b = MT(5), MT(5)
+    for _ in range(3):  # call after call: the generator must sit where the whole permutation leaves it
+        head = a.randperm_head(n, k)
+        assert head.tolist() == b.randperm(n)[:k].tolist()
+    assert a.rand(4).tolist() == b.rand(4).tolist()
