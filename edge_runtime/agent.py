@@ -49,6 +49,7 @@ from .state import Progress, StateDir
 from .tasks import Downloads, TaskSource, UnusableModel, all_finite, mismatch
 from .trainer import DeviceTrainer, device_clients
 from .training import BackendRequest, TrainingBackend, device_backend, get_training_backend
+from .whoami import describe
 
 __all__ = ["Agent", "AgentConfig", "ServerError", "ServerUnavailable", "install_signal_handlers"]
 
@@ -62,7 +63,8 @@ class Agent:
         self.cfg = cfg
         self.profile = get_profile(cfg.profile)
         self.arrays = array_kind(cfg.arrays)
-        device_backend(self.arrays, cfg.training_backend, self.profile.training_backend)  # refuses torch without it
+        backend = device_backend(self.arrays, cfg.training_backend, self.profile.training_backend)  # refuses torch
+        self.platform = describe(backend, cfg.threads or self.profile.threads)  # said at enrolment
         self.store = StateDir(cfg.state_dir, arrays=self.arrays)
         self.http = Http(cfg.server, cfg.patience_s, ca_file=cfg.ca_file)
         self.inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
@@ -73,7 +75,7 @@ class Agent:
 
     # ------------------------------------------------------------------------------------------------ setup
     def enrol(self) -> Enrolment:
-        return enrol(self.store, self.http, self.cfg)
+        return enrol(self.store, self.http, self.cfg, self.platform)
 
     def _setup(self) -> None:
         enr = self.enrol()
@@ -197,7 +199,7 @@ class Agent:
             step()
 
     def _renew(self) -> None:
-        self.enr = renew(self.store, self.http, self.cfg, self.enr)
+        self.enr = renew(self.store, self.http, self.cfg, self.enr, self.platform)
 
     def _handle(self, batch: list[tuple[str, bytes]]) -> None:
         """MQTT rings the bell (``edge_runtime.tasks``): a task or round message of ours (not a round we are not

@@ -8,17 +8,17 @@ from __future__ import annotations
 import secrets
 
 from pfl_edge.errors import ConfigError
-from pfl_edge.protocol import API_PREFIX, Enrolment, EnrolRequest
+from pfl_edge.protocol import API_PREFIX, Enrolment, EnrolRequest, Platform
 
 from .config import AgentConfig
-from .http import Http
+from .http import Http, ServerError
 from .state import StateDir
 
 __all__ = ["enrol", "renew"]
 
 
-def enrol(store: StateDir, http: Http, cfg: AgentConfig) -> Enrolment:
-    """The device's enrolment: the saved one, or a new one (with ``cfg``'s secret)."""
+def enrol(store: StateDir, http: Http, cfg: AgentConfig, platform: Platform | None = None) -> Enrolment:
+    """The device's enrolment: the saved one, or a new one (with ``cfg``'s secret, saying it is ``platform``)."""
     saved = store.enrolment
     if saved is not None:
         enr = Enrolment.model_validate(saved)
@@ -37,19 +37,30 @@ def enrol(store: StateDir, http: Http, cfg: AgentConfig) -> Enrolment:
         raise ConfigError("this device is not enrolled yet and has no enrolment secret: give --enrol-secret-file "
                           "(or PFL_ENROL_SECRET, or --enrol-secret)")
     req = EnrolRequest(federation=cfg.federation, enrol_secret=cfg.enrol_secret,
-                       profile=cfg.profile, name=cfg.name, index=cfg.partition_id, nonce=nonce)
-    r = http.call("POST", f"{API_PREFIX}/devices", json_body=req.model_dump())
+                       profile=cfg.profile, name=cfg.name, index=cfg.partition_id, nonce=nonce,
+                       platform=platform)
+    body = req.model_dump()
+    if req.platform is None:  # says nothing: the very request an earlier release sent
+        del body["platform"]
+    try:
+        r = http.call("POST", f"{API_PREFIX}/devices", json_body=body)
+    except ServerError as e:
+        # a server of an earlier release knows no ``platform`` and refuses the field: enrol without saying it
+        if not (e.status == 422 and "platform" in str(e) and "platform" in body):
+            raise
+        r = http.call("POST", f"{API_PREFIX}/devices", json_body={k: v for k, v in body.items() if k != "platform"})
     enr = Enrolment.model_validate(r.json())
     store.save_enrolment(enr.model_dump())
     return enr
 
 
-def renew(store: StateDir, http: Http, cfg: AgentConfig, old: Enrolment) -> Enrolment:
+def renew(store: StateDir, http: Http, cfg: AgentConfig, old: Enrolment,
+          platform: Platform | None = None) -> Enrolment:
     """Enrol again (module docstring); ``http`` then holds the new token. A revoked device is refused (403,
     ``ServerError``), which ends it; a device the server does not give back is a ConfigError."""
     store.remove("enrolment.json")
     store.remove("token.json")
-    enr = enrol(store, http, cfg)
+    enr = enrol(store, http, cfg, platform)
     if (enr.device_id, enr.index) != (old.device_id, old.index):
         raise ConfigError(f"enrolling again gave device {enr.device_id} (slot {enr.index}), not {old.device_id} "
                           f"(slot {old.index}): this state dir is not its; use another --state-dir")

@@ -11,6 +11,8 @@ what the database holds, not bounded again here (a row written before a bound ex
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from .protocol import RoundState
@@ -93,3 +95,11 @@ class DeviceEntry(_Answer):
     revoked: bool = Field(description="the admin revoked it")
     refused: int = Field(description="its updates the server refused (422: a bound it failed)")
     dropped: int = Field(description="DisPFL: neighbours' models it reported leaving out, summed over rounds")
+    platform: dict[str, Any] | None = Field(default=None, description=(
+        "what it said it is at enrolment (pfl_edge.protocol.Platform: machine, os, language, runtime, threads, "
+        "cpus), as reported and never verified; null: it said nothing (a device of an earlier release)"))
+    step_ms: float | None = Field(default=None, description="its mean ms per training step over the rounds it "
+                                                            "reported one; null: none reported")
+    flags: list[str] = Field(default_factory=list, description=(
+        "where what it says disagrees with its profile: an architecture not its profile's, or a mean step time "
+        "over 3x (or under 1/3 of) the median of the other devices of its profile"))

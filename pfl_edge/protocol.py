@@ -59,6 +59,7 @@ __all__ = [
     "MetricsReport",
     "MetricsStored",
     "Neighbour",
+    "Platform",
     "RoundAnnouncement",
     "RoundState",
     "Task",
@@ -231,6 +232,26 @@ class FederationInfo(_Msg):
     profile_capacity: bool = Field(description="density and K_P come from each device's profile")
 
 
+_LABEL = r"^[\x20-\x7e]{1,64}$"  # printable ASCII, no control characters: shown as is in tables and logs
+
+
+class Platform(_Msg):
+    """What a device says it is, at enrolment: its machine architecture, OS, language runtime, training runtime
+    and thread count. Reported by the device and never verified: the server shows it beside the declared profile
+    and flags a mismatch (an x86_64 machine enrolled as a Raspberry Pi), but decides nothing from it."""
+
+    machine: str = Field(pattern=r"^[A-Za-z0-9_.+-]{1,32}$", description=(
+        "CPU architecture as the OS names it (Python's platform.machine(), Node's process.arch): aarch64, "
+        "arm64, x86_64, x64, armv7l"))
+    os: str = Field(pattern=_LABEL, description="OS name and release, e.g. 'Linux 6.6.51+rpt-rpi-v8'")
+    language: str = Field(pattern=_LABEL, description="the interpreter and its version, e.g. 'python 3.11.2', "
+                                                       "'node 20.19.2'")
+    runtime: str = Field(pattern=_LABEL, description="the training runtime and its version, e.g. "
+                                                      "'onnxruntime 1.22.1', 'torch 2.13.0', 'executorch 1.0.0'")
+    threads: int = Field(ge=1, le=1024, strict=True, description="threads it trains with")
+    cpus: int | None = Field(default=None, ge=1, le=4096, strict=True, description="CPUs its OS reports")
+
+
 class EnrolRequest(_Msg):
     """A device asks to join federation ``federation`` (``POST /v1/devices``; no token: the secret is the proof)."""
 
@@ -245,6 +266,8 @@ class EnrolRequest(_Msg):
         "answer was lost) gets the same device and slot back with a fresh token"))
     n_samples: int | None = Field(default=None, ge=1, le=2**31 - 1, strict=True, description=(
         "its training samples (a JSON integer: not \"100\", 1.0 or true); an update's weight counts as at most this"))
+    platform: Platform | None = Field(default=None, description=(
+        "what the device says it is (reported, not verified; devices of earlier releases send none)"))
 
 
 class Enrolment(_Msg):

@@ -12,7 +12,10 @@ from .seeding import Stream, mt_stream
 if TYPE_CHECKING:  # mixing_matrix is the simulator's (torch); graphs are drawn without it
     import torch
 
-__all__ = ["check_topology", "in_degree", "mixing_matrix", "neighbours"]
+__all__ = ["TOPOLOGIES", "check_topology", "in_degree", "mixing_matrix", "neighbours"]
+
+#: every kind of graph ``neighbours`` draws (``random:K`` with 1 <= K <= clients - 1)
+TOPOLOGIES = ("random:K", "ring", "full")
 
 
 def check_topology(spec: str, num_clients: int) -> None:
@@ -26,7 +29,7 @@ def check_topology(spec: str, num_clients: int) -> None:
         if arg:
             raise ConfigError(f"{name} takes no argument, got {spec!r}")
     else:
-        raise ConfigError(f"unknown topology {spec!r}; valid topologies: random:K, ring, full")
+        raise ConfigError(f"unknown topology {spec!r}; valid topologies: {', '.join(TOPOLOGIES)}")
 
 
 def in_degree(spec: str, num_clients: int) -> int:

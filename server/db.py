@@ -122,6 +122,8 @@ class Device(Base):
     declared_samples: Mapped[int | None] = mapped_column(Integer, nullable=True)  # training samples at enrolment
     uploaded_bytes: Mapped[int] = mapped_column(BigInteger, default=0)  # distinct blob bytes it sent (its quota)
     refused_updates: Mapped[int] = mapped_column(Integer, default=0)  # uploads the server refused (Updates.submit)
+    # what it said it is at enrolment (protocol.Platform as JSON; reported, never verified; None: it said nothing)
+    platform: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
 
 class Round(Base):

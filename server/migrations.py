@@ -103,6 +103,8 @@ STEPS: tuple[Step, ...] = (
          _add_column("pfl_federations", "noise_key", "VARCHAR(64)")),
     Step(11, "secure aggregation: pfl_rounds.secagg_step and step_deadline, and pfl_secagg (created whole) for "
              "the devices' messages of its steps", _secagg),
+    Step(12, "pfl_devices.platform: what a device says it is (architecture, OS, runtime, threads) at enrolment",
+         _add_column("pfl_devices", "platform", "JSON")),
 )
 SCHEMA_VERSION = STEPS[-1].version
 

@@ -141,6 +141,12 @@
       name.append(dot, document.createTextNode(label(d)));
       name.title = d.device_id;
       cell(tr, d.profile);
+      // what it says it is, beside the profile it declared; a flag where the two disagree (docs/dashboard.md)
+      const p = d.platform;
+      const machine = cell(tr, p ? `${p.machine} · ${p.language} · ${p.runtime} · ${p.threads} thr` : "–",
+                           d.flags && d.flags.length ? "warn" : "");
+      machine.title = d.flags && d.flags.length ? d.flags.join("\n") : (p ? p.os : "it said nothing (an earlier release)");
+      if (d.flags && d.flags.length) tr.dataset.flagged = "true";
       cell(tr, String(d.index), "n");
       cell(tr, sparse(info) ? num(d.density, 2) : "dense", "n");
       cell(tr, sparse(info) ? "–" : String(d.kp), "n"); // K_P is FedPer's; DisPFL keeps no blocks apart

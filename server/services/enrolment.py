@@ -206,6 +206,8 @@ class EnrolmentService:
         again.token_hash, again.token_expires, again.token_origin = hash_token(token), self._expiry(at, at), at
         if mqtt is not None:
             again.mqtt_hash = mqtt
+        if req.platform is not None:  # it may have been upgraded since (a new runtime, another Python)
+            again.platform = req.platform.model_dump()
         return _Enrolled(again.id, again.slot, again.density, again.kp, again.joined_round, fed.init_digest,
                          fed.config)
 
@@ -241,7 +243,8 @@ class EnrolmentService:
         s.add(Device(id=dev_id, federation=fed.id, token_hash=hash_token(token), profile=profile.name,
                      name=req.name, slot=slot, density=density, kp=kp, online=False, joined_round=fed.round,
                      enrol_nonce=req.nonce, declared_samples=req.n_samples, mqtt_hash=mqtt,
-                     token_expires=self._expiry(at, at), token_origin=at))
+                     token_expires=self._expiry(at, at), token_origin=at,
+                     platform=None if req.platform is None else req.platform.model_dump()))
         return _Enrolled(dev_id, slot, density, kp, fed.round, fed.init_digest, fed.config)
 
     def _slot(self, s: Session, fed: Federation, asked: int | None) -> int:

@@ -4,6 +4,7 @@ database's counters that ``/metrics`` exposes to Prometheus (they survive restar
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from dataclasses import dataclass
@@ -11,6 +12,8 @@ from typing import Any
 
 from sqlalchemy import case, func, select
 
+from device_profiles import get_profile
+from pfl_edge.errors import ConfigError
 from pfl_edge.privacy import epsilon
 from pfl_edge.protocol import MetricsReport, quorum_updates
 
@@ -115,6 +118,8 @@ class Metrics:
                 .where(Update.federation == fed_id).group_by(Update.device))}
             dropped = dict(s.execute(select(Metric.device, func.sum(Metric.dropped)).where(
                 Metric.federation == fed_id).group_by(Metric.device)).all())
+            steps = {dev: float(ms) for dev, ms in s.execute(select(Metric.device, func.avg(Metric.step_ms)).where(
+                Metric.federation == fed_id, Metric.step_ms.is_not(None)).group_by(Metric.device)) if ms is not None}
             out = []
             for d in s.scalars(select(Device).where(Device.federation == fed_id).order_by(Device.slot)):
                 last, down = stats.get(d.id, (None, 0))
@@ -122,7 +127,16 @@ class Metrics:
                             "density": d.density, "kp": d.kp, "online": d.online, "last_seen": d.last_seen,
                             "joined_round": d.joined_round, "last_round": last, "bytes_up": int(d.uploaded_bytes or 0),
                             "bytes_down": int(down), "revoked": d.revoked_at is not None,
-                            "refused": int(d.refused_updates or 0), "dropped": int(dropped.get(d.id) or 0)})
+                            "refused": int(d.refused_updates or 0), "dropped": int(dropped.get(d.id) or 0),
+                            "platform": d.platform, "step_ms": steps.get(d.id)})
+        classes: dict[str, list[float]] = {}
+        for d in out:
+            if d["step_ms"]:
+                classes.setdefault(d["profile"], []).append(d["step_ms"])
+        for v in classes.values():
+            v.sort()
+        for d in out:
+            d["flags"] = platform_flags(d, classes.get(d["profile"], []))
         return out
 
     def federation_ids(self) -> list[str]:
@@ -192,3 +206,51 @@ def _round_row(t: int, r: Round | None, updates: int, devs: dict[str, dict[str, 
         "bytes_down": sum(int(d["bytes_down"]) for d in devs.values()),
         "devices": devs,
     }
+
+
+# architecture names of one machine: the OS's (uname -m), Node's (process.arch) and the profiles' words
+_ARCH = {"arm64": "aarch64", "aarch64": "aarch64", "armv8l": "aarch64", "arm64-v8a": "aarch64", "x64": "x86_64",
+         "amd64": "x86_64", "x86_64": "x86_64", "arm": "armv7l", "armv7l": "armv7l", "armhf": "armv7l",
+         "armeabi-v7a": "armv7l"}
+#: a device whose mean step time is this many times its class's (the other devices of its profile), or under
+#: 1 / this, is flagged: a class is meant to train at one speed, and one 3x off is not what its profile says
+STEP_RATIO = 3.0
+
+
+def median_without(values: list[float], x: float) -> float | None:
+    """The median of sorted ``values`` with one occurrence of ``x`` (one of them) left out; None if none is left.
+    O(log n): a fleet's listing computes it for every device of a class."""
+    p = bisect.bisect_left(values, x)
+    n = len(values) - 1
+    if n <= 0:
+        return None
+
+    def at(i: int) -> float:  # the i-th of the values without the one at p
+        return values[i] if i < p else values[i + 1]
+
+    return at(n // 2) if n % 2 else (at(n // 2 - 1) + at(n // 2)) / 2
+
+
+def platform_flags(device: dict[str, Any], class_steps: list[float]) -> list[str]:
+    """What an operator should look at about ``device`` (a row of ``devices()``) beside its declared profile: the
+    architecture it reports against its profile's, and its mean step time against the median of the other
+    devices of its profile (``class_steps``: their mean step times, its own among them, sorted). Both come from
+    the devices (reported, not verified): a flag says that the claims disagree, nothing more; the server decides
+    nothing from them."""
+    flags = []
+    plat = device.get("platform") or {}
+    try:
+        want = get_profile(device["profile"]).architecture
+    except ConfigError:  # a profile removed since it enrolled
+        want = None
+    got = plat.get("machine")
+    if want and got and _ARCH.get(got.lower(), got.lower()) != _ARCH.get(want.lower(), want.lower()):
+        flags.append(f"reports a {got} machine; profile {device['profile']} is {want}")
+    mine = device.get("step_ms")
+    median = median_without(class_steps, mine) if mine else None
+    if mine and median:
+        ratio = mine / median
+        if ratio > STEP_RATIO or ratio < 1 / STEP_RATIO:
+            flags.append(f"steps take {mine:.1f} ms, {ratio:.2g}x the {median:.1f} ms of the other "
+                         f"{len(class_steps) - 1} {device['profile']} device(s)")
+    return flags

@@ -6,6 +6,8 @@ checked without a browser."""
 
 from __future__ import annotations
 
+import platform
+
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -91,6 +93,15 @@ def test_the_dashboard_follows_a_live_federation(tmp_path: Path, browser: Any) -
         api = fed.get(f"{API_PREFIX}/federations/dash/devices")
         assert {d["deviceId"]: d["profile"] for d in devices} == {d["device_id"]: d["profile"] for d in api}
         assert sorted(d["profile"] for d in devices) == sorted(PROFILES)
+        # what each device says it is, beside its profile; a device on this x86_64 machine that declared an arm64
+        # board's profile is flagged (its row marked, the flag in the cell's title)
+        by_id = {d["device_id"]: d for d in api}
+        for row in devices:
+            said = by_id[row["deviceId"]]["platform"]
+            assert said["machine"] in row["cells"][2] and said["runtime"] in row["cells"][2], row
+            assert ("flagged" in row) == bool(by_id[row["deviceId"]]["flags"]), row
+        if platform.machine() == "x86_64":  # every profile here is an arm64 board's
+            assert all(d["flags"] for d in api)
         first = int(_until(lambda: body("round"), 10, "a round shown", fed))
         _until(lambda: int(body("round") or 0) > max(first, 1), 60, "the round shown to advance", fed)
         _until(lambda: body("state") == "finished", 60, "the federation to finish", fed)

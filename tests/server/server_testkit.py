@@ -61,11 +61,16 @@ def create(c: httpx.Client | Any, admin: str, fed: str, config: dict[str, Any], 
 class Dev:
     """A device as the server sees it: enrolment, blobs, updates, over HTTP."""
 
-    def __init__(self, c: httpx.Client | Any, fed: str, profile: str = "phone-mid", index: int | None = None) -> None:
+    def __init__(self, c: httpx.Client | Any, fed: str, profile: str = "phone-mid", index: int | None = None,
+                 platform: dict[str, Any] | None = None, nonce: str | None = None) -> None:
         self.c = c
         body: dict[str, Any] = {"federation": fed, "enrol_secret": SECRET, "profile": profile}
         if index is not None:
             body["index"] = index
+        if platform is not None:
+            body["platform"] = platform
+        if nonce is not None:
+            body["nonce"] = nonce
         r = c.post("/v1/devices", json=body)
         assert r.status_code == 201, r.text
         self.e: dict[str, Any] = r.json()

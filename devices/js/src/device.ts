@@ -11,7 +11,7 @@
 import type { webcrypto } from 'node:crypto';
 import { type ModelCard, CardError, DATASET_SHAPES, findProgram, modelIdOf, parseCard, trainConfig } from './card.js';
 import { CodecError, decode, encode } from './codec.js';
-import { type EnrolConfig, EnrolRefused, Tokens, enrol, renew } from './enrol.js';
+import { type EnrolConfig, EnrolRefused, type PlatformInfo, Tokens, enrol, renew } from './enrol.js';
 import { Http, HttpError, Stopped, sleep } from './http.js';
 import { maxBits, quantize } from './secagg.js';
 import { runSecureRound } from './securestep.js';
@@ -43,6 +43,8 @@ export interface Platform {
   /** its slot's samples, from the federation's config (dealt as pfl-edge deals them) */
   loadData(config: Record<string, unknown>, slot: number, card: ModelCard): Promise<DeviceData>;
   log(level: LogLevel, msg: string): void;
+  /** what this device is, said at enrolment (architecture, OS, runtime, threads); absent: it says nothing */
+  describe?(threads: number): PlatformInfo;
   /** extra MQTT client options (TLS) */
   mqttExtra?: Record<string, unknown>;
 }
@@ -119,7 +121,10 @@ export class Device {
 
   private get enrolConfig(): EnrolConfig {
     const c = this.cfg;
-    return { federation: c.federation, enrolSecret: c.enrolSecret, profile: c.profile, name: c.name, index: c.partitionId, nSamples: null };
+    return {
+      federation: c.federation, enrolSecret: c.enrolSecret, profile: c.profile, name: c.name, index: c.partitionId, nSamples: null,
+      platform: this.platform.describe ? this.platform.describe(c.threads) : null,
+    };
   }
 
   stop(): void {

@@ -24,6 +24,21 @@ export interface EnrolConfig {
   index: number | null;
   /** its training samples (null: not declared) */
   nSamples: number | null;
+  /** what it says it is (pfl_edge.protocol.Platform; null: say nothing) */
+  platform?: PlatformInfo | null;
+}
+
+/** What a device says it is at enrolment (docs/protocol.md, "Enrolment"): reported, never verified. */
+export interface PlatformInfo {
+  /** CPU architecture as the OS or runtime names it: arm64, aarch64, x64, x86_64 */
+  machine: string;
+  os: string;
+  /** the language runtime and its version, e.g. 'node 20.19.2' */
+  language: string;
+  /** the training runtime and its version, e.g. 'onnxruntime-node 1.31.1' */
+  runtime: string;
+  threads: number;
+  cpus?: number | null;
 }
 
 /** A refusal the device cannot fix by trying again: it stops and says why. */
@@ -36,11 +51,20 @@ const now = (): number => Date.now() / 1e3;
 async function ask(store: StateStore, http: Http, cfg: EnrolConfig, random: (n: number) => Uint8Array): Promise<Enrolment> {
   const nonce = await store.nonce(random); // on disk before the request leaves
   let body: unknown;
+  const request: Record<string, unknown> = {
+    federation: cfg.federation, enrol_secret: cfg.enrolSecret, profile: cfg.profile, name: cfg.name.slice(0, 64),
+    index: cfg.index, nonce, n_samples: cfg.nSamples,
+  };
+  if (cfg.platform) request['platform'] = cfg.platform;
   try {
-    body = await http.postJson('/v1/devices', {
-      federation: cfg.federation, enrol_secret: cfg.enrolSecret, profile: cfg.profile, name: cfg.name.slice(0, 64),
-      index: cfg.index, nonce, n_samples: cfg.nSamples,
-    }, { auth: false });
+    try {
+      body = await http.postJson('/v1/devices', request, { auth: false });
+    } catch (e) {
+      // a server of an earlier release knows no `platform` and refuses the field: enrol without saying it
+      if (!(e instanceof HttpError && e.status === 422 && 'platform' in request && e.detail.includes('platform'))) throw e;
+      delete request['platform'];
+      body = await http.postJson('/v1/devices', request, { auth: false });
+    }
   } catch (e) {
     if (e instanceof HttpError && [403, 409, 422].includes(e.status)) {
       const why = e.status === 403 ? 'the enrol secret or federation is wrong, or this device was revoked'

@@ -9,6 +9,12 @@ import * as ort from 'onnxruntime-node';
 import type { ModelCard, ProgramEntry, TrainingDetails } from '../card.js';
 import type { GradientProgram, InferenceProgram } from '../train.js';
 
+/** onnxruntime-node's version, as its runtime reports it ('?' where it does not). */
+export function ortVersion(): string {
+  const v = (ort.env as { versions?: Record<string, string | undefined> }).versions;
+  return v?.['node'] ?? v?.['common'] ?? '?';
+}
+
 const options = (threads: number): ort.InferenceSession.SessionOptions => ({
   executionProviders: ['cpu'],
   intraOpNumThreads: threads,

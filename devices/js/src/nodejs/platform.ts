@@ -4,19 +4,21 @@
  */
 import { randomBytes } from 'node:crypto';
 import { readFileSync } from 'node:fs';
+import { availableParallelism, release, type } from 'node:os';
 
 import mqtt from 'mqtt';
 
 import { type ModelCard, CardError, findProgram, trainingDetails } from '../card.js';
 import { slotSamples } from '../data.js';
 import type { DeviceData, LogLevel, Platform } from '../device.js';
+import type { PlatformInfo } from '../enrol.js';
 import type { MqttConnect } from '../mqtt.js';
 import { deal } from '../partition.js';
 import { nodeSha256 } from '../node.js';
 import { DirStorage } from './fs.js';
 import { loadFashionMnist } from './idx.js';
 import { loadImageFolder } from './images.js';
-import { openInference, openTraining } from './ort.js';
+import { openInference, openTraining, ortVersion } from './ort.js';
 
 export interface NodePlatformOptions {
   stateDir: string;
@@ -92,6 +94,19 @@ export async function loadSlotData(config: Record<string, unknown>, slot: number
   return slotSamples(raw.train, raw.test, share, raw.channels, sampleSize, norm.mean, norm.std);
 }
 
+/** This machine as the protocol's Platform: Node's names for the architecture, the OS, onnxruntime-node's version. */
+export function describeNode(threads: number): PlatformInfo {
+  const label = (s: string): string => s.replace(/[^\x20-\x7e]/g, '?').trim().slice(0, 64) || 'unknown';
+  return {
+    machine: process.arch.replace(/[^A-Za-z0-9_.+-]/g, '').slice(0, 32) || 'unknown',
+    os: label(`${type()} ${release()}`),
+    language: label(`node ${process.versions.node}`),
+    runtime: label(`onnxruntime-node ${ortVersion()}`),
+    threads: Math.max(1, Math.min(1024, Math.floor(threads))),
+    cpus: Math.max(1, Math.min(4096, availableParallelism())),
+  };
+}
+
 export function nodePlatform(o: NodePlatformOptions): Platform {
   const ca = o.caFile ? readFileSync(o.caFile) : null;
   return {
@@ -104,6 +119,7 @@ export function nodePlatform(o: NodePlatformOptions): Platform {
     openInference: async (bytes, card, threads) => openInference(bytes, card, findProgram(card, 'inference', 'onnxruntime'), threads),
     loadData: async (config, slot, card) => loadSlotData(config, slot, card, o.datasetDir, o.imageDir),
     log: logger(o.verbose ?? false, o.name),
+    describe: describeNode,
     mqttExtra: ca ? { ca: [ca], rejectUnauthorized: true } : undefined,
   };
 }
