@@ -291,6 +291,13 @@ def bench_suite(suite: str, requirements: str, files: Path, models: list[str], h
     log(f"{suite}: requirements in {steps['requirements_s']:.1f} s; the pfl-edge wheel")
     steps["wheel_s"] = pip(root, suite, ["install", "--no-deps", "--no-compile", f"{WORK}/{wheel}"], timeout)
     steps["uninstall_pip_s"] = pip(root, suite, ["uninstall", "-y", "pip", "setuptools"], timeout)
+    untrimmed_mib = round(boards.du_mib(work / "venv"), 1)
+    # what install.sh removes before its check (edge_runtime.bundle_files.UNUSED), on the board as it does
+    site = next((work / "venv" / "lib").glob("python3*/site-packages"))
+    from edge_runtime.bundle_files import TRIM_SHELL
+
+    steps["trim_s"], _ = timed(root, ["sh", "-c", f"site=\"$1\"\n{TRIM_SHELL}", "sh",
+                                      "/" + str(site.relative_to(root))], timeout, "trim")
     install_s = sum(steps.values())
     venv_mib = round(boards.du_mib(work / "venv"), 1)
     log(f"{suite}: installed in {install_s:.1f} s, venv {venv_mib} MiB; wheel tags")
@@ -330,7 +337,7 @@ def bench_suite(suite: str, requirements: str, files: Path, models: list[str], h
     result = {"uname_m": uname.strip(), "python": python, "rootfs_build_s": rootfs_s and round(rootfs_s, 1),
               "rootfs_mib": rootfs_mib, "install_s": round(install_s, 1),
               "install_steps_s": {k: round(v, 1) for k, v in steps.items()},
-              "venv_mib": venv_mib, "venv_mib_after_imports": venv_mib_after,
+              "venv_mib": venv_mib, "venv_mib_untrimmed": untrimmed_mib, "venv_mib_after_imports": venv_mib_after,
               "import_edge_runtime_agent": {"cold": imports[0], "warm": imports[1:]},
               "training_step": steps_out, "requirements_picked": versions,
               "wheel_tags": {k: v["tags"] for k, v in installed.items()},

@@ -10,6 +10,7 @@ names bound read-only), so pip on the board uses the same index or mirror as the
 
     python bench/boards.py build bookworm trixie       # build (once) and describe each board
     python bench/boards.py shell bookworm -- uname -m  # run a command on a board
+    python bench/boards.py copy bookworm bundles/pi /opt/pfl-edge-device  # put a folder on a board
 
 From a test (bench/ on sys.path): ``prerequisites()`` (None, or why it cannot run here), ``rootfs(suite)``,
 ``copy_in``, ``run``/``popen``, and a cache of installed virtual environments (``venv_key``, ``cached_venv``,
@@ -449,7 +450,7 @@ def _cmd_shell(suite: str, argv: list[str], cwd: str) -> int:
         return stop(proc)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="build (once) each suite's rootfs and show it")
@@ -458,12 +459,26 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("suite", choices=list(SUITES))
     s.add_argument("--cwd", default="/")
     s.add_argument("argv", nargs=argparse.REMAINDER)
+    c = sub.add_parser("copy", help="copy a folder of the host onto a board (replacing what was there)")
+    c.add_argument("suite", choices=list(SUITES))
+    c.add_argument("src", type=Path)
+    c.add_argument("dest", nargs="?", default=BUNDLE_DIR, help=f"its path on the board (default {BUNDLE_DIR})")
     sub.add_parser("check", help="say whether boards can run here")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
     a = ap.parse_args(argv)
     if a.cmd == "check":
         why = prerequisites()
         print(why or f"ok: boards can run here (cache {cache_dir()})")
         return 0 if why is None else 1
+    if a.cmd == "copy":
+        if not a.src.is_dir():
+            ap.error(f"{a.src} is not a folder")
+        print(copy_in(rootfs(a.suite, log=True), a.src, a.dest))
+        return 0
     if a.cmd == "build":
         unknown = set(a.suites) - set(SUITES)
         if unknown:

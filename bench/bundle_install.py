@@ -28,6 +28,8 @@ SETS: dict[str, tuple[str, str, str | None]] = {
     "lean, ExecuTorch training (phone-mid)": ("executorch", "executorch", None),
     "no torch, ONNX Runtime training (--torch-free), Python 3.10": ("torch-free", "onnxruntime", "3.10"),
     "no torch, ONNX Runtime training (--torch-free), Python 3.11": ("torch-free", "onnxruntime", "3.11"),
+    "no torch, ONNX Runtime training (--torch-free), Python 3.12": ("torch-free", "onnxruntime", "3.12"),
+    "no torch, ONNX Runtime training (--torch-free), Python 3.13": ("torch-free", "onnxruntime", "3.13"),
     "no torch, ExecuTorch program (--torch-free --training-backend executorch), Python 3.12": (
         "torch-free", "executorch", "3.12"),
 }
@@ -85,14 +87,17 @@ def _install(work: Path, pins: list[str], wheel: Path, *, no_deps: bool, python:
     listed = subprocess.run([str(py), "-m", "pip", "list", "--format=json"], check=True, capture_output=True,
                             text=True).stdout
     with_pip = sum(f.stat().st_size for f in venv.rglob("*") if f.is_file())
-    # as install.sh leaves it: nothing on a device imports pip or setuptools
+    # as install.sh leaves it: nothing on a device imports pip or setuptools, nor what bundle_files.UNUSED names
     _quiet([str(py), "-m", "pip", "uninstall", "-y", "-q", "pip", "setuptools"])
-    size = sum(f.stat().st_size for f in venv.rglob("*") if f.is_file())
+    untrimmed = sum(f.stat().st_size for f in venv.rglob("*") if f.is_file())
     site = next(venv.glob("lib/python3*/site-packages"))
+    subprocess.run(["sh", "-c", f"site=\"$1\"\n{bundle_files.TRIM_SHELL}", "sh", str(site)], check=True)
+    size = sum(f.stat().st_size for f in venv.rglob("*") if f.is_file())
     per = {d.name: sum(f.stat().st_size for f in d.rglob("*") if f.is_file()) / 2**20
            for d in site.iterdir() if d.is_dir() and not d.name.endswith((".dist-info", "__pycache__"))}
     return {"pins": len(pins), "installed": len(json.loads(listed)), "torch_s": t1 - t0, "rest_s": t2 - t1,
-            "total_s": t2 - t0, "venv_mb": size / 2**20, "venv_with_pip_mb": with_pip / 2**20,
+            "total_s": t2 - t0, "venv_mb": size / 2**20, "venv_untrimmed_mb": untrimmed / 2**20,
+            "venv_with_pip_mb": with_pip / 2**20,
             "largest_mb": dict(sorted(per.items(), key=lambda kv: -kv[1])[:8])}
 
 

@@ -18,6 +18,8 @@ __all__ = [
     "OLDER_PYTHONS",
     "PINNED_ELSEWHERE",
     "TORCH_FREE_PACKAGES",
+    "TRIM_SHELL",
+    "UNUSED",
     "BundleSpec",
     "device_packages",
     "min_python",
@@ -102,6 +104,21 @@ exec "$here/venv/bin/pfl-edge" client \\
 """
 
 
+#: what no device loads, removed from a bundle's venv by install.sh before its check, as paths (globs) under
+#: site-packages: ONNX Runtime's Python tools for model conversion, quantization and transformer optimisation
+#: (about 9 MB) and its C library for C and C++ programs, which its Python module does not link (about 34 MB);
+#: and every ``tests`` folder of numpy (about 17 MB). Measured in BENCHMARKS.md, "The device on every board".
+UNUSED = ("onnxruntime/tools", "onnxruntime/transformers", "onnxruntime/quantization", "onnxruntime/datasets",
+          "onnxruntime/capi/libonnxruntime.so*")
+UNUSED_TESTS = ("numpy",)
+# the shell lines that remove them from "$site" (install.sh; bench/bundle_install.py runs them too)
+TRIM_SHELL = "\n".join([
+    "rm -rf " + " ".join(f'"$site"/{p}' for p in UNUSED),
+    *(f'[ ! -d "$site/{p}" ] || find "$site/{p}" -depth -type d -name tests -exec rm -rf {{}} +'
+      for p in UNUSED_TESTS),
+])
+
+
 def _install(spec: BundleSpec) -> str:
     major, minor = min_python(spec)
     # the console script; with torch, the registries too (the simulator's: tqdm), which need torch's models
@@ -112,7 +129,8 @@ def _install(spec: BundleSpec) -> str:
 # list only what this device imports (not the build and export tools some of them declare). Then it checks the
 # installation: the device's imports, one training step, each bundled program it can run loaded and run once
 # (python -m edge_runtime.bundle_check), so that a missing package shows here, not at the first round. Last, it
-# removes pip and setuptools from the venv (nothing on the device imports them: about 22 MB); run it again to
+# removes pip and setuptools from the venv (nothing on the device imports them: about 22 MB), as it removes before
+# the check what no device loads of numpy and ONNX Runtime (below: about 60 MB); run it again to
 # change the environment: it starts from an empty venv each time. Nothing is byte-compiled ahead (--no-compile):
 # Python compiles what the device imports on first use, not the packages' tests and tools (about 20 MB).
 # Run it where the bundle will stay (a virtual environment cannot be moved), as the user that runs the device.
@@ -139,6 +157,9 @@ elif [ -n "$torch" ]; then
 fi
 $pip install --no-deps --no-compile -r "$req"
 $pip install --no-deps --no-compile "$here/wheels/{spec.wheel}"
+# what no device loads, removed before the check (so the check sees the venv as it will run)
+site="$("$here/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')"
+{TRIM_SHELL}
 "$here/venv/bin/python" -m edge_runtime.bundle_check "$here" || {{
     echo "install.sh: the installed environment fails its check (above); venv/ is left for a look" >&2; exit 1; }}
 "$here/venv/bin/pfl-edge" {script} >/dev/null

@@ -34,9 +34,12 @@ from __future__ import annotations
 import math
 import re
 import sys
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from .config_bounds import bounded_config, config_field
+from .device_info import Platform
 
 __all__ = [
     "API_PREFIX",
@@ -115,8 +118,6 @@ MAX_DEADLINE_S = 7 * 86_400  # a round's deadline
 MAX_SECONDS = 1e9  # a duration a device measured (train_s), or a unix time (deadlines): finite and sane
 _MAX_KP = 1_000  # personal blocks
 _NAME = 256  # a label, profile, algorithm or credential
-_MAX_CONFIG_KEYS, _MAX_CONFIG_DEPTH, _MAX_CONFIG_TEXT = 64, 4, 4_096
-_CONFIG_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$")
 
 
 _MAX_FLOAT = sys.float_info.max  # "finite": a bound NaN and Infinity fail, in pydantic and in JSON Schema
@@ -124,46 +125,9 @@ _MAX_FLOAT = sys.float_info.max  # "finite": a bound NaN and Infinity fail, in p
 Digest = Annotated[str, Field(pattern=DIGEST_RE.pattern, description="sha256, 64 lowercase hex characters")]
 
 
-def _config_field(description: str) -> Any:
-    """A config's field, its bounds stated in its JSON Schema too (``_bounded_config`` checks them all)."""
-    return Field(description=description, json_schema_extra={
-        "maxProperties": _MAX_CONFIG_KEYS, "propertyNames": {"pattern": _CONFIG_KEY_RE.pattern}})
-
-
 class _Msg(BaseModel):
     # NaN/Inf are refused in every message: a metric or loss must be a number a database can keep
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-
-def _bounded_config(v: dict[str, object]) -> dict[str, object]:
-    """A federation's config as it travels: at most 64 keys named like identifiers, values nested at most 4 deep,
-    strings of at most 4,096 characters, lists of at most MAX_CLIENTS items, finite numbers. What the keys mean
-    is ``pfl_edge.federation.FederationConfig``'s to check."""
-    if len(v) > _MAX_CONFIG_KEYS:
-        raise ValueError(f"config has {len(v)} keys; at most {_MAX_CONFIG_KEYS}")
-    for key in v:
-        if not _CONFIG_KEY_RE.match(key):
-            raise ValueError(f"config key {key!r:.80} is not a name (letters, digits, _ and -; at most 64)")
-    _check_json(v, _MAX_CONFIG_DEPTH)
-    return v
-
-
-def _check_json(x: object, depth: int) -> None:
-    if isinstance(x, str):
-        if len(x) > _MAX_CONFIG_TEXT:
-            raise ValueError(f"config holds a string of {len(x)} characters; at most {_MAX_CONFIG_TEXT}")
-    elif isinstance(x, float):
-        if not math.isfinite(x):
-            raise ValueError("config holds NaN or Infinity; numbers must be finite")
-    elif isinstance(x, list | tuple | dict):
-        if depth <= 0:
-            raise ValueError(f"config is nested more than {_MAX_CONFIG_DEPTH} levels deep")
-        if len(x) > MAX_CLIENTS:
-            raise ValueError(f"config holds a collection of {len(x)} items; at most {MAX_CLIENTS}")
-        for item in x.values() if isinstance(x, dict) else x:
-            _check_json(item, depth - 1)
-    elif not (x is None or isinstance(x, bool | int)):
-        raise ValueError(f"config holds a {type(x).__name__}; only JSON values are allowed")
 
 
 class AggregationSettings(_Msg):
@@ -191,7 +155,7 @@ class FederationCreate(_Msg):
 
     id: str = Field(pattern=_ID_RE, description="federation id, 1-64 of A-Z a-z 0-9 _ -")
     enrol_secret: str = Field(min_length=8, max_length=256, description="what a device must show to enrol")
-    config: dict[str, object] = _config_field("FederationConfig keys: algorithm, model, dataset, ...")
+    config: dict[str, object] = config_field("FederationConfig keys: algorithm, model, dataset, ...")
     quorum: float = Field(default=1.0, gt=0, le=1, description="fraction of a round's devices that closes it early")
     deadline_s: float = Field(default=600.0, gt=0, le=MAX_DEADLINE_S, description=(
         "seconds a round collects at most; then it closes with whatever it has (at least min_updates)"))
@@ -205,7 +169,7 @@ class FederationCreate(_Msg):
     aggregation: AggregationSettings | None = Field(default=None, description=(
         "null: the weighted mean, each update clipped to 3x the round's median norm"))
 
-    _config = field_validator("config")(_bounded_config)
+    _config = field_validator("config")(bounded_config(MAX_CLIENTS))
 
     @model_validator(mode="after")
     def _within_clients(self) -> FederationCreate:
@@ -230,26 +194,6 @@ class FederationInfo(_Msg):
     # not bounded here: a row written before the bounds existed must still be readable
     deadline_s: float = Field(description="seconds a round collects at most")
     profile_capacity: bool = Field(description="density and K_P come from each device's profile")
-
-
-_LABEL = r"^[\x20-\x7e]{1,64}$"  # printable ASCII, no control characters: shown as is in tables and logs
-
-
-class Platform(_Msg):
-    """What a device says it is, at enrolment: its machine architecture, OS, language runtime, training runtime
-    and thread count. Reported by the device and never verified: the server shows it beside the declared profile
-    and flags a mismatch (an x86_64 machine enrolled as a Raspberry Pi), but decides nothing from it."""
-
-    machine: str = Field(pattern=r"^[A-Za-z0-9_.+-]{1,32}$", description=(
-        "CPU architecture as the OS names it (Python's platform.machine(), Node's process.arch): aarch64, "
-        "arm64, x86_64, x64, armv7l"))
-    os: str = Field(pattern=_LABEL, description="OS name and release, e.g. 'Linux 6.6.51+rpt-rpi-v8'")
-    language: str = Field(pattern=_LABEL, description="the interpreter and its version, e.g. 'python 3.11.2', "
-                                                       "'node 20.19.2'")
-    runtime: str = Field(pattern=_LABEL, description="the training runtime and its version, e.g. "
-                                                      "'onnxruntime 1.22.1', 'torch 2.13.0', 'executorch 1.0.0'")
-    threads: int = Field(ge=1, le=1024, strict=True, description="threads it trains with")
-    cpus: int | None = Field(default=None, ge=1, le=4096, strict=True, description="CPUs its OS reports")
 
 
 class EnrolRequest(_Msg):
@@ -277,7 +221,7 @@ class Enrolment(_Msg):
     token: str = Field(max_length=_NAME, description="bearer token for every later HTTP call")
     index: int = Field(ge=0, lt=MAX_CLIENTS, description="its slot: data partition, seeds, topology position")
     federation: str = Field(pattern=_ID_RE, description="the federation joined")
-    config: dict[str, object] = _config_field("the federation's whole config (FederationConfig keys)")
+    config: dict[str, object] = config_field("the federation's whole config (FederationConfig keys)")
     density: float = Field(gt=0, le=1, description="DisPFL: fraction of weights its sparse model keeps")
     kp: int = Field(ge=0, le=_MAX_KP, description="FedPer: its personal blocks, counted from the output end")
     broker_url: str = Field(max_length=2_048, description="mqtt://host:port or mqtts://host:port")
@@ -292,7 +236,7 @@ class Enrolment(_Msg):
         "included (the same for every device, not personal yet); a device that cannot build the model itself "
         "takes its personal blocks from here"))
 
-    _config = field_validator("config")(_bounded_config)
+    _config = field_validator("config")(bounded_config(MAX_CLIENTS))
 
 
 class Neighbour(_Msg):

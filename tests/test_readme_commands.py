@@ -68,3 +68,34 @@ def test_the_walkthrough_federation_is_valid() -> None:
     check_device_config(cfg)
     # the enrolment secret step 2 writes for the bundle is the one the federation is created with
     assert f"'{create.enrol_secret}' > enrol-secret" in section
+
+
+def _boards_section() -> str:
+    text = (README.parent / "docs" / "operations.md").read_text()
+    start = text.index("#### Boards")
+    after = re.search(r"\n#{2,4} ", text[start + 1:])
+    return text[start:start + 1 + after.start()] if after else text[start:]
+
+
+def test_the_board_recipes_commands_parse() -> None:
+    """docs/operations.md's Boards recipes (a real board, an emulated one): every ``pfl-edge`` line parses with the
+    CLI and every ``bench/boards.py`` line with that tool's parser; the emulated board is built, filled and run by
+    the functions tests/integration/test_boards.py drives (rootfs, copy_in, run)."""
+    import importlib
+    import sys
+
+    section = _boards_section()
+    lines = _shell_lines(section)
+    pfl = [shlex.split(c)[1:] for c in lines if c.startswith("pfl-edge ")]
+    assert pfl and pfl[0][0] == "bundle" and "--torch-free" in pfl[0]
+    for argv in pfl:
+        build_parser().parse_args(argv)
+    bench = str(README.parent / "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    boards = importlib.import_module("boards")
+    cmds = [shlex.split(c)[2:] for c in lines if c.startswith("python3 bench/boards.py ")]
+    assert [c[0] for c in cmds] == ["check", "build", "copy", "shell", "shell"], cmds
+    for argv in cmds:
+        assert boards.build_parser().parse_args(argv).cmd == argv[0]
+    assert "/proc/cpuinfo" in section and "mmdebstrap" in section

@@ -86,12 +86,12 @@ def test_fedper_devices_match_simulator(tmp_path: Path, algorithm: str) -> None:
             _equal(states[i], want[i])  # what it keeps is what it deploys
 
 
-@pytest.mark.parametrize("algorithm", ["fedper", "fedavg", "ditto"])
+@pytest.mark.parametrize("algorithm", ["fedper", "fedavg", "ditto", "fedrep"])
 def test_sampled_devices_match_simulator(tmp_path: Path, algorithm: str) -> None:
     """participation 0.5: only the round's sampled devices work (as the server tasks them), each reporting on the
     base it receives (round t-1's, however long it was away) once it has trained; every device takes the final
     step. Their deployed models are the simulator's, bit for bit, and so is every metric they report."""
-    options = {"lam": 0.5, "personal_epochs": 2} if algorithm == "ditto" else None
+    options = OPTIONS.get(algorithm)
     cfg = SimConfig(algorithm=algorithm, kp=2, options=options, participation=0.5, **{**QUICK, "rounds": 4})
     res, want = _sim(cfg, tmp_path)
     devs = _devices(cfg)

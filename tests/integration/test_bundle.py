@@ -519,6 +519,10 @@ def test_a_torch_free_bundle_takes_part_in_fedper_and_dispfl(tmp_path: Path) -> 
                 size = sum(f.stat().st_size for f in venv.rglob("*") if f.is_file() and not f.is_symlink())
                 print(f"torch-free venv (Python 3.10): {size / 2**20:.0f} MiB, installed in "
                       f"{time.monotonic() - t0:.0f} s")
+                # issue 47: under 150 MB, with what install.sh removes (bundle_files.UNUSED) gone
+                assert size < 150 * 2**20, size / 2**20
+                site = next(venv.glob("lib/python3*/site-packages"))
+                assert not (site / "onnxruntime" / "tools").exists() and not list(site.glob("numpy/*/tests"))
             else:
                 (out / "venv").symlink_to(venv)
             bundled = _run_bundle_device(fed, out, home, run / "bundle-device.log", profile="phone-mid",

@@ -614,12 +614,25 @@ export class Device {
       if (task.base === null || task.base === undefined) throw new UnusableModel('the final task names no base');
       const down = { bytes: 0 };
       const base = this.decodeModel(await this.fetchBlob(task.base, down)).tensors;
-      const state = saved.personal ?? this.withBase(saved.state, base); // Ditto deploys its personal model
+      // the last base under its own blocks, adapted as a round would adapt them (Central.device_round, final):
+      // FedPer-FT fine-tunes its personal blocks on it; so does a late joiner that never trained
+      const synced = this.withBase(saved.state, base);
+      const prev = prog.round >= 1 ? task.round : 0;
+      const ftEpochs = this.algorithm === 'fedper-ft' ? this.card.training.ftEpochs
+        : prog.late && prev === 0 ? Number(this.config['ft_epochs'] ?? 1) : 0;
+      if (saved.personal === null && ftEpochs > 0) await this.finetunePersonal(synced, prev, ftEpochs);
+      const state = saved.personal ?? synced; // Ditto deploys its personal model
+      const names = this.card.tensors.map((x) => x.name);
       if (prog.round >= 1) {
         const m = await this.evaluate(state, task.round);
         this.log('info', `final (round ${task.round}): accuracy ${m.accuracy.toFixed(4)}, loss ${m.loss.toFixed(4)} on ${m.n_test} test samples`);
-        await this.store.saveModel('final.bin', this.encodeModel(state, this.card.tensors.map((x) => x.name), task.round), { round: task.round, metrics: [m] });
+        await this.store.saveModel('final.bin', this.encodeModel(state, names, task.round), { round: task.round, metrics: [m] });
         await this.postMetrics(m, prog);
+      } else {
+        // never drawn (a sampled federation): it still deploys the last base under its own blocks, as the
+        // simulator does for its slot (Central.device_round, final); it trained no round, so it reports none
+        this.log('info', `final (round ${task.round}): never drawn; deploying the last base under its own blocks`);
+        await this.store.saveModel('final.bin', this.encodeModel(state, names, task.round), { round: task.round, metrics: [] });
       }
     } catch (e) {
       if (!(e instanceof UnusableModel)) throw e;
