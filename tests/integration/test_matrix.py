@@ -113,6 +113,14 @@ def accepted(config: dict[str, Any]) -> bool:
 # the rows: every algorithm devices run, at every setting it accepts
 ROWS = [Row(a, s, _config(a, cfg)) for a in device_algorithms() for s, cfg in settings_for(a).items()
         if accepted(_config(a, cfg))]
+# rows where the running system does not end with the simulator's models today, each with its reason (strict: a
+# row that starts to pass fails until it is taken off this list)
+KNOWN: dict[str, str] = {
+    "fedrep-sampled": "issue 48 item 1: at its default aggregation the server clips each update to 3x the median "
+                      "norm of the round's others (server/services/rounds.py), the simulator does not; with two "
+                      "updates a round and FedRep's 10 head epochs one update of round 2 is over 3x the other "
+                      "(2.08 against 0.58), so the server's base differs from the simulator's",
+}
 SIMULATOR_ONLY = [a for a in list_algorithms() if a not in device_algorithms()]
 
 
@@ -147,6 +155,7 @@ def test_the_matrix_covers_every_algorithm_and_setting() -> None:
     for a in ("fedavg", "fedper", "ditto", "fedrep"):
         assert {r.setting for r in ROWS if r.algorithm == a} == set(CENTRAL_SETTINGS), a
     assert set(js_supported()) <= set(device_algorithms())
+    assert set(KNOWN) <= {r.name for r in ROWS}
 
 
 @pytest.mark.parametrize("algorithm", SIMULATOR_ONLY)
@@ -285,6 +294,11 @@ def run_row(row: Row, tmp_path: Path) -> dict[str, Any]:
     return record
 
 
+def _params(rows: list[Row]) -> list[Any]:
+    return [pytest.param(r, id=r.name, marks=[pytest.mark.xfail(strict=True, reason=KNOWN[r.name])]
+                         if r.name in KNOWN else []) for r in rows]
+
+
 # two classes, each given whole to one pytest-xdist worker (loadscope): the slow tier runs the halves side by side
 FIRST_HALF = ("fedavg", "fedper", "fedper-ft")
 
@@ -292,7 +306,7 @@ FIRST_HALF = ("fedavg", "fedper", "fedper-ft")
 @pytest.mark.slow
 @pytest.mark.needs_fmnist
 class TestFedAvgAndFedPer:
-    @pytest.mark.parametrize("row", [r for r in ROWS if r.algorithm in FIRST_HALF], ids=lambda r: r.name)
+    @pytest.mark.parametrize("row", _params([r for r in ROWS if r.algorithm in FIRST_HALF]))
     def test_row_ends_with_the_simulators_models(self, row: Row, tmp_path: Path) -> None:
         run_row(row, tmp_path)
 
@@ -300,6 +314,6 @@ class TestFedAvgAndFedPer:
 @pytest.mark.slow
 @pytest.mark.needs_fmnist
 class TestTheOthers:
-    @pytest.mark.parametrize("row", [r for r in ROWS if r.algorithm not in FIRST_HALF], ids=lambda r: r.name)
+    @pytest.mark.parametrize("row", _params([r for r in ROWS if r.algorithm not in FIRST_HALF]))
     def test_row_ends_with_the_simulators_models(self, row: Row, tmp_path: Path) -> None:
         run_row(row, tmp_path)

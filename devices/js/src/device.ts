@@ -74,7 +74,7 @@ export class UnusableModel extends Error {
   override name = 'UnusableModel';
 }
 
-const SUPPORTED = ['fedper', 'fedavg', 'fedper-ft', 'dispfl', 'ditto'];
+const SUPPORTED = ['fedper', 'fedavg', 'fedper-ft', 'dispfl', 'ditto', 'fedrep'];
 const PERSONAL = 'personal:'; // Ditto's personal model in the state file
 const MAX_CARD_BYTES = 16 << 20;
 
@@ -544,9 +544,26 @@ export class Device {
     const metrics: MetricRecord[] = [];
     if (prev >= 1) metrics.push(await this.evaluate(personal ?? state, prev));
     const anchor = personal !== null ? new Map([...state].map(([k, v]) => [k, Float32Array.from(v)])) : null;
-    const st = await trainLocal(this.training, state, this.data.train, trainConfig(this.card, t), this.stream(Stream.TRAIN, t, this.enr.index));
+    let steps = 0;
+    let body: string[] | undefined;
+    if (this.algorithm === 'fedrep') {
+      // FedRep (pfl_edge/algorithms/fedrep.py): the head (its personal parameters) alone for head_epochs from its
+      // PERSONAL stream, then the base alone for the round's epochs from TRAIN; the same whole-model program
+      const head = this.card.personalKeys.filter((k) => this.training.trainable.includes(k));
+      body = this.training.trainable.filter((k) => !head.includes(k));
+      const opts = (this.config['options'] ?? {}) as Record<string, unknown>;
+      const headEpochs = typeof opts['head_epochs'] === 'number' ? opts['head_epochs'] : 10;
+      if (head.length && headEpochs > 0) {
+        const hst = await trainLocal(this.training, state, this.data.train, trainConfig(this.card, t, headEpochs),
+          this.stream(Stream.PERSONAL, t, this.enr.index), { trainable: head });
+        trainS += hst.seconds;
+        steps += hst.steps;
+      }
+    }
+    const st = await trainLocal(this.training, state, this.data.train, trainConfig(this.card, t), this.stream(Stream.TRAIN, t, this.enr.index),
+      body ? { trainable: body } : {});
     trainS += st.seconds;
-    let steps = st.steps;
+    steps += st.steps;
     if (personal !== null && anchor !== null) {
       // Ditto: the personal model, pulled towards the global model it received (lam), from its own stream
       const opts = (this.config['options'] ?? {}) as Record<string, unknown>;
