@@ -33,6 +33,7 @@ __all__ = [
     "AggregationRule",
     "PartialAverage",
     "RunningAverage",
+    "bounded",
     "clip_update",
     "clipped",
     "coordinate_median",
@@ -206,6 +207,11 @@ class AggregationRule:
             raise ConfigError(f"trim must be in [0, 0.5), got {self.trim}")
 
     @property
+    def bounds_updates(self) -> bool:
+        """Does this rule hold updates to a norm bound (absolute or relative) before combining them?"""
+        return self.max_update_norm is not None or self.norm_multiple is not None
+
+    @property
     def relative(self) -> bool:
         """Does the bound depend on the round's norms (so they must be known before averaging)?"""
         return self.max_update_norm is None and self.norm_multiple is not None
@@ -258,6 +264,29 @@ def clip_update(prev: Mapping[str, Tensor], state: Mapping[str, Tensor], bound: 
         x = p + (v.detach().to(torch.float64) - p) * scale
         out[k] = (x if v.dtype.is_floating_point else x.round()).to(v.dtype)
     return out
+
+
+def bounded(prev: Mapping[str, Tensor], updates: Iterable[tuple[Mapping[str, Tensor], float]],
+            rule: AggregationRule | None, *, history: Sequence[float] = (),
+            bounds: Sequence[float | None] | None = None,
+            norms: Sequence[float | None] | None = None) -> Iterator[tuple[Mapping[str, Tensor], float]]:
+    """The update-bound stage, defined once for the simulator and the server: each update held to its bound
+    (``clip_update``: the same object, the same bits, where it is within it), weights unchanged, in order.
+    ``bounds``: one per update, as given; else ``rule.bounds`` over every update's norm (``norms`` where known,
+    e.g. computed by the server on accepting each update; else computed here, which holds the updates in memory
+    first: a relative bound needs every norm before the first update is judged) and ``history``."""
+    if bounds is None:
+        if rule is None:
+            raise ConfigError("an update bound needs a rule or the bounds themselves")
+        if norms is None or any(n is None for n in norms):
+            held = list(updates)
+            known = list(norms) if norms is not None else [None] * len(held)
+            norms = [update_norm(prev, s) if n is None else n for (s, _), n in zip(held, known, strict=True)]
+            updates = held
+        bounds = rule.bounds([float(n) for n in norms if n is not None], history)
+    given = list(norms) if norms is not None else None
+    for i, ((state, w), b) in enumerate(zip(updates, bounds, strict=True)):
+        yield clip_update(prev, state, b, None if given is None else given[i]), w
 
 
 def clipped(prev: Mapping[str, Tensor], updates: Iterable[tuple[Mapping[str, Tensor], float]],

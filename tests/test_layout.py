@@ -330,3 +330,33 @@ def test_the_cli_is_the_composition_root_and_the_core_never_loads_what_is_above_
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", f"importing pfl_edge loaded {out.stdout.strip()}"
+
+
+# what makes a round's result out of its updates: the algorithm's aggregate composes these (pfl_edge/algorithms),
+# the server only hands it the round's updates, their norms and bounds, a merged sum or an unmasked sum
+_AGGREGATING = {"clip_update", "clipped", "bounded", "aggregate_bases", "weighted_average", "robust_aggregate",
+                "coordinate_median", "trimmed_mean", "masked_average", "private_mean", "secure_mean", "apply_sum",
+                "neighbourhood_average", "dequantize_sum"}
+
+
+def _aggregating_uses(tree: ast.AST) -> list[tuple[int, str]]:
+    """Lines that import or name one of the functions that make an aggregate."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            out += [(node.lineno, a.name) for a in node.names if a.name in _AGGREGATING]
+        elif isinstance(node, ast.Name | ast.Attribute):
+            name = node.id if isinstance(node, ast.Name) else node.attr
+            if name in _AGGREGATING:
+                out.append((node.lineno, name))
+    return out
+
+
+def test_the_server_makes_no_aggregate_itself() -> None:
+    """Issue 48: every published base is made by the algorithm's ``aggregate`` (the simulator's composition), so
+    the server clips no update, computes no mean and applies no unmasked sum of its own."""
+    assert _aggregating_uses(ast.parse("from pfl_edge.aggregate import clip_update\nx = m.apply_sum(a)")) == [
+        (1, "clip_update"), (2, "apply_sum")]
+    found = {p.relative_to(ROOT).as_posix(): uses for p in sorted((ROOT / "server").rglob("*.py"))
+             if (uses := _aggregating_uses(ast.parse(p.read_text())))}
+    assert not found, f"the server makes an aggregate itself; call Algorithm.aggregate instead: {found}"

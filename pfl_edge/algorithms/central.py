@@ -123,28 +123,41 @@ class Central(Algorithm):
 
     def aggregate(self, prev: Mapping[str, Tensor], updates: Iterable[tuple[Mapping[str, Tensor], float]], *,
                   rule: AggregationRule | None = None, history: Sequence[float] = (),
-                  start: PartialAverage | None = None,
+                  bounds: Sequence[float | None] | None = None, norms: Sequence[float | None] | None = None,
+                  start: PartialAverage | None = None, summed: tuple[np.ndarray, int] | None = None,
                   noise: np.random.Generator | None = None, t: int = 0) -> dict[str, Tensor] | None:
-        """The sample-weighted mean of the bases (``aggregate_bases``), or the federation's robust ``rule``, or
-        under differential privacy the private mean (``pfl_edge.privacy.private_mean``, which bounds every
-        update itself), or under secure aggregation the mean of round ``t``'s unmasked sum
-        (``pfl_edge.secagg.aggregate.secure_mean``)."""
+        """The round's new base, composed here for the simulator and the server alike: under secure aggregation
+        the mean of round ``t``'s unmasked sum (``pfl_edge.secagg.aggregate.secure_mean``: the simulator runs
+        the protocol over ``updates``; a server gives the sum it unmasked, ``summed`` = (sum, survivors), checked
+        there before anything is released, SumOutOfRange otherwise); under differential
+        privacy the private mean (``pfl_edge.privacy.private_mean``, which bounds every update itself); under a
+        robust ``rule`` that rule (it bounds the updates itself); else the sample-weighted mean of the bases
+        (``aggregate_bases``), each update first held to its norm bound (the update-bound stage,
+        ``pfl_edge.aggregate.bounded``): ``bounds`` as given (one per update, in order: a server that has merged
+        replicas' partial sums passes the rest with their bounds), or ``rule.bounds`` of the updates' ``norms``
+        (computed here where not given) and ``history``. No ``rule`` and no ``bounds``: the plain mean."""
         if not self.split.base:
             return None
         if self.cfg.secure_aggregation is not None:
-            from ..secagg.aggregate import secure_mean  # the coordinator's side (cryptography)
+            from ..secagg.aggregate import apply_sum, secure_mean  # the coordinator's side (cryptography)
 
+            if summed is not None:
+                return {**prev, **apply_sum(self.cfg, {k: prev[k] for k in self.split.base}, *summed)}
             return secure_mean(self.cfg, prev, updates, t)
         if self.cfg.privacy is not None:
             if start is not None:
                 raise InternalError("partial sums under differential privacy: the private mean takes every update")
             return private_mean(self.cfg, prev, updates, noise)
         if rule is not None and rule.rule != "mean":
-            from ..aggregate import robust_aggregate
+            from ..aggregate import robust_aggregate  # the coordinator's side (torch)
 
             if start is not None:
                 raise InternalError(f"partial sums under the {rule.rule!r} rule: only the mean merges")
             return robust_aggregate(prev, list(updates), rule, history)
+        if bounds is not None or (rule is not None and rule.bounds_updates):
+            from ..aggregate import bounded  # the coordinator's side (torch)
+
+            updates = bounded(prev, updates, rule, history=history, bounds=bounds, norms=norms)
         return aggregate_bases(prev, updates, start)
 
     def simulation(self, world: World) -> Simulation:

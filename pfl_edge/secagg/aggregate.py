@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..errors import CodecError, ConfigError
 from ..privacy import MIN_CLIENTS, SecAggConfig
 from ..seeding import derive_seed
 from .protocol import Params, dequantize_sum, quantize
@@ -32,7 +32,14 @@ if TYPE_CHECKING:
 
     from ..federation import FederationConfig
 
-__all__ = ["apply_sum", "float_keys", "secagg_config", "secure_input", "secure_mean", "secure_params"]
+__all__ = ["SumOutOfRange", "apply_sum", "check_sum", "float_keys", "secagg_config", "secure_input", "secure_mean",
+           "secure_params"]
+
+
+class SumOutOfRange(CodecError):
+    """A round's unmasked sum holds a coordinate no set of honest inputs can sum to: an input outside
+    [0, 2^bits - 1] or a forged share. The round publishes nothing (docs/secagg.md, "What one device can do")."""
+
 
 def float_keys(base: Mapping[str, Any]) -> list[str]:
     """The tensors whose coordinates a secure round sums, in the vector's order: the base's floating ones, by
@@ -69,13 +76,30 @@ def secure_params(cfg: FederationConfig, n: int, size: int, rid: bytes) -> Param
     return None if params is None else dataclasses.replace(params, size=size, round_id=rid)
 
 
+def check_sum(total: np.ndarray, survivors: int, bits: int) -> None:
+    """SumOutOfRange unless every coordinate of the unmasked ``total`` (uint32, mod 2^32) is one that
+    ``survivors`` inputs in [0, 2^bits - 1] can sum to: at most ``survivors * (2^bits - 1)``, so the mean update
+    lies in [-bound, bound] in every coordinate. Honest inputs always pass (their sum never wraps: secagg's
+    ``max_bits``); an out-of-range input or a forged unmask share makes the sum wrap or come out as noise, and a
+    noise coordinate passes with probability ``survivors * 2^bits / 2^32`` (7.6e-5 for 5 devices of 16 bits), so
+    a forged round fails in a handful of coordinates already."""
+    top = survivors * ((1 << bits) - 1)
+    over = np.asarray(total, dtype=np.int64) > top
+    if over.any():
+        raise SumOutOfRange(f"{int(over.sum())} of {over.size} coordinates of the unmasked sum are over the "
+                            f"{top} that {survivors} inputs of {bits} bits can reach (an input out of range, or a "
+                            "forged share)")
+
+
 def apply_sum(cfg: FederationConfig, prev: Mapping[str, Tensor], total: np.ndarray,
               survivors: int) -> dict[str, Tensor]:
-    """The round's new shared part from the unmasked sum of ``survivors`` inputs: ``prev`` plus the mean update
-    (divided by q N under differential privacy, else by the survivors); integer tensors stay ``prev``'s."""
+    """The round's new shared part from the unmasked sum of ``survivors`` inputs, once ``check_sum`` has passed
+    it: ``prev`` plus the mean update (divided by q N under differential privacy, else by the survivors); integer
+    tensors stay ``prev``'s."""
     import torch
 
     bound, bits, _ = secagg_config(cfg).resolved(cfg, MIN_CLIENTS)
+    check_sum(total, survivors, bits)
     keys = float_keys(prev)
     count = cfg.participation * cfg.clients if cfg.dp is not None else survivors
     mean = dequantize_sum(total, survivors, bound, bits) / count

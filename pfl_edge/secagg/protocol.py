@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import ConfigError, InternalError
+from ..errors import CodecError, ConfigError
 from .crypto import KeyPair, open_sealed, prg, seal
 from .shamir import SHARE_BYTES, combine, split
 
@@ -237,7 +237,8 @@ class Server:
         return combine(got, self.params.threshold)
 
     def total(self) -> np.ndarray:
-        """The sum of the survivors' inputs mod 2^32 (ConfigError where fewer than t shares of a secret came)."""
+        """The sum of the survivors' inputs mod 2^32 (ConfigError where fewer than t shares of a secret came,
+        CodecError where a dropped client's key does not reconstruct: a forged share)."""
         survivors, dropped = self.unmask_request()
         size = self.params.size
         out = np.zeros(size, dtype=np.uint32) if self.summed is None else self.summed.copy()
@@ -246,7 +247,9 @@ class Server:
         for j in dropped:
             sk = KeyPair(self._secret(j, "s"))
             if sk.public != self.adverts[j].s_public:
-                raise InternalError(f"client {j}'s key did not reconstruct")
+                # the shares interpolate to another key: one of them was forged (hostile input, not our fault)
+                raise CodecError(f"client {j}'s mask key did not reconstruct to the key it advertised: a share of "
+                                 "it is forged")
             for k in self.edges[j] & survivors:  # k masked with +m if k < j; the dropped j never sent its y
                 m = prg(sk.agree(self.adverts[k].s_public, _pair_info(self.params, b"s")), size)
                 out = out - m if k < j else out + m

@@ -19,10 +19,11 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 from torch import Tensor
 
-from pfl_edge.aggregate import MIN_UPDATES, AggregationRule, clip_update, update_norm
+from pfl_edge.aggregate import MIN_UPDATES, AggregationRule, update_norm
 from pfl_edge.codec import encode
 from pfl_edge.errors import InternalError
 from pfl_edge.privacy import round_noise
+from pfl_edge.secagg.aggregate import SumOutOfRange
 
 from ..db import Device, Federation, PartialSum, Round, Update, inputs_digest, now
 from ..fedmodel import FedModel
@@ -175,7 +176,7 @@ class RoundMachine:
         if start is not None:  # a server model to aggregate into (none where devices exchange models)
             self.last_merge = (0, 0)
             key = bytes.fromhex(known.noise_key) if known.noise_key else None
-            new = self.secure.result(fed_id, t, fm, self.blobs.load(start, fm).tensors) if is_secure(fm) else (
+            new = self._secure(fed_id, t, fm, start) if is_secure(fm) else (
                 self.average(fm, start, ups, rule, sums=sums, ids=ids, history=history,
                              noise=round_noise(fm.cfg, t, key)))
             self.merged[fed_id, t] = self.last_merge
@@ -200,6 +201,20 @@ class RoundMachine:
                 r.base_digest = start
         log.info("federation %s: round %d closed with %d updates (%d of them in %d partial sums)", fed_id, t,
                  len(ups), *self.merged.get((fed_id, t), (0, 0)))
+
+    def _secure(self, fed_id: str, t: int, fm: FedModel, start: str) -> dict[str, Tensor] | None:
+        """A secure round's release: the sum it unmasked, made into the new base by the algorithm's aggregate,
+        which checks it first; None (the base stays the round's start) where nothing was unmasked or the sum is
+        one no honest inputs make (``SumOutOfRange``: an input out of range, a forged share)."""
+        summed = self.secure.unmasked(fed_id, t, fm)
+        if summed is None:
+            return None
+        try:
+            return fm.algorithm().aggregate(self.blobs.load(start, fm).tensors, (), summed=summed, t=t)
+        except SumOutOfRange as e:
+            log.error("federation %s: round %d's unmasked sum is refused (%s); nothing is published, the base "
+                      "stays the round's start", fed_id, t, e)
+            return None
 
     def average(self, fm: FedModel, start: str, ups: Sequence[_Upload], rule: AggregationRule | None = None, *,
                 sums: Sequence[Sum] = (), ids: Sequence[int] = (), history: Sequence[float] = (),
@@ -231,9 +246,12 @@ class RoundMachine:
             if merged is not None:  # the replicas' sums (server.services.partials), then each update none holds
                 self.last_merge = (len(covered), k)
             uids = list(ids) if ids else [None] * len(rows)
-            new = algo.aggregate(prev, ((clip_update(prev, load(d, kp), b, norm), float(n))
-                                        for (d, n, kp, _), norm, b, uid in zip(rows, norms, bounds, uids, strict=True)
-                                        if uid not in covered), rule=rule, start=merged)
+            rest = [i for i, uid in enumerate(uids) if uid not in covered]  # the updates no merged sum holds
+            # the algorithm holds each to its bound and makes the mean (the update-bound stage): the server clips
+            # nothing itself, and its bounds are the simulator's (the same rule over the same norms)
+            new = algo.aggregate(prev, ((load(rows[i][0], rows[i][2]), float(rows[i][1])) for i in rest),
+                                 rule=rule, bounds=[bounds[i] for i in rest], norms=[norms[i] for i in rest],
+                                 start=merged)
         if new is None:
             raise InternalError(f"algorithm {fm.cfg.algorithm!r} has a server model but aggregates nothing")
         return new

@@ -23,9 +23,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session
-from torch import Tensor
 
 from pfl_edge.errors import CodecError, ConfigError
 from pfl_edge.privacy import MIN_CLIENTS
@@ -172,11 +172,13 @@ class SecureRounds:
             return len(survivors), len(self._slots(s, r, "shares"))
         return len(self._slots(s, r, "unmask")), len(survivors)
 
-    def result(self, fed_id: str, t: int, fm: FedModel, prev: dict[str, Tensor]) -> dict[str, Tensor] | None:
-        """Round ``t``'s new shared part from the unmasked sum (``prev``: the round's start model); None where
-        the round releases nothing (module docstring)."""
+    def unmasked(self, fed_id: str, t: int, fm: FedModel) -> tuple[np.ndarray, int] | None:
+        """Round ``t``'s unmasked sum and how many inputs it sums, for the algorithm's aggregate to release
+        (``Algorithm.aggregate``'s ``summed``, which checks it first); None where the round releases nothing
+        (module docstring): too few survivors, or a reconstruction the messages do not allow. Whatever the messages
+        hold, this returns: a forged share that breaks the reconstruction ends the round without a release, the
+        next round opens (it never leaves the round in ``closing`` for a retry)."""
         from pfl_edge.secagg import Advert, Server
-        from pfl_edge.secagg.aggregate import apply_sum
 
         with self.store.read() as s:
             r = self.store.round(s, fed_id, t)
@@ -197,12 +199,11 @@ class SecureRounds:
                 srv.collect(slot, {x["about"]: (x["kind"], bytes.fromhex(x["share"])) for x in b["shares"]})
         try:
             total = srv.total()
-        except ConfigError as e:
+        except (ConfigError, CodecError) as e:  # too few, forged or inconsistent shares: the devices', not ours
             log.error("federation %s: round %d cannot be unmasked (%s); the base stays the round's start", fed_id,
                       t, e)
             return None
-        base = {k: prev[k] for k in fm.base_keys(fm.cfg.kp)}
-        return {**prev, **apply_sum(fm.cfg, base, total, len(survivors))}
+        return total, len(survivors)
 
     # ------------------------------------------------------------------------------------------- internals
     def _round(self, s: Session, dev: Device, t: int, *, lock: bool = False) -> tuple[Federation, FedModel, Round]:

@@ -7,7 +7,6 @@ checked without a browser."""
 from __future__ import annotations
 
 import platform
-
 import shutil
 import time
 from collections.abc import Callable, Iterator

@@ -159,3 +159,51 @@ def test_mean_rule_without_clipping_is_the_weighted_average() -> None:
 def test_bad_rules(kw: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
         AggregationRule(**kw)  # type: ignore[arg-type]
+
+
+def test_the_update_bound_stage_by_hand() -> None:
+    """``bounded``: norms 1, 1 and 10 from a zero start; each bound is 3x the low median of the others' norms, so
+    the third update (10) is held to 3 and the first two pass as the same objects; given bounds are used as they
+    are; given norms spare the pass over the updates; without a rule or bounds it refuses."""
+    from pfl_edge.aggregate import bounded
+
+    prev = {"w": torch.zeros(2)}
+    ups = [({"w": torch.tensor([1.0, 0.0])}, 1.0), ({"w": torch.tensor([0.0, 1.0])}, 2.0),
+           ({"w": torch.tensor([6.0, 8.0])}, 3.0)]
+    out = list(bounded(prev, iter(ups), AggregationRule()))
+    assert out[0][0] is ups[0][0] and out[1][0] is ups[1][0] and [w for _, w in out] == [1.0, 2.0, 3.0]
+    assert torch.allclose(out[2][0]["w"], torch.tensor([1.8, 2.4]))  # (6, 8) * 3 / 10
+    given = list(bounded(prev, iter(ups), None, bounds=[None, 0.5, None]))
+    assert torch.allclose(given[1][0]["w"], torch.tensor([0.0, 0.5])) and given[2][0] is ups[2][0]
+    wrong = list(bounded(prev, iter(ups), AggregationRule(), norms=[1.0, 1.0, 100.0]))  # the norms given are used
+    assert torch.allclose(wrong[2][0]["w"], torch.tensor([0.18, 0.24]))
+    with pytest.raises(ConfigError, match="needs a rule"):
+        list(bounded(prev, iter(ups), None))
+
+
+def test_the_algorithms_aggregate_holds_updates_to_the_rules_bound() -> None:
+    """``Central.aggregate`` with the default rule is the weighted mean of the bounded updates (a float64 reference
+    written out), and with no rule the plain weighted mean: the server passes its rule, the simulator none yet."""
+    from pfl_edge.algorithms import get_algorithm
+    from pfl_edge.federation import FederationConfig
+    from pfl_edge.models import get_model
+
+    cfg = FederationConfig.from_dict({"algorithm": "fedavg", "clients": 3, "model": "cnn"})
+    algo = get_algorithm(cfg, get_model("cnn", num_classes=10, in_channels=1))
+    g = torch.Generator().manual_seed(0)
+    prev = {k: torch.randn(v.shape, generator=g) for k, v in algo.model.state_dict().items()}
+    ups = [({k: v + s * torch.randn(v.shape, generator=g) for k, v in prev.items()}, float(n))
+           for s, n in ((0.01, 10), (0.012, 20), (1.0, 30))]
+    norms = [update_norm(prev, u) for u, _ in ups]
+    bounds = [3 * min(norms[1], norms[2]), 3 * min(norms[0], norms[2]), 3 * min(norms[0], norms[1])]
+    scale = [min(1.0, b / n) for b, n in zip(bounds, norms, strict=True)]
+    assert scale[2] < 1 and scale[0] == scale[1] == 1
+    got = algo.aggregate(prev, ups, rule=AggregationRule())
+    plain = algo.aggregate(prev, ups)
+    assert got is not None and plain is not None
+    for k, p in prev.items():
+        p64 = p.double()
+        want = sum(w * (p64 + (u[k].double() - p64) * c) for (u, w), c in zip(ups, scale, strict=True)) / 60
+        assert torch.allclose(got[k].double(), want, atol=1e-6), k
+        want_plain = sum(w * u[k].double() for u, w in ups) / 60
+        assert torch.allclose(plain[k].double(), want_plain, atol=1e-6), k

@@ -246,3 +246,24 @@ def test_the_masked_payload_is_its_vectors() -> None:
             decode_masked((vectors / f"{name}.bin").read_bytes(), 4)
     with pytest.raises(CodecError, match="holds 5 values"):  # the right bytes for another round's size
         decode_masked(want, 5)
+
+
+def test_an_unmasked_sum_no_honest_inputs_make_is_refused_before_release() -> None:
+    """``check_sum``: 3 inputs of 4 bits sum to at most 45 per coordinate; 45 passes, 46 (an input out of range,
+    or a sum made of a forged share) is refused and nothing is applied; ``apply_sum`` checks before it adds."""
+    import torch
+
+    from pfl_edge.federation import FederationConfig
+    from pfl_edge.secagg.aggregate import SumOutOfRange, apply_sum, check_sum
+
+    check_sum(np.array([0, 45, 7], dtype=np.uint32), 3, 4)
+    with pytest.raises(SumOutOfRange, match="1 of 3 coordinates"):
+        check_sum(np.array([0, 46, 7], dtype=np.uint32), 3, 4)
+    cfg = FederationConfig.from_dict({"algorithm": "fedavg", "clients": 3,
+                                      "secure_aggregation": {"bound": 0.5, "bits": 4}})
+    prev = {"w": torch.zeros(2)}
+    # honest: 3 inputs at 15 (each +0.5) and at 0 (each -0.5) -> the mean update is +0.5 and -0.5
+    out = apply_sum(cfg, prev, np.array([45, 0], dtype=np.uint32), 3)
+    assert torch.allclose(out["w"], torch.tensor([0.5, -0.5]))
+    with pytest.raises(SumOutOfRange):
+        apply_sum(cfg, prev, np.array([2**31, 0], dtype=np.uint32), 3)

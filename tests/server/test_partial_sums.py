@@ -159,8 +159,8 @@ def mixing() -> Iterator[str]:
     from pfl_edge.algorithms.central import FedPer
 
     class Mixing(FedPer):
-        def aggregate(self, prev, updates, *, rule=None, history=(), start=None):  # type: ignore[no-untyped-def]
-            new = super().aggregate(prev, updates, rule=rule, history=history, start=start)
+        def aggregate(self, prev, updates, **kw):  # type: ignore[no-untyped-def]
+            new = super().aggregate(prev, updates, **kw)
             assert new is not None
             return {k: (BETA * v.double() + (1 - BETA) * prev[k].double()).to(v.dtype) for k, v in new.items()}
 

@@ -182,3 +182,69 @@ def test_advertising_ends_at_the_federations_quorum(srv: BackgroundServer) -> No
     r = keys(devs[3])
     assert r.status_code == 409 and "share step" in r.text
     assert _state(c, devs[3], 1)["neighbours"] == []
+
+
+HOSTILE: dict[str, Any] = {**FEDPER, "clients": 5, "rounds": 2,
+                           "secure_aggregation": {"bound": 0.5, "bits": 16, "degree": 4, "threshold": 3}}
+
+
+@pytest.mark.parametrize("attack", ["input-out-of-range", "forged-unmask-share", "forged-share-of-a-dropout"])
+def test_one_hostile_device_cannot_move_the_base_or_stall_the_federation(srv: BackgroundServer, attack: str) -> None:
+    """Issue 48's attacks by one enrolled device (slot 0) against a real server, over HTTP: a masked input out of
+    range (+2^31 in every coordinate), a forged unmask share of a survivor's self-mask seed, and a forged share of
+    a dropped device's mask key. Before, the first two published a base moved by thousands per coordinate and the
+    third left round 1 in ``closing`` for good. Now each round closes without publishing (the base stays the
+    round's start, logged) and round 2 opens."""
+    c = httpx.Client(base_url=srv.url, timeout=30)
+    create(c, ADMIN, "hx", HOSTILE)
+    cfg = FederationConfig.from_dict(dict(HOSTILE))
+    devs = [Dev(c, "hx", index=i) for i in range(5)]
+    mq = Mqtt(srv.broker_url, [task_topic("hx", devs[0].id)])
+    task = mq.wait(task_topic("hx", devs[0].id), lambda x: x["round"] == 1)
+    start = devs[0].get(task["base"]).tensors
+    keys = float_keys(start)
+    g = torch.Generator().manual_seed(2)
+    xs = [secure_input(cfg, start, {k: v + 0.05 * torch.randn(v.shape, generator=g) if k in keys else v
+                                    for k, v in start.items()}) for _ in devs]
+    clients = {d.index: Client(d.index, Params(4, 3, 1)) for d in devs}
+    for d in devs:
+        cl = clients[d.index]
+        assert c.post("/v1/rounds/1/secagg/keys", headers=d.h, json={
+            "c_public": cl.c.public.hex(), "s_public": cl.s.public.hex()}).status_code == 200
+    at = {d.index: _at(c, d, 1, "share") for d in devs}
+    size = sum(start[k].numel() for k in keys)
+    for d in devs:
+        cl = clients[d.index]
+        cl.params = Params(4, 3, size, round_id("hx", 1))
+        boxes = cl.share_keys({n["index"]: Advert(n["index"], bytes.fromhex(n["c_public"]),
+                                                  bytes.fromhex(n["s_public"])) for n in at[d.index]["neighbours"]})
+        assert c.post("/v1/rounds/1/secagg/shares", headers=d.h, json={
+            "shares": [{"index": j, "box": b.hex()} for j, b in boxes.items()]}).status_code == 200
+    dropped = {4} if attack == "forged-share-of-a-dropout" else set()
+    survivors = [i for i in range(5) if i not in dropped]
+    for i in survivors:
+        inbox = _at(c, devs[i], 1, "input")["inbox"]
+        y = clients[i].masked_input(xs[i], {x["index"]: bytes.fromhex(x["box"]) for x in inbox})
+        if i == 0 and attack == "input-out-of-range":
+            y = (y.astype(np.uint64) + (1 << 31)).astype(np.uint32)  # wraps mod 2^32 as the sum does
+        assert devs[i].update(1, devs[i].put(encode_masked(y, 1))).status_code == 200
+    srv.app_state.coordinator.rounds.clock = lambda: time.time() + 10**6
+    srv.app_state.coordinator.worker.kick()
+    _at(c, devs[0], 1, "unmask")
+    for i in survivors:  # slot 0 first: its shares are among the first the server interpolates
+        shares = clients[i].unmask(frozenset(survivors), frozenset(dropped))
+        body = [{"about": j, "kind": k, "share": s.hex()} for j, (k, s) in shares.items()]
+        if i == 0 and attack != "input-out-of-range":
+            want = "s" if dropped else "b"
+            forged = next(x for x in body if x["kind"] == want)
+            raw = bytearray(bytes.fromhex(forged["share"]))
+            raw[-1] ^= 0x5A  # the share's value, not its index: interpolation takes it as it comes
+            forged["share"] = raw.hex()
+        assert c.post("/v1/rounds/1/secagg/unmask", headers=devs[i].h, json={"shares": body}).status_code == 200
+    srv.app_state.coordinator.rounds.clock = lambda: time.time() + 2 * 10**6
+    srv.app_state.coordinator.worker.kick()
+    nxt = mq.wait(task_topic("hx", devs[0].id), lambda x: x["round"] == 2, timeout=60)  # round 2 opened
+    assert nxt["base"] == task["base"]  # nothing was published: the base is round 1's start, unmoved
+    got = devs[0].get(nxt["base"]).tensors
+    assert all(torch.equal(got[k], start[k]) for k in start)
+    mq.close()
