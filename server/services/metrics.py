@@ -130,13 +130,13 @@ class Metrics:
                             "refused": int(d.refused_updates or 0), "dropped": int(dropped.get(d.id) or 0),
                             "platform": d.platform, "step_ms": steps.get(d.id)})
         classes: dict[str, list[float]] = {}
-        for d in out:
-            if d["step_ms"]:
-                classes.setdefault(d["profile"], []).append(d["step_ms"])
+        for row in out:
+            if row["step_ms"]:
+                classes.setdefault(str(row["profile"]), []).append(float(row["step_ms"]))  # type: ignore[arg-type]
         for v in classes.values():
             v.sort()
-        for d in out:
-            d["flags"] = platform_flags(d, classes.get(d["profile"], []))
+        for row in out:
+            row["flags"] = platform_flags(row, classes.get(str(row["profile"]), []))
         return out
 
     def federation_ids(self) -> list[str]:

@@ -248,3 +248,70 @@ def test_one_hostile_device_cannot_move_the_base_or_stall_the_federation(srv: Ba
     got = devs[0].get(nxt["base"]).tensors
     assert all(torch.equal(got[k], start[k]) for k in start)
     mq.close()
+
+
+def _raw_answer(url: str, request: bytes, timeout: float = 60.0) -> bytes:
+    """Send ``request`` (headers, perhaps part of a body) on a plain socket and read until the server answers."""
+    import socket
+    from urllib.parse import urlparse
+
+    u = urlparse(url)
+    with socket.create_connection((u.hostname, u.port), timeout=timeout) as sock:
+        sock.sendall(request)
+        got = b""
+        while b"\r\n\r\n" not in got:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            got += chunk
+    return got
+
+
+def test_a_strangers_large_secure_body_is_refused_before_it_is_read(srv: BackgroundServer) -> None:
+    """A secure round's shares route takes up to 4 MiB: a stranger's (or a revoked device's) body is refused 401 as
+    soon as its headers are in, without waiting for the body (which never comes here: had the server read it, the
+    answer would be 408 after its 30 s body timeout)."""
+    c = httpx.Client(base_url=srv.url, timeout=30)
+    create(c, ADMIN, "sx", SECURE)
+    dev = Dev(c, "sx", index=0)
+    for token in ("forged-token", None):
+        auth = f"Authorization: Bearer {token}\r\n" if token else ""
+        req = (f"POST /v1/rounds/1/secagg/shares HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{auth}"
+               f"Content-Length: {4 << 20}\r\n\r\n").encode() + b'{"shares": ['
+        got = _raw_answer(srv.url, req)
+        assert got.startswith(b"HTTP/1.1 401"), got[:200]
+    # a device's own call goes through to the route (which answers as to any device: no secure round here)
+    r = c.post("/v1/rounds/1/secagg/shares", json={"shares": []}, headers=dev.h)
+    assert r.status_code == 409, r.text
+
+
+def test_a_large_body_is_checked_off_the_event_loop(srv: BackgroundServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The JSON check of a body over 64 KiB runs in a worker thread, of a small one on the loop (cheap)."""
+    import asyncio
+
+    import server.limits as limits
+
+    seen: list[tuple[int, bool]] = []
+    real = limits.json_problem
+
+    def spy(body: bytes) -> str | None:
+        try:
+            asyncio.get_running_loop()
+            on_loop = True
+        except RuntimeError:
+            on_loop = False
+        seen.append((len(body), on_loop))
+        return real(body)
+
+    monkeypatch.setattr(limits, "json_problem", spy)
+    c = httpx.Client(base_url=srv.url, timeout=30)
+    create(c, ADMIN, "sl", SECURE)
+    dev = Dev(c, "sl", index=0)
+    small = {"shares": []}
+    large = {"shares": [{"index": i, "box": "00" * 200} for i in range(300)]}  # about 130 KB
+    for body in (small, large):
+        c.post("/v1/rounds/1/secagg/shares", json=body, headers=dev.h)
+    sizes = {n: on for n, on in seen if n > 10}
+    assert any(on for n, on in sizes.items() if n <= limits.PARSE_ON_LOOP)
+    assert any(n > limits.PARSE_ON_LOOP for n in sizes) and not any(
+        on for n, on in sizes.items() if n > limits.PARSE_ON_LOOP), seen
