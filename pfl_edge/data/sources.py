@@ -169,11 +169,7 @@ def synthetic(data_dir: Path | None) -> Dataset:
     """10 classes of 1x28x28 images: a fixed random smooth prototype per class plus noise. Learnable in a few
     hundred steps; for tests and quick runs. Always the same data (its own fixed seed). Drawn with torch's
     generator and interpolation: it needs torch (``get_arrays`` gives it as numpy where torch is installed)."""
-    try:
-        import torch
-    except ImportError:  # a device without torch: say what it can deal instead of a bare ModuleNotFoundError
-        raise DataError("the synthetic data set is drawn with torch, which this device does not have; a device "
-                        "without torch trains on fashion-mnist, cifar10 or its own images (--data-dir)") from None
+    import torch
 
     gen = torch.Generator().manual_seed(20261129)
     coarse = torch.randn(10, 1, 7, 7, generator=gen)
