@@ -309,6 +309,11 @@ def check_device_config(cfg: FederationConfig) -> None:
             raise ConfigError("privacy: a distributed-mode device noises its own update, so it needs the noise "
                               "multiplier itself (it runs no accountant): give noise_multiplier (pfl-edge privacy "
                               "--target-epsilon E --rounds T finds the one for a target)")
+        if dp.mode == "distributed" and cfg.secure_aggregation is None and not dp.allow_unmasked:
+            raise ConfigError("privacy: the distributed mode without secure aggregation shows the server every "
+                              "device's noised update in the clear, and one device that skips its clip or its noise "
+                              "share spoils the guarantee for all (issue 48): add a [secure_aggregation] table, or "
+                              "name the risk with privacy.allow_unmasked = true")
         noise_multiplier(cfg)  # a target epsilon no noise reaches fails at creation, not at round 1
 
 

@@ -64,6 +64,7 @@ __all__ = [
     "noise_rng",
     "private_mean",
     "privatize",
+    "reported_epsilon",
     "round_noise",
     "seed_key",
     "server_bound",
@@ -84,7 +85,10 @@ class PrivacyConfig:
     ``noise_multiplier`` z (noise std z C on the round's sum) or ``target_epsilon`` (z calibrated so that the
     whole run spends it), exactly one of the two; ``delta``: the delta epsilon is stated at (below 1 / clients:
     a larger one would allow a client's data out whole); ``mode``: who adds the noise (module docstring);
-    ``secret_noise``: the server's noise from a key no device sees (false: from the seed, tests only)."""
+    ``secret_noise``: the server's noise from a key no device sees (false: from the seed, tests only; the server
+    then reports no epsilon); ``allow_unmasked``: a federation of devices in the distributed mode without secure
+    aggregation, whose server sees every noised update in the clear and where one device that skips its clip or
+    noise spoils the guarantee for everyone: refused unless the operator names it here (docs/privacy.md)."""
 
     clip: float
     noise_multiplier: float | None = None
@@ -92,6 +96,7 @@ class PrivacyConfig:
     delta: float = 1e-5
     mode: Literal["central", "distributed"] = "central"
     secret_noise: bool = True
+    allow_unmasked: bool = False
 
     def __post_init__(self) -> None:
         for name in ("clip", "noise_multiplier", "target_epsilon", "delta"):
@@ -111,8 +116,9 @@ class PrivacyConfig:
             raise ConfigError(f"privacy.delta must be in (0, 0.1), got {self.delta}")
         if self.mode not in MODES:
             raise ConfigError(f"privacy.mode must be one of {', '.join(MODES)}, got {self.mode!r:.40}")
-        if not isinstance(self.secret_noise, bool):
-            raise ConfigError(f"privacy.secret_noise must be true or false, got {self.secret_noise!r:.40}")
+        for name in ("secret_noise", "allow_unmasked"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"privacy.{name} must be true or false, got {getattr(self, name)!r:.40}")
 
     @classmethod
     def parse(cls, table: Mapping[str, Any] | None) -> PrivacyConfig | None:
@@ -181,6 +187,16 @@ def epsilon(cfg: FederationConfig, rounds: int) -> float:
     if z == 0:
         return math.inf
     return _epsilon(z, cfg.participation, rounds, dp.delta)
+
+
+def reported_epsilon(cfg: FederationConfig, rounds: int) -> float:
+    """The epsilon a server reports for ``rounds`` published rounds: ``epsilon``'s, where no device can undo the
+    noise; inf (no guarantee: JSON's null, no gauge) with ``secret_noise = false``, whose noise comes from the
+    config's seed, which every device holds: any of them can draw it and subtract it from the published base
+    (issue 48). The simulator's figure stays ``epsilon``: the mechanism's, with nobody to hide the noise from."""
+    if _dp(cfg).secret_noise is False and rounds > 0:
+        return math.inf
+    return epsilon(cfg, rounds)
 
 
 @functools.lru_cache(maxsize=4096)

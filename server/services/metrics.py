@@ -14,7 +14,7 @@ from sqlalchemy import case, func, select
 
 from device_profiles import get_profile
 from pfl_edge.errors import ConfigError
-from pfl_edge.privacy import epsilon
+from pfl_edge.privacy import reported_epsilon
 from pfl_edge.protocol import MetricsReport, quorum_updates
 
 from ..db import Blob, Device, Federation, Metric, Round, Update, now
@@ -101,7 +101,7 @@ class Metrics:
         if cfg.privacy is not None:  # every published round released a noised base: it spent its share
             for row in out:
                 if row["round"] >= 1 and row["closed_at"] is not None:
-                    eps = epsilon(cfg, row["round"])
+                    eps = reported_epsilon(cfg, row["round"])
                     row["epsilon"] = eps if math.isfinite(eps) else None  # no noise: unbounded (JSON has no inf)
         return {"federation": fed_id, "rounds": out}
 

@@ -196,7 +196,28 @@ def test_the_privacy_table_is_checked_on_creation() -> None:
         FederationConfig(algorithm=algorithm, privacy={"clip": 1.0, "noise_multiplier": 1.0}, **QUICK)
     with pytest.raises(ConfigError, match="distributed-mode device"):
         check_device_config(_cfg(target_epsilon=5.0, mode="distributed"))
-    check_device_config(_cfg(noise_multiplier=1.0, mode="distributed"))
+    # issue 48: devices in the distributed mode without secure aggregation only where the operator names the risk
+    with pytest.raises(ConfigError, match="allow_unmasked"):
+        check_device_config(_cfg(noise_multiplier=1.0, mode="distributed"))
+    check_device_config(_cfg(noise_multiplier=1.0, mode="distributed", allow_unmasked=True))
+    check_device_config(_cfg(noise_multiplier=1.0, mode="distributed").replace(
+        secure_aggregation={"bits": 16}))
+    with pytest.raises(ConfigError, match="allow_unmasked must be true or false"):
+        _cfg(noise_multiplier=1.0, allow_unmasked="yes")
+
+
+def test_with_the_noise_in_every_devices_hands_the_server_reports_no_epsilon() -> None:
+    """``secret_noise = false`` draws the server's noise from the seed every device holds: any device can subtract
+    it from the published base, so the server reports no epsilon (inf: null in JSON); the simulator's figure is the
+    mechanism's, and with the secret key the server reports exactly that."""
+    from pfl_edge.privacy import reported_epsilon
+
+    public = _cfg(noise_multiplier=0.8, participation=0.5, secret_noise=False)
+    secret = _cfg(noise_multiplier=0.8, participation=0.5)
+    assert reported_epsilon(public, 0) == 0.0
+    for t in (1, 3):
+        assert math.isinf(reported_epsilon(public, t)) and math.isfinite(epsilon(public, t))
+        assert reported_epsilon(secret, t) == epsilon(secret, t) == epsilon(public, t)
 
 
 # ------------------------------------------------------------------------------------------- the run
