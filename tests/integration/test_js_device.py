@@ -146,13 +146,13 @@ def _final_model(root: Path) -> dict[str, np.ndarray]:
     return {k: np.asarray(v) for k, v in decode(final[4 + n:], arrays="numpy").tensors.items()}
 
 
-def _compare(out: dict[str, Any], sim: dict[str, Any], ref: dict[str, np.ndarray]) -> None:
+def _compare(out: dict[str, Any], sim: dict[str, Any], ref: dict[str, np.ndarray], *, tol: float = 1e-4) -> None:
     mine = _final_model(out["root"])
     assert set(mine) == set(ref)
     diffs = {k: float(np.abs(mine[k] - ref[k]).max()) for k in ref}
     print(f"the JS device's final model against the simulator's slot {JS_SLOT}: max |diff| per tensor {diffs}")
     for k in ref:
-        np.testing.assert_allclose(mine[k], ref[k], atol=1e-4, rtol=1e-4, err_msg=k)
+        np.testing.assert_allclose(mine[k], ref[k], atol=tol, rtol=tol, err_msg=k)
     js_id = next(d["device_id"] for d in out["devices"] if d["index"] == JS_SLOT)
     m = [r for r in out["metrics"]["rounds"] if r["round"] >= 1][-1]["devices"][js_id]
     acc_sim = sim["rounds"][-1]["client_acc"][JS_SLOT]
@@ -219,7 +219,10 @@ def test_js_device_aggregates_securely_beside_python_agents(tmp_path: Path) -> N
     for u in sent:
         blob = (out["root"] / "server" / "blobs" / u["digest"][:2] / u["digest"]).read_bytes()
         assert decode_masked(blob, size)[0] == u["round"]
-    _compare(out, *_simulate(config, tmp_path))
+    # quantizing is a step function: a device's update within float32 rounding of the simulator's can round a
+    # coordinate to the next level (2 x 0.5 / 65535 / 3 survivors = 5.1e-6 in the mean; seen in round 1, on the
+    # Python agents as on this device), and three rounds of training carry such flips to about 2e-4
+    _compare(out, *_simulate(config, tmp_path), tol=1e-3)
 
 
 @pytest.mark.slow
