@@ -28,6 +28,7 @@ from .errors import ConfigError
 from .neighbourhood import neighbourhood_average
 
 __all__ = [
+    "DEFAULT_RULE",
     "MIN_UPDATES",
     "RULES",
     "AggregationRule",
@@ -238,6 +239,11 @@ class AggregationRule:
             pool = [*norms[:i], *norms[i + 1:], *extra]
             out.append(self.norm_multiple * statistics.median_low(pool) if pool and self.norm_multiple else None)
         return out
+
+
+#: the rule a server aggregates with unless its federation says otherwise (``pfl_edge.protocol.AggregationSettings``'s
+#: defaults: the mean, each update held to 3x the round's others' median norm); the simulator's too
+DEFAULT_RULE = AggregationRule()
 
 
 def update_norm(prev: Mapping[str, Tensor], state: Mapping[str, Tensor]) -> float:

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import fields
 from typing import Any
 
 from pydantic import Field
 
-__all__ = ["bounded_config", "config_field"]
+from .errors import ConfigError
+
+__all__ = ["bounded_config", "check_table_keys", "config_field"]
 
 MAX_KEYS, MAX_DEPTH, MAX_TEXT = 64, 4, 4_096
 KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$")
@@ -55,3 +58,11 @@ def _check_json(x: object, depth: int, max_items: int) -> None:
             _check_json(item, depth - 1, max_items)
     elif not (x is None or isinstance(x, bool | int)):
         raise ValueError(f"config holds a {type(x).__name__}; only JSON values are allowed")
+
+
+def check_table_keys(cls: type, table: Mapping[str, Any], name: str) -> None:
+    """ConfigError naming the keys of ``table`` that ``cls`` (a config table's dataclass) has no field for."""
+    known = [f.name for f in fields(cls)]
+    unknown = sorted(set(table) - set(known))
+    if unknown:
+        raise ConfigError(f"{name} has no key {', '.join(map(repr, unknown))}; its keys: {', '.join(known)}")

@@ -31,7 +31,7 @@ from .data import (
     partition,
 )
 from .errors import ConfigError
-from .privacy import PrivacyConfig, SecAggConfig, noise_multiplier
+from .privacy import PrivacyConfig, SecAggConfig, check_device_privacy
 from .protocol import MAX_CLIENTS, MAX_ROUND
 from .seeding import Stream, derive_seed, numpy_rng, stream
 from .sgd import TrainConfig
@@ -303,18 +303,7 @@ def check_device_config(cfg: FederationConfig) -> None:
     (the server samples each round's participants as the simulator does, by slot)."""
     check_device_algorithm(cfg.algorithm)
     algorithm_class(cfg.algorithm).check_devices(cfg)
-    dp = cfg.dp
-    if dp is not None:
-        if dp.mode == "distributed" and dp.noise_multiplier is None:
-            raise ConfigError("privacy: a distributed-mode device noises its own update, so it needs the noise "
-                              "multiplier itself (it runs no accountant): give noise_multiplier (pfl-edge privacy "
-                              "--target-epsilon E --rounds T finds the one for a target)")
-        if dp.mode == "distributed" and cfg.secure_aggregation is None and not dp.allow_unmasked:
-            raise ConfigError("privacy: the distributed mode without secure aggregation shows the server every "
-                              "device's noised update in the clear, and one device that skips its clip or its noise "
-                              "share spoils the guarantee for all (issue 48): add a [secure_aggregation] table, or "
-                              "name the risk with privacy.allow_unmasked = true")
-        noise_multiplier(cfg)  # a target epsilon no noise reaches fails at creation, not at round 1
+    check_device_privacy(cfg)
 
 
 def device_capacity(cfg: FederationConfig, slot: int, *, profile_density: float | None = None,

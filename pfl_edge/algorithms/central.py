@@ -15,14 +15,21 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..arrays import Array as Tensor
-from ..arrays import Stack, broadcast_rows, copy, unstack
+from ..arrays import Stack, broadcast_rows, unstack
 from ..errors import DivergedError, InternalError
 from ..privacy import device_noise, private_mean, privatize, round_noise
-from ..seeding import Stream
 from ..sgd import TrainConfig, TrainResult
-from ..split import Split, take
 from .algorithm import Algorithm, DeviceRound, register_algorithm
 from .base import Clients, Metrics, Received, Upload, one_row
+from .central_parts import (
+    aggregate_bases,
+    all_finite,
+    deploy,
+    personal_finetune,
+    train_round,
+    upload,
+    with_base,
+)
 from .options import FinetuneOptions
 from .simulation import SimRound, Simulation, World
 
@@ -43,63 +50,13 @@ __all__ = [
     "FedPerFT",
     "Local",
     "aggregate_bases",
+    "all_finite",
     "deploy",
     "personal_finetune",
     "train_round",
     "upload",
     "with_base",
 ]
-
-
-def with_base(state: Mapping[str, Tensor], base: Mapping[str, Tensor] | None, split: Split) -> Stack:
-    """A new stack: the clients' own tensors (copied) under ``base`` for the keys of ``split.base``, as one model
-    seen in every row (``broadcast_rows``: held once, read-only; whoever trains from it writes elsewhere); without
-    a base, the clients' own."""
-    if base is None:
-        return {k: copy(v) for k, v in state.items()}
-    shared = set(split.base)
-    rows = len(next(iter(state.values())))
-    return {k: broadcast_rows(base[k], rows) if k in shared else copy(v) for k, v in state.items()}
-
-
-def personal_finetune(cl: Clients, state: Stack, split: Split, t: int) -> Stack:
-    """FedPer-FT: the personal blocks alone for ``ft_epochs`` on the base just received, base frozen."""
-    personal = [k for k in cl.param_names if k in set(split.personal)]
-    if not personal or cl.cfg.ft_epochs == 0:
-        return state
-    return cl.trainer.train(state, cl.slots, cl.cfg.train_config(t, cl.cfg.ft_epochs), cl.gens(Stream.FINETUNE, t),
-                            trainable=personal).stack
-
-
-def train_round(cl: Clients, state: Stack, t: int) -> TrainResult:
-    """Local SGD of round ``t`` over every block."""
-    return cl.trainer.train(state, cl.slots, cl.cfg.train_config(t), cl.gens(Stream.TRAIN, t))
-
-
-def deploy(cl: Clients, state: Stack, t: int, *, finetune: TrainConfig | None) -> Stack:
-    """What the clients deploy (and are evaluated on): their model, or (``finetune``: FedAvg-FT's fine-tuning) a
-    copy of the global model fine-tuned on their data (not kept)."""
-    if finetune is None or not finetune.epochs:
-        return state
-    return cl.trainer.train(state, cl.slots, finetune, cl.gens(Stream.FINETUNE, t)).stack
-
-
-def upload(state: Mapping[str, Tensor], split: Split) -> dict[str, Tensor]:
-    """What a client sends: its base only; the personal blocks never leave it."""
-    return take(state, split.base)
-
-
-def aggregate_bases(prev: Mapping[str, Tensor], updates: Iterable[tuple[Mapping[str, Tensor], float]],
-                    start: PartialAverage | None = None) -> dict[str, Tensor]:
-    """Per tensor, sum_j n_j x_j / sum_j n_j in float64 over the updates that hold it (in the order given: callers
-    pass slot order, so the result never depends on who finished first), after those already summed in ``start``;
-    a tensor nobody sent keeps its value."""
-    from ..aggregate import PartialAverage  # the coordinator's side (torch); a device never aggregates
-
-    avg = PartialAverage() if start is None else start
-    for tensors, n in updates:
-        avg.add(tensors, n)
-    return avg.result(prev)
 
 
 class Central(Algorithm):
@@ -258,11 +215,6 @@ class Central(Algorithm):
         return DeviceRound(new, Upload(sent), metrics, train_loss=float(res.loss[0]), steps=int(res.steps[0]))
 
 
-def all_finite(state: Mapping[str, Tensor]) -> bool:
-    """No NaN or Inf in any floating tensor of ``state``."""
-    return all(bool(v.isfinite().all()) for v in state.values() if v.is_floating_point())
-
-
 class CentralSimulation(Simulation):
     """Every client of a server-coordinated algorithm: the drawn clients train (``local_round``) from the base
     under their own blocks and send it (``upload``), the base is averaged (``aggregate``), every client takes it
@@ -276,6 +228,7 @@ class CentralSimulation(Simulation):
         self.clients: Stack = algo.init_clients(world.clients, world.init)
         self.base: dict[str, Tensor] | None = upload(world.init, algo.split) if algo.split.base else None
         self._deployed: Stack | None = None
+        self._norms: list[float] = []  # the last round's update norms: a small round's bound takes them too
         self.clients = algo.receive(world.clients, self.clients, self.base, 0)  # FedPer-FT adapts at once
 
     def _trained(self, t: int, participants: Tensor, losses: list[tuple[Tensor, Tensor]]
@@ -297,6 +250,39 @@ class CentralSimulation(Simulation):
             for j, n in enumerate(part.n_train):
                 yield algo.sent(self.base or {}, unstack(res.stack, j), t, int(part.slots[j]), seeded=True), float(n)
 
+    def _bounded(self, t: int, participants: Tensor, losses: list[tuple[Tensor, Tensor]]) -> dict[str, Tensor]:
+        """Round ``t``'s base as a server at its default aggregation makes it (``DEFAULT_RULE``: each update held
+        to 3x the low median of the round's other updates' norms, the last round's too in a round of fewer than 3;
+        then the sample-weighted mean, in slot order), so that the simulator and a federation of devices publish
+        the same bases. Memory stays one chunk's: the first pass trains and averages the updates as they come,
+        keeping only their norms; where the bounds then hold any update back, the round is trained again from
+        the same start (the same streams and chunks: the same numbers) and averaged held to them. Honest rounds
+        rarely clip; a small sampled round of unequal clients may (issue 47's matrix: FedRep, two a round)."""
+        from ..aggregate import DEFAULT_RULE, update_norm
+
+        algo, base = self.central, self.base
+        if base is None:
+            raise InternalError("a bounded round needs a base")
+        shared = set(algo.split.base)
+        before = {k: v[participants] for k, v in self.clients.items() if k not in shared}  # copies of their rows
+        norms: list[float] = []
+
+        def measured() -> Iterator[tuple[dict[str, Tensor], float]]:
+            for up, w in self._trained(t, participants, losses):
+                norms.append(update_norm(base, up))
+                yield up, w
+
+        plain = algo.aggregate(base, measured(), t=t)
+        history, self._norms = self._norms, norms
+        bounds = DEFAULT_RULE.bounds(norms, history)
+        if plain is None or all(b is None or n <= b for n, b in zip(norms, bounds, strict=True)):
+            return plain if plain is not None else dict(base)
+        for k, v in before.items():  # the round again, from the same start
+            self.clients[k][participants] = v
+        losses.clear()
+        new = algo.aggregate(base, self._trained(t, participants, losses), bounds=bounds, norms=norms, t=t)
+        return new if new is not None else dict(base)
+
     def round(self, t: int, participants: Tensor) -> SimRound:
         import torch
 
@@ -305,16 +291,19 @@ class CentralSimulation(Simulation):
         algo, everyone = self.central, self.world.clients
         losses: list[tuple[Tensor, Tensor]] = []
         base_bytes = payload_bytes(self.base) if self.base else 0
-        uploads = self._trained(t, participants, losses)
-        if self.base is not None:
-            self.base = algo.aggregate(self.base, uploads, noise=round_noise(algo.cfg, t), t=t)
-            if self.base is not None and not all_finite(self.base):
-                raise DivergedError(f"round {t}: the shared base holds NaN/Inf (a client's training diverged"
-                                    + ("; under differential privacy the noise, z clip / (q N) per coordinate, may "
-                                       "be too large for this model: more clients, or a larger epsilon)"
-                                       if algo.cfg.privacy is not None else ": a smaller learning rate)"))
-        for _ in uploads:  # nothing shared (local): train all the same
-            pass
+        if self.base is not None and algo.cfg.privacy is None and algo.cfg.secure_aggregation is None:
+            self.base = self._bounded(t, participants, losses)
+        else:  # the private and the secure mean bound every update themselves; no base (local): nothing to mean
+            uploads = self._trained(t, participants, losses)
+            if self.base is not None:
+                self.base = algo.aggregate(self.base, uploads, noise=round_noise(algo.cfg, t), t=t)
+            for _ in uploads:  # nothing shared (local): train all the same
+                pass
+        if self.base is not None and not all_finite(self.base):
+            raise DivergedError(f"round {t}: the shared base holds NaN/Inf (a client's training diverged"
+                                + ("; under differential privacy the noise, z clip / (q N) per coordinate, may "
+                                   "be too large for this model: more clients, or a larger epsilon)"
+                                   if algo.cfg.privacy is not None else ": a smaller learning rate)"))
         n = len(everyone)
         up, down = [0] * n, [0] * n
         for i in participants.tolist():

@@ -115,12 +115,7 @@ ROWS = [Row(a, s, _config(a, cfg)) for a in device_algorithms() for s, cfg in se
         if accepted(_config(a, cfg))]
 # rows where the running system does not end with the simulator's models today, each with its reason (strict: a
 # row that starts to pass fails until it is taken off this list)
-KNOWN: dict[str, str] = {
-    "fedrep-sampled": "issue 48 item 1: at its default aggregation the server clips each update to 3x the median "
-                      "norm of the round's others (server/services/rounds.py), the simulator does not; with two "
-                      "updates a round and FedRep's 10 head epochs one update of round 2 is over 3x the other "
-                      "(2.08 against 0.58), so the server's base differs from the simulator's",
-}
+KNOWN: dict[str, str] = {}  # FedRep with sampled rounds was here until the simulator bounded updates as the server
 SIMULATOR_ONLY = [a for a in list_algorithms() if a not in device_algorithms()]
 
 
