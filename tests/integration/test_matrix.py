@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -126,14 +125,6 @@ def js_supported() -> list[str]:
     return re.findall(r"'([^']+)'", m.group(1))
 
 
-def _js_missing() -> str | None:
-    if shutil.which("node") is None or shutil.which("npm") is None:
-        return "node and npm are not installed"
-    if not (JS / "node_modules").is_dir():
-        return "devices/js/node_modules is missing (cd devices/js && npm ci)"
-    return None
-
-
 # ---------------------------------------------------------------------------------------------- fast checks
 
 def test_the_matrix_covers_every_algorithm_and_setting() -> None:
@@ -220,7 +211,9 @@ def _final(root: Path, slot: int, kind: str) -> dict[str, np.ndarray]:
 
 def _kinds(row: Row) -> tuple[list[str], str]:
     """The kind of each slot, and why slot 3 is not the JavaScript device where it is not."""
-    why = _js_missing()
+    from test_js_device import _why_not  # node, npm and the device's node_modules, as its own tests need them
+
+    why = _why_not()
     if why is None and row.algorithm not in js_supported():
         why = f"the JavaScript device does not run {row.algorithm} (it runs {', '.join(js_supported())})"
     return ["torch", "torch-free", "executorch", "torch-free" if why else "js"], why or ""

@@ -51,18 +51,26 @@ def _at(c: httpx.Client, d: Dev, t: int, step: str) -> dict[str, Any]:
     return got
 
 
-def test_a_secure_round_over_http_publishes_the_survivors_mean_through_dropouts(srv: BackgroundServer) -> None:
+def _enrolled(srv: BackgroundServer, fed: str, config: dict[str, Any], seed: int) -> tuple[Any, ...]:
+    """A secure federation ``fed`` with every slot enrolled, at round 1: its client, config, devices, an MQTT
+    reader of device 0's tasks, round 1's task, its base, the base's float tensors, and each device's trained
+    model (the base plus small noise, from ``seed``)."""
     c = httpx.Client(base_url=srv.url, timeout=30)
-    create(c, ADMIN, "sa", SECURE)
-    cfg = FederationConfig.from_dict(dict(SECURE))
-    devs = [Dev(c, "sa", index=i) for i in range(7)]
-    mq = Mqtt(srv.broker_url, [task_topic("sa", devs[0].id)])
-    task = mq.wait(task_topic("sa", devs[0].id), lambda x: x["round"] == 1)
+    create(c, ADMIN, fed, config)
+    cfg = FederationConfig.from_dict(dict(config))
+    devs = [Dev(c, fed, index=i) for i in range(cfg.clients)]
+    mq = Mqtt(srv.broker_url, [task_topic(fed, devs[0].id)])
+    task = mq.wait(task_topic(fed, devs[0].id), lambda x: x["round"] == 1)
     start = devs[0].get(task["base"]).tensors
     keys = float_keys(start)
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(seed)
     sent = [{k: v + 0.05 * torch.randn(v.shape, generator=g) if k in keys else v for k, v in start.items()}
             for _ in devs]
+    return c, cfg, devs, mq, task, start, keys, sent
+
+
+def test_a_secure_round_over_http_publishes_the_survivors_mean_through_dropouts(srv: BackgroundServer) -> None:
+    c, cfg, devs, mq, _task, start, keys, sent = _enrolled(srv, "sa", SECURE, 1)
     xs = [secure_input(cfg, start, s) for s in sent]
     # nothing out of its step: shares before the graph exists, a masked input while keys are advertised
     r = c.post("/v1/rounds/1/secagg/shares", json={"shares": []}, headers=devs[0].h)
@@ -195,17 +203,8 @@ def test_one_hostile_device_cannot_move_the_base_or_stall_the_federation(srv: Ba
     a dropped device's mask key. Before, the first two published a base moved by thousands per coordinate and the
     third left round 1 in ``closing`` for good. Now each round closes without publishing (the base stays the
     round's start, logged) and round 2 opens."""
-    c = httpx.Client(base_url=srv.url, timeout=30)
-    create(c, ADMIN, "hx", HOSTILE)
-    cfg = FederationConfig.from_dict(dict(HOSTILE))
-    devs = [Dev(c, "hx", index=i) for i in range(5)]
-    mq = Mqtt(srv.broker_url, [task_topic("hx", devs[0].id)])
-    task = mq.wait(task_topic("hx", devs[0].id), lambda x: x["round"] == 1)
-    start = devs[0].get(task["base"]).tensors
-    keys = float_keys(start)
-    g = torch.Generator().manual_seed(2)
-    xs = [secure_input(cfg, start, {k: v + 0.05 * torch.randn(v.shape, generator=g) if k in keys else v
-                                    for k, v in start.items()}) for _ in devs]
+    c, cfg, devs, mq, task, start, keys, sent = _enrolled(srv, "hx", HOSTILE, 2)
+    xs = [secure_input(cfg, start, s) for s in sent]
     clients = {d.index: Client(d.index, Params(4, 3, 1)) for d in devs}
     for d in devs:
         cl = clients[d.index]
