@@ -300,7 +300,8 @@ def test_the_reported_epsilon_is_recomputed_without_the_accountant(z: float, q: 
     """Issue 48: the epsilon pfl-edge reports (Opacus's RDP accountant over its orders, fractional ones included) is
     at most the one computed independently over its integer orders (a subset of its orders, the same formula), and
     within 5 % of it; "epsilon 2" (z 2.344, q 0.2, 20 rounds) is 1.9931 reported (dp_accounting gave the same when
-    the issue was filed) and 1.9936 over the integer orders alone. (dp_accounting itself pins attrs < 24, which this environment cannot take.)"""
+    the issue was filed) and 1.9936 over the integer orders alone. (dp_accounting itself pins attrs < 24, which
+    this environment cannot take.)"""
     from pfl_edge.privacy import ORDERS, _epsilon
 
     ints = sorted(int(o) for o in ORDERS if float(o).is_integer())
