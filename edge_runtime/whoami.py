@@ -12,20 +12,16 @@ from pfl_edge.protocol import Platform
 
 __all__ = ["describe"]
 
-# the package whose version names each training backend's runtime
-_PACKAGES = {"torch": "torch", "onnxruntime": "onnxruntime", "executorch": "executorch"}
-
-
 def _label(text: str, limit: int = 64) -> str:
     """``text`` as the protocol's printable label: control and non-ASCII characters replaced, cut to ``limit``."""
     return re.sub(r"[^\x20-\x7e]", "?", text).strip()[:limit] or "unknown"
 
 
 def describe(backend: str, threads: int) -> Platform:
-    """This machine, training with ``backend`` on ``threads`` threads."""
-    package = _PACKAGES.get(backend, backend)
+    """This machine, training with ``backend`` (a training backend's name, its runtime's package) on
+    ``threads`` threads."""
     try:
-        version = metadata.version(package)
+        version = metadata.version(backend)
     except metadata.PackageNotFoundError:
         version = "?"
     machine = re.sub(r"[^A-Za-z0-9_.+-]", "", platform.machine())[:32] or "unknown"

@@ -275,7 +275,7 @@ def clip_update(prev: Mapping[str, Tensor], state: Mapping[str, Tensor], bound: 
 def bounded(prev: Mapping[str, Tensor], updates: Iterable[tuple[Mapping[str, Tensor], float]],
             rule: AggregationRule | None, *, history: Sequence[float] = (),
             bounds: Sequence[float | None] | None = None,
-            norms: Sequence[float | None] | None = None) -> Iterator[tuple[Mapping[str, Tensor], float]]:
+            norms: Sequence[float] | None = None) -> Iterator[tuple[Mapping[str, Tensor], float]]:
     """The update-bound stage, defined once for the simulator and the server: each update held to its bound
     (``clip_update``: the same object, the same bits, where it is within it), weights unchanged, in order.
     ``bounds``: one per update, as given; else ``rule.bounds`` over every update's norm (``norms`` where known,
@@ -284,15 +284,13 @@ def bounded(prev: Mapping[str, Tensor], updates: Iterable[tuple[Mapping[str, Ten
     if bounds is None:
         if rule is None:
             raise ConfigError("an update bound needs a rule or the bounds themselves")
-        if norms is None or any(n is None for n in norms):
-            held = list(updates)
-            known = list(norms) if norms is not None else [None] * len(held)
-            norms = [update_norm(prev, s) if n is None else n for (s, _), n in zip(held, known, strict=True)]
-            updates = held
-        bounds = rule.bounds([float(n) for n in norms if n is not None], history)
-    given = list(norms) if norms is not None else None
-    for i, ((state, w), b) in enumerate(zip(updates, bounds, strict=True)):
-        yield clip_update(prev, state, b, None if given is None else given[i]), w
+        if norms is None:
+            updates = list(updates)
+            norms = [update_norm(prev, s) for s, _ in updates]
+        bounds = rule.bounds(norms, history)
+    known: Sequence[float | None] = norms if norms is not None else [None] * len(bounds)
+    for (state, w), b, n in zip(updates, bounds, known, strict=True):
+        yield clip_update(prev, state, b, n), w
 
 
 def clipped(prev: Mapping[str, Tensor], updates: Iterable[tuple[Mapping[str, Tensor], float]],

@@ -204,7 +204,7 @@ def reported_epsilon(cfg: FederationConfig, rounds: int) -> float:
     noise; inf (no guarantee: JSON's null, no gauge) with ``secret_noise = false``, whose noise comes from the
     config's seed, which every device holds: any of them can draw it and subtract it from the published base
     (issue 48). The simulator's figure stays ``epsilon``: the mechanism's, with nobody to hide the noise from."""
-    if _dp(cfg).secret_noise is False and rounds > 0:
+    if not _dp(cfg).secret_noise and rounds > 0:
         return math.inf
     return epsilon(cfg, rounds)
 

@@ -61,7 +61,8 @@ ADMIN_FIRST: tuple[tuple[str, re.Pattern[str]], ...] = (("POST", re.compile(rf"^
 # event loop's CPU each, issue 48)
 DEVICE_FIRST: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("POST", re.compile(rf"^{API_PREFIX}/rounds/[0-9]+/secagg/(shares|unmask)$")),)
-# a body over this is checked (parsed) in a worker thread, never on the event loop that serves every other call
+# a body over this is checked (parsed) here in a worker thread, not on the event loop that serves every other call
+# (the route's own parse, FastAPI's, still runs on the loop: only a device with a token gets that far)
 PARSE_ON_LOOP = 64 << 10
 MAX_HEADERS = 64
 MAX_HEADER_BYTES = 16 << 10

@@ -240,7 +240,7 @@ class Algorithm:
 
     def aggregate(self, prev: Mapping[str, Tensor], updates: Iterable[tuple[Mapping[str, Tensor], float]], *,
                   rule: AggregationRule | None = None, history: Sequence[float] = (),
-                  bounds: Sequence[float | None] | None = None, norms: Sequence[float | None] | None = None,
+                  bounds: Sequence[float | None] | None = None, norms: Sequence[float] | None = None,
                   start: PartialAverage | None = None, summed: tuple[numpy.ndarray, int] | None = None,
                   noise: numpy.random.Generator | None = None, t: int = 0) -> dict[str, Tensor] | None:
         """The coordinator's new shared model from the round's updates (weights: training samples), streamed

@@ -80,7 +80,7 @@ class Central(Algorithm):
 
     def aggregate(self, prev: Mapping[str, Tensor], updates: Iterable[tuple[Mapping[str, Tensor], float]], *,
                   rule: AggregationRule | None = None, history: Sequence[float] = (),
-                  bounds: Sequence[float | None] | None = None, norms: Sequence[float | None] | None = None,
+                  bounds: Sequence[float | None] | None = None, norms: Sequence[float] | None = None,
                   start: PartialAverage | None = None, summed: tuple[np.ndarray, int] | None = None,
                   noise: np.random.Generator | None = None, t: int = 0) -> dict[str, Tensor] | None:
         """The round's new base, composed here for the simulator and the server alike: under secure aggregation
@@ -272,16 +272,17 @@ class CentralSimulation(Simulation):
                 norms.append(update_norm(base, up))
                 yield up, w
 
-        plain = algo.aggregate(base, measured(), t=t)
+        new = algo.aggregate(base, measured(), t=t)
         history, self._norms = self._norms, norms
         bounds = DEFAULT_RULE.bounds(norms, history)
-        if plain is None or all(b is None or n <= b for n, b in zip(norms, bounds, strict=True)):
-            return plain if plain is not None else dict(base)
-        for k, v in before.items():  # the round again, from the same start
-            self.clients[k][participants] = v
-        losses.clear()
-        new = algo.aggregate(base, self._trained(t, participants, losses), bounds=bounds, norms=norms, t=t)
-        return new if new is not None else dict(base)
+        if any(b is not None and n > b for n, b in zip(norms, bounds, strict=True)):
+            for k, v in before.items():  # the round again, from the same start, held to the bounds
+                self.clients[k][participants] = v
+            losses.clear()
+            new = algo.aggregate(base, self._trained(t, participants, losses), bounds=bounds, norms=norms, t=t)
+        if new is None:
+            raise InternalError("a central algorithm with a base aggregated nothing")
+        return new
 
     def round(self, t: int, participants: Tensor) -> SimRound:
         import torch

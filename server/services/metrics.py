@@ -212,6 +212,10 @@ def _round_row(t: int, r: Round | None, updates: int, devs: dict[str, dict[str, 
 _ARCH = {"arm64": "aarch64", "aarch64": "aarch64", "armv8l": "aarch64", "arm64-v8a": "aarch64", "x64": "x86_64",
          "amd64": "x86_64", "x86_64": "x86_64", "arm": "armv7l", "armv7l": "armv7l", "armhf": "armv7l",
          "armeabi-v7a": "armv7l"}
+def _arch(name: str) -> str:
+    return _ARCH.get(name.lower(), name.lower())
+
+
 #: a device whose mean step time is this many times its class's (the other devices of its profile), or under
 #: 1 / this, is flagged: a class is meant to train at one speed, and one 3x off is not what its profile says
 STEP_RATIO = 3.0
@@ -244,7 +248,7 @@ def platform_flags(device: dict[str, Any], class_steps: list[float]) -> list[str
     except ConfigError:  # a profile removed since it enrolled
         want = None
     got = plat.get("machine")
-    if want and got and _ARCH.get(got.lower(), got.lower()) != _ARCH.get(want.lower(), want.lower()):
+    if want and got and _arch(got) != _arch(want):
         flags.append(f"reports a {got} machine; profile {device['profile']} is {want}")
     mine = device.get("step_ms")
     median = median_without(class_steps, mine) if mine else None
