@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pfl_edge.errors import CodecError, ConfigError
+from pfl_edge.errors import ConfigError
 from pfl_edge.protocol import API_PREFIX
 from pfl_edge.secagg.wire import (
+    SecAggComplaint,
     SecAggKeys,
     SecAggSealed,
     SecAggShare,
@@ -85,15 +86,19 @@ class SecureRound:
             raise ConfigError(f"the server's secure round sums {params.size} values; this device's base has {x.size}")
         client = Client(self.slot, params, c=self.c, s=self.s)
         nbrs = {n.index: Advert(n.index, bytes.fromhex(n.c_public), bytes.fromhex(n.s_public)) for n in at.neighbours}
-        boxes = client.share_keys(nbrs)
-        at = self._post("shares", SecAggShares(shares=[SecAggSealed(index=j, box=b.hex()) for j, b in boxes.items()]))
+        dealt = client.share_keys(nbrs)
+        at = self._post("shares", SecAggShares(shares=[SecAggSealed(index=j, box=b.hex(), commits=h.hex())
+                                                       for j, (b, h) in dealt.items()]))
         at = self._wait(at, ("input", "unmask", "done"))
         if at is None or at.step != "input":
             return self._out("the round moved past its input step without this device", at)
-        try:
-            y = client.masked_input(x, {s.index: bytes.fromhex(s.box) for s in at.inbox})
-        except CodecError as e:  # a box that does not open: forged or altered on the way
-            return self._out(f"a neighbour's share does not open ({e})", at)
+        y = client.masked_input(x, {s.index: (bytes.fromhex(s.box), bytes.fromhex(s.commits)) for s in at.inbox})
+        if client.accused:  # a pair that does not open or check: the server judges, this device stays
+            secret, accused = client.complaint()
+            log.warning("round %d: the pairs of %s do not open or check; complaining before the input", self.t,
+                        accused)
+            if self._post("complaint", SecAggComplaint(c_secret=secret.hex(), accused=accused)) is None:
+                return self._out("the server took no complaint", at)
         if not send_input(encode_masked(y, self.t)):
             return False
         at = self._wait(self._state(), ("unmask", "done"))
@@ -115,11 +120,11 @@ class SecureRound:
     def _state(self) -> SecAggStep:
         return SecAggStep.model_validate_json(self.http.call("GET", self._path()).content)
 
-    def _post(self, what: str, msg: SecAggKeys | SecAggShares | SecAggUnmask) -> SecAggStep | None:
+    def _post(self, what: str, msg: SecAggKeys | SecAggShares | SecAggComplaint | SecAggUnmask) -> SecAggStep | None:
         try:
             r = self.http.call("POST", self._path(what), json_body=msg.model_dump())
         except ServerError as e:
-            if e.status != 409:
+            if e.status not in (409, 422):  # 422: named for a forged message (a false complaint): out of the round
                 raise
             log.warning("round %d: the server took no %s message of this device: %s", self.t, what, e)
             return None

@@ -39,7 +39,7 @@ MESSAGES: tuple[type[BaseModel], ...] = (
     protocol.MetricsReport, protocol.MetricsStored, protocol.ErrorBody, protocol.ValidationIssue,
     # secure aggregation's steps (pfl_edge.secagg.wire: no cryptography imported)
     wire.SecAggStep, wire.SecAggParams, wire.SecAggNeighbour, wire.SecAggSealed, wire.SecAggKeys,
-    wire.SecAggShares, wire.SecAggShare, wire.SecAggUnmask,
+    wire.SecAggShares, wire.SecAggShare, wire.SecAggUnmask, wire.SecAggComplaint,
 )
 
 # Messages defined in modules of their own, included when the module exists (imported lazily: pfl_edge.schemas

@@ -50,17 +50,18 @@ BODY_LIMITS: tuple[tuple[str, re.Pattern[str], int | None], ...] = (
     ("POST", re.compile(rf"^{API_PREFIX}/federations/?$"), 1 << 20),  # a federation's config (admin)
     ("PUT", re.compile(rf"^{API_PREFIX}/blobs/[^/]*$"), None),  # max_blob_bytes, streamed by the route
     ("POST", re.compile(rf"^{API_PREFIX}/broker/hook/"), 4 << 10),  # a broker's question: a few names
-    # a secure round's sealed or revealed shares: about 400 bytes per neighbour, at most 10,000 neighbours
-    ("POST", re.compile(rf"^{API_PREFIX}/rounds/[0-9]+/secagg/(shares|unmask)$"), 4 << 20),
+    # a secure round's sealed pairs with their commitments, revealed shares or a complaint: at most about 520
+    # bytes per neighbour, at most 10,000 neighbours
+    ("POST", re.compile(rf"^{API_PREFIX}/rounds/[0-9]+/secagg/(shares|unmask|complaint)$"), 6 << 20),
 )
 # routes only the admin may call, whose bodies are large: the token is checked before the body is read (a stranger's
 # megabyte of JSON was read and parsed first, 1.2 s of the event loop's CPU each)
 ADMIN_FIRST: tuple[tuple[str, re.Pattern[str]], ...] = (("POST", re.compile(rf"^{API_PREFIX}/federations/?$")),)
-# routes only an enrolled device may call, whose bodies are large (a secure round's shares: up to 4 MiB): the
+# routes only an enrolled device may call, whose bodies are large (a secure round's shares: up to 6 MiB): the
 # device's token is checked before the body is read (a stranger's 4 MiB of JSON was parsed first: 637 ms of the
 # event loop's CPU each, issue 48)
 DEVICE_FIRST: tuple[tuple[str, re.Pattern[str]], ...] = (
-    ("POST", re.compile(rf"^{API_PREFIX}/rounds/[0-9]+/secagg/(shares|unmask)$")),)
+    ("POST", re.compile(rf"^{API_PREFIX}/rounds/[0-9]+/secagg/(shares|unmask|complaint)$")),)
 # a body over this is checked (parsed) here in a worker thread, not on the event loop that serves every other call
 # (the route's own parse, FastAPI's, still runs on the loop: only a device with a token gets that far)
 PARSE_ON_LOOP = 64 << 10

@@ -31,12 +31,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import CodecError, ConfigError
-from .crypto import KeyPair, open_sealed, prg, seal
-from .shamir import SHARE_BYTES, combine, split
+from .crypto import KeyPair, prg, seal
+from .shamir import combine, split
+from .verify import Forged, commitment, consistent, judge, matches, open_pair, pair_key
+from .verify import pair_info as _pair_info
 
-__all__ = ["Advert", "Client", "Params", "Server", "dequantize_sum", "graph", "quantize"]
+__all__ = ["Advert", "Client", "Dealt", "Params", "Server", "dequantize_sum", "graph", "quantize"]
 
-_HDR = 8  # a sealed pair's plaintext: sender and receiver ids (4 + 4 bytes), then two shares
+Dealt = tuple[bytes, bytes]  # a sealed pair and the dealer's commitments to its two shares (64 bytes)
 
 
 @dataclass(frozen=True)
@@ -102,8 +104,6 @@ def _aad(params: Params, sender: int, receiver: int) -> bytes:
     return b"pfl-secagg:" + params.round_id + sender.to_bytes(4, "big") + receiver.to_bytes(4, "big")
 
 
-def _pair_info(params: Params, kind: bytes) -> bytes:
-    return b"pfl-secagg:" + kind + b":" + params.round_id
 
 
 @dataclass
@@ -118,12 +118,14 @@ class Client:
     neighbours: dict[int, Advert] = field(default_factory=dict)
     held: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)  # neighbour -> (share of b, share of s)
     revealed: dict[int, str] = field(default_factory=dict)
+    accused: set[int] = field(default_factory=set)  # neighbours whose pair for it did not open or check
 
     def advertise(self) -> Advert:
         return Advert(self.cid, self.c.public, self.s.public)
 
-    def share_keys(self, neighbours: Mapping[int, Advert]) -> dict[int, bytes]:
-        """Step 1: the sealed pair of shares (of b, of the ``s`` key) for each neighbour, by its id."""
+    def share_keys(self, neighbours: Mapping[int, Advert]) -> dict[int, Dealt]:
+        """Step 1: for each neighbour, by its id, the sealed pair of shares (of b, of the ``s`` key) and the
+        commitments to them (``verify.commitment``: the server holds them before any share is revealed)."""
         if len(neighbours) < self.params.threshold or self.cid in neighbours:
             raise ConfigError(f"{len(neighbours)} neighbours: fewer than the threshold {self.params.threshold}")
         self.neighbours = dict(neighbours)
@@ -132,32 +134,42 @@ class Client:
         ss = split(self.s.secret, xs, self.params.threshold)
         out = {}
         for j, adv in sorted(neighbours.items()):
-            key = self.c.agree(adv.c_public, _pair_info(self.params, b"c"))
+            key = pair_key(self.params, self.c, adv.c_public)
             body = self.cid.to_bytes(4, "big") + j.to_bytes(4, "big") + sb[j + 1] + ss[j + 1]
-            out[j] = seal(key, body, _aad(self.params, self.cid, j))
+            commits = (commitment(self.params, "b", self.cid, j, sb[j + 1])
+                       + commitment(self.params, "s", self.cid, j, ss[j + 1]))
+            out[j] = (seal(key, body, _aad(self.params, self.cid, j)), commits)
         return out
 
-    def masked_input(self, x: np.ndarray, sealed: Mapping[int, bytes]) -> np.ndarray:
-        """Step 2: y = x + the masks (mod 2^32), after opening the shares its neighbours sealed for it."""
+    def masked_input(self, x: np.ndarray, sealed: Mapping[int, Dealt]) -> np.ndarray:
+        """Step 2: y = x + the masks (mod 2^32), after opening the pairs its neighbours sealed for it. A pair
+        that does not open or holds shares other than its dealer committed to is not used (its dealer goes in
+        ``accused``, for the client to ``complain`` about): the client masks only with the neighbours whose pairs
+        it holds."""
         if x.dtype != np.uint32 or x.shape != (self.params.size,):
             raise ConfigError(f"the input must be uint32 of shape ({self.params.size},)")
-        for j, box in sealed.items():
+        for j, (box, commits) in sealed.items():
             adv = self.neighbours.get(j)
             if adv is None:
                 raise ConfigError(f"a share from {j}, not a neighbour")
-            body = open_sealed(self.c.agree(adv.c_public, _pair_info(self.params, b"c")), box,
-                               _aad(self.params, j, self.cid))
-            if len(body) != _HDR + 2 * SHARE_BYTES or body[:_HDR] != j.to_bytes(4, "big") + self.cid.to_bytes(4, "big"):
-                raise ConfigError(f"the share from {j} is not addressed to this client")
-            self.held[j] = (body[_HDR:_HDR + SHARE_BYTES], body[_HDR + SHARE_BYTES:])
+            try:
+                self.held[j] = open_pair(self.params, pair_key(self.params, self.c, adv.c_public), j, self.cid, box,
+                                         commits)
+            except CodecError:
+                self.accused.add(j)
         y = x + prg(self.b, self.params.size)  # uint32 arithmetic wraps mod 2^32
-        # pairwise masks with the neighbours that shared their keys (a neighbour that dropped before could never
-        # have its mask removed); the server knows them: it routed their shares
-        for j in sorted(sealed):
+        # pairwise masks with the neighbours whose pairs it holds (a neighbour that dropped before sharing could
+        # never have its mask removed); the server knows them: it routed their pairs and heard the complaints
+        for j in sorted(self.held):
             adv = self.neighbours[j]
             m = prg(self.s.agree(adv.s_public, _pair_info(self.params, b"s")), self.params.size)
             y = y + m if self.cid < j else y - m
         return y
+
+    def complaint(self) -> tuple[bytes, list[int]]:
+        """What it sends when ``accused`` is not empty: its ``c`` secret key (this round's, for sealing only: the
+        server opens the accused pairs itself, ``verify.judge``) and the dealers it accuses."""
+        return self.c.secret, sorted(self.accused)
 
     def unmask(self, survivors: frozenset[int], dropped: frozenset[int]) -> dict[int, tuple[str, bytes]]:
         """Step 3: per neighbour whose share it holds, ("b", share) if it survived, ("s", share) if it dropped."""
@@ -177,15 +189,18 @@ class Client:
 
 @dataclass
 class Server:
-    """The server's side: it routes, records who survives each step, and unmasks the sum. ``seed``: the round's
-    public seed (the graph)."""
+    """The server's side: it routes, records who survives each step, judges complaints, checks every revealed
+    share against its dealer's commitment, and unmasks the sum. ``seed``: the round's public seed (the graph).
+    A check only one device could fail names it (``verify.Forged``, its ``culprit``)."""
 
     params: Params
     seed: int
     adverts: dict[int, Advert] = field(default_factory=dict)
     edges: dict[int, frozenset[int]] = field(default_factory=dict)
-    boxes: dict[int, dict[int, bytes]] = field(default_factory=dict)  # receiver -> sender -> sealed pair
+    boxes: dict[int, dict[int, Dealt]] = field(default_factory=dict)  # holder -> dealer -> (sealed pair, commits)
     sharers: set[int] = field(default_factory=set)
+    unused: dict[int, set[int]] = field(default_factory=dict)  # holder -> dealers it complained of: no mask between
+    excluded: set[int] = field(default_factory=set)  # named by a complaint: out of the round as if dropped
     survivors: set[int] = field(default_factory=set)  # whose y came: summed as it comes, never held
     summed: np.ndarray | None = None
     shares: dict[int, dict[str, dict[int, bytes]]] = field(default_factory=dict)  # about j -> kind -> x -> share
@@ -196,61 +211,100 @@ class Server:
         self.edges = graph(list(self.adverts), self.params.degree, self.seed)
         return {i: {j: self.adverts[j] for j in nb} for i, nb in self.edges.items()}
 
-    def route(self, sender: int, sealed: Mapping[int, bytes]) -> None:
-        """Step 1: a client's sealed shares, each for a neighbour of it."""
+    def route(self, sender: int, sealed: Mapping[int, Dealt]) -> None:
+        """Step 1: a client's sealed pairs and commitments, one for each neighbour of it."""
         if sender not in self.edges or set(sealed) != set(self.edges[sender]):
             raise ConfigError(f"client {sender}'s shares are not one for each of its neighbours")
-        for j, box in sealed.items():
-            self.boxes.setdefault(j, {})[sender] = box
+        for j, dealt in sealed.items():
+            self.boxes.setdefault(j, {})[sender] = dealt
         self.sharers.add(sender)
 
-    def inbox(self, cid: int) -> dict[int, bytes]:
-        """The sealed shares for ``cid`` from neighbours that shared (step 2's input)."""
+    def inbox(self, cid: int) -> dict[int, Dealt]:
+        """The sealed pairs for ``cid`` from neighbours that shared (step 2's input)."""
         return dict(self.boxes.get(cid, {}))
+
+    def complain(self, cid: int, c_secret: bytes, accused: list[int]) -> set[int]:
+        """Step 2: ``cid`` says the pairs of ``accused`` do not open or check (``Client.complaint``); before
+        any input of the one at fault is taken. Returns who is named (``verify.judge``): each accused dealer at
+        fault, or ``cid`` itself for a false complaint; they leave the round as dropouts."""
+        got = self.boxes.get(cid, {})
+        if not accused or any(j not in got for j in accused) or len(set(accused)) != len(accused):
+            raise ConfigError(f"client {cid} complains of {accused}: not dealers of pairs it was sent")
+        named = {judge(self.params, self.adverts[cid], c_secret, self.adverts[j], *got[j]) for j in accused}
+        if named & self.survivors:
+            raise ConfigError(f"complaint of {cid}: {sorted(named & self.survivors)} already sent an input")
+        self.unused.setdefault(cid, set()).update(accused)
+        self.excluded |= named
+        return named
 
     def receive(self, cid: int, y: np.ndarray) -> None:
         if cid not in self.sharers or y.dtype != np.uint32 or y.shape != (self.params.size,):
             raise ConfigError(f"client {cid}: not a sharer, or not a uint32 vector of the round's size")
-        if cid in self.survivors:
-            raise ConfigError(f"client {cid}: its masked input came already")
+        if cid in self.survivors or cid in self.excluded:
+            raise ConfigError(f"client {cid}: its masked input came already, or it is out of the round")
         self.survivors.add(cid)
         self.summed = y.copy() if self.summed is None else self.summed + y  # wraps mod 2^32
 
     def unmask_request(self) -> tuple[frozenset[int], frozenset[int]]:
-        """Step 3's question: the survivors (their y arrived) and the dropouts (shared keys, sent no y)."""
+        """Step 3's question: the survivors (their y arrived) and the dropouts (shared keys, sent no y, or were
+        named by a complaint)."""
         survivors = frozenset(self.survivors)
         return survivors, frozenset(self.sharers - survivors)
 
+    def asked(self, cid: int) -> dict[int, str]:
+        """What the unmask step asks of survivor ``cid``: per neighbour whose pair it holds, "b" if it survived,
+        "s" if it dropped."""
+        survivors, dropped = self.unmask_request()
+        held = set(self.boxes.get(cid, {})) - self.unused.get(cid, set())
+        return {j: "b" if j in survivors else "s" for j in sorted(held & (survivors | dropped))}
+
     def collect(self, cid: int, shares: Mapping[int, tuple[str, bytes]]) -> None:
+        """Step 3: survivor ``cid``'s revealed shares, each checked against its dealer's commitment: the ones
+        that match are kept, then Forged names ``cid`` if any did not."""
+        bad = []
         for j, (kind, share) in shares.items():
-            if j not in self.edges.get(cid, ()) or kind not in ("b", "s"):
+            dealt = self.boxes.get(cid, {}).get(j)
+            if dealt is None or kind not in ("b", "s"):
                 raise ConfigError(f"client {cid} sent a share about {j}, not its neighbour")
-            self.shares.setdefault(j, {}).setdefault(kind, {})[cid + 1] = share
+            if matches(self.params, kind, j, cid, share, dealt[1]):
+                self.shares.setdefault(j, {}).setdefault(kind, {})[cid + 1] = share
+            else:
+                bad.append(j)
+        if bad:
+            raise Forged(cid, f"its shares of {bad} are not the ones their dealers committed to")
 
     def _secret(self, j: int, kind: str) -> bytes:
+        """``j``'s secret from the shares revealed of it (ConfigError: too few came; Forged naming ``j``: its
+        shares, each checked against its own commitment, do not make one secret)."""
         got = self.shares.get(j, {}).get(kind, {})
         if len(got) < self.params.threshold:
             what = "self-mask seed" if kind == "b" else "mask key"
             raise ConfigError(f"client {j}'s {what}: {len(got)} shares came, {self.params.threshold} needed (more "
                               f"than degree - threshold = {self.params.degree - self.params.threshold} of its "
                               "neighbours dropped out): the round's sum cannot be unmasked")
-        return combine(got, self.params.threshold)
+        if not consistent(got, self.params.threshold):
+            raise Forged(j, f"the shares it dealt of its {kind} are not of one polynomial")
+        try:
+            return combine(got, self.params.threshold)
+        except ConfigError as e:
+            raise Forged(j, f"the shares it dealt of its {kind} make no secret ({e})") from None
 
     def total(self) -> np.ndarray:
-        """The sum of the survivors' inputs mod 2^32 (ConfigError where fewer than t shares of a secret came,
-        CodecError where a dropped client's key does not reconstruct: a forged share)."""
+        """The sum of the survivors' inputs mod 2^32 (ConfigError where fewer than t shares of a secret came;
+        Forged naming the dealer whose committed shares do not make one secret, or make a mask key other than
+        the one it advertised)."""
         survivors, dropped = self.unmask_request()
         size = self.params.size
         out = np.zeros(size, dtype=np.uint32) if self.summed is None else self.summed.copy()
-        for j in survivors:
+        for j in sorted(survivors):
             out = out - prg(self._secret(j, "b"), size)
-        for j in dropped:
+        for j in sorted(dropped):
             sk = KeyPair(self._secret(j, "s"))
-            if sk.public != self.adverts[j].s_public:
-                # the shares interpolate to another key: one of them was forged (hostile input, not our fault)
-                raise CodecError(f"client {j}'s mask key did not reconstruct to the key it advertised: a share of "
-                                 "it is forged")
-            for k in self.edges[j] & survivors:  # k masked with +m if k < j; the dropped j never sent its y
+            if sk.public != self.adverts[j].s_public:  # every share was j's committed one: j dealt a wrong key
+                raise Forged(j, "its mask key's shares make a key other than the one it advertised")
+            for k in sorted(self.edges[j] & survivors):  # k masked with +m if k < j, unless it complained of j
+                if j in self.unused.get(k, ()):
+                    continue
                 m = prg(sk.agree(self.adverts[k].s_public, _pair_info(self.params, b"s")), size)
                 out = out - m if k < j else out + m
         return out

@@ -58,14 +58,22 @@ def run_round(inputs: Mapping[int, np.ndarray], params: Params, seed: int, *,
         cost.received["advertise"] += len(nbrs[cid]) * (4 + 64)
         if cid not in gone:
             boxes = timed(cid, c.share_keys, nbrs[cid])
-            cost.sent["share"] += sum(4 + len(b) for b in boxes.values())
+            cost.sent["share"] += sum(4 + len(b) + len(h) for b, h in boxes.values())
             server.route(cid, boxes)
     gone |= set(drop.get("input", ()))
+    masked = {}
     for cid, c in clients.items():
         if cid not in gone:
             inbox = server.inbox(cid)
-            cost.received["share"] += sum(4 + len(b) for b in inbox.values())
-            server.receive(cid, timed(cid, c.masked_input, inputs[cid], inbox))
+            cost.received["share"] += sum(4 + len(b) + len(h) for b, h in inbox.values())
+            masked[cid] = timed(cid, c.masked_input, inputs[cid], inbox)
+            if c.accused:  # a pair that does not open: the complaint goes before any input
+                secret, accused = c.complaint()
+                cost.sent["input"] += 32 + 4 * len(accused)
+                server.complain(cid, secret, accused)
+    for cid, y in masked.items():
+        if cid not in server.excluded:
+            server.receive(cid, y)
             cost.sent["input"] += 4 * params.size
     survivors, dropped = server.unmask_request()
     gone |= set(drop.get("unmask", ()))

@@ -6,9 +6,12 @@ device still in it has sent, or the step's deadline passed):
 
 - ``advertise``: a device that trained sends its two public keys (``SecAggKeys``);
 - ``share``: the server has fixed the graph; a device reads its neighbours' keys and sends one sealed pair of
-  shares for each (``SecAggShares``);
-- ``input``: a device reads the pairs sealed for it, and uploads its masked input (``encode_masked``) as its
-  round's update (``PUT /v1/blobs``, ``POST /v1/rounds/{t}/updates``);
+  shares for each, with its commitments to the two shares (``SecAggShares``);
+- ``input``: a device reads the pairs sealed for it (with their dealers' commitments); if one does not open or
+  holds shares other than the committed ones it sends a complaint first (``SecAggComplaint``: its sealing key of
+  this round and the dealers it accuses; the server opens those pairs itself and names the one at fault), then
+  uploads its masked input (``encode_masked``) as its round's update (``PUT /v1/blobs``,
+  ``POST /v1/rounds/{t}/updates``);
 - ``unmask``: the survivors and the dropouts are fixed; each survivor sends, per neighbour, the share the server
   asks of it (``SecAggUnmask``).
 
@@ -27,8 +30,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..errors import CodecError
 
 __all__ = [
+    "COMMITS_BYTES",
     "MASKED_MAGIC",
     "SEALED_BYTES",
+    "SecAggComplaint",
     "SecAggKeys",
     "SecAggNeighbour",
     "SecAggParams",
@@ -47,6 +52,7 @@ MASKED_MAGIC = b"PFLM"
 _MASKED = struct.Struct("<4sBII")  # magic, format version, round, count of uint32 values
 _MASKED_VERSION = 1
 SEALED_BYTES = 12 + 8 + 2 * 66 + 16  # nonce, (sender, receiver, share of b, share of s), GCM tag
+COMMITS_BYTES = 2 * 32  # SHA-256 commitments to a pair's share of b, then of s (pfl_edge.secagg.verify)
 _MAX_SLOTS = 100_000  # pfl_edge.protocol.MAX_CLIENTS
 _MAX_DEGREE = 10_000  # SecAggConfig's bound
 
@@ -54,6 +60,9 @@ Step = Literal["advertise", "share", "input", "unmask", "done"]
 Key = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="an X25519 public key, 32 bytes in hex")]
 Sealed = Annotated[str, Field(pattern=rf"^[0-9a-f]{{{2 * SEALED_BYTES}}}$",
                               description=f"an AES-GCM sealed pair of shares, {SEALED_BYTES} bytes in hex")]
+Commits = Annotated[str, Field(pattern=rf"^[0-9a-f]{{{2 * COMMITS_BYTES}}}$",
+                               description=f"the dealer's commitments to the pair's two shares, {COMMITS_BYTES} "
+                                           "bytes in hex")]
 Share = Annotated[str, Field(pattern=r"^[0-9a-f]{132}$", description="a Shamir share, 66 bytes in hex")]
 Slot = Annotated[int, Field(ge=0, lt=_MAX_SLOTS, description="a device's slot (its enrolment index)")]
 
@@ -70,10 +79,22 @@ class SecAggKeys(_Msg):
 
 
 class SecAggSealed(_Msg):
-    """One sealed pair of shares, and the other end of it (the receiver in a request, the sender in an answer)."""
+    """One sealed pair of shares and its dealer's commitments to them, and the other end of it (the receiver in
+    a request, the sender in an answer)."""
 
     index: Slot
     box: Sealed
+    commits: Commits
+
+
+class SecAggComplaint(_Msg):
+    """Step ``input``, before the device's masked input: the pairs of ``accused`` did not open for it or held
+    shares other than their dealers committed to. ``c_secret``: its share-sealing secret key of this round (used
+    for nothing else: the server opens the accused pairs with it and names the dealer, or this device if they
+    open and check)."""
+
+    c_secret: Key = Field(description="the X25519 secret key whose public half it advertised as c_public (hex)")
+    accused: list[Slot] = Field(min_length=1, max_length=_MAX_DEGREE, description="the dealers it accuses")
 
 
 class SecAggShares(_Msg):
@@ -128,7 +149,8 @@ class SecAggStep(_Msg):
     survivors: list[Slot] = Field(default_factory=list, max_length=_MAX_SLOTS,
                                   description="unmask: the devices whose masked input the server accepted")
     dropped: list[Slot] = Field(default_factory=list, max_length=_MAX_SLOTS,
-                                description="unmask: the devices that shared their keys and sent no input")
+                                description="unmask: the devices that shared their keys and sent no input, or "
+                                            "were named for a forged message")
 
 
 def round_id(federation: str, t: int) -> bytes:

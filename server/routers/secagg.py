@@ -10,7 +10,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Path
 
 from pfl_edge.protocol import MAX_ROUND
-from pfl_edge.secagg.wire import SecAggKeys, SecAggShares, SecAggStep, SecAggUnmask
+from pfl_edge.secagg.wire import SecAggComplaint, SecAggKeys, SecAggShares, SecAggStep, SecAggUnmask
 
 from ..coordinator import Coordinator
 from ..deps import DeviceAuth, coordinator
@@ -37,6 +37,13 @@ async def secagg_keys(t: RoundNo, body: SecAggKeys, dev: DeviceAuth, coord: Coor
 
 @router.post("/{t}/secagg/shares", response_model=SecAggStep)
 async def secagg_shares(t: RoundNo, body: SecAggShares, dev: DeviceAuth, coord: Coord) -> SecAggStep:
+    return await asyncio.wrap_future(writes.submit(coord.secure.post, dev, t, body))
+
+
+@router.post("/{t}/secagg/complaint", response_model=SecAggStep)
+async def secagg_complaint(t: RoundNo, body: SecAggComplaint, dev: DeviceAuth, coord: Coord) -> SecAggStep:
+    """The pairs of ``accused`` did not open for this device or held other shares than committed: the server
+    judges (``pfl_edge.secagg.verify.judge``) and names who is out of the round (422 if it is this device)."""
     return await asyncio.wrap_future(writes.submit(coord.secure.post, dev, t, body))
 
 

@@ -11,10 +11,18 @@ and the graph before it is: a device sends only in its step, only to and about i
 the same message is answered again; another is refused). The library's ``Server`` is rebuilt from those rows where the
 sum is needed: the server holds nothing of a round in memory, and a replica or a restart reads the same state.
 
+A device whose message fails a check only it could fail is named (``pfl_edge.secagg.verify``; a row of kind
+``out`` or ``named``, its ``refused_updates`` counted, the log): a dealer whose pair a neighbour's complaint
+shows bad, or the neighbour whose complaint is false, is **out** of the round (its input is refused or ignored,
+its neighbours reveal its mask key as a dropout's); a survivor whose revealed share is not the one its dealer
+committed to is **named** and its answer discarded (its input stays: its neighbours revealed its seed already),
+and a dealer whose committed shares make no secret is named and the round releases nothing.
+
 What the server cannot bound here: an update's norm (it sees only masked vectors); every coordinate is bounded by
-the quantization's range, so one device moves a coordinate of the mean by at most 2 x bound / n. The round
-releases nothing (its base stays the start) when fewer than ``MIN_CLIENTS`` inputs survive, or when a secret
-cannot be rebuilt (more than degree - threshold of a device's neighbours left before unmasking).
+the quantization's range, and the unmasked sum is checked before release (``check_sum``). The round releases
+nothing (its base stays the start) when fewer than ``MIN_CLIENTS`` inputs survive, when a secret cannot be
+rebuilt (more than degree - threshold of a device's neighbours left before unmasking), or when a dealer's
+shares are forged; the next round opens either way.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from pfl_edge.privacy import MIN_CLIENTS
 from pfl_edge.protocol import quorum_updates
 from pfl_edge.secagg.aggregate import secagg_config
 from pfl_edge.secagg.wire import (
+    SecAggComplaint,
     SecAggKeys,
     SecAggNeighbour,
     SecAggParams,
@@ -57,7 +66,10 @@ __all__ = ["STEPS", "SecureRounds", "is_secure"]
 log = logging.getLogger(__name__)
 
 STEPS = ("advertise", "share", "input", "unmask", "done")
-_KIND = {"advertise": "keys", "share": "shares", "unmask": "unmask"}  # the message each step collects
+# each message: the step it belongs to and the kind it is kept as
+_MSG: dict[type, tuple[str, str]] = {SecAggKeys: ("advertise", "keys"), SecAggShares: ("share", "shares"),
+                                     SecAggComplaint: ("input", "complain"), SecAggUnmask: ("unmask", "unmask")}
+Message = SecAggKeys | SecAggShares | SecAggComplaint | SecAggUnmask
 
 
 def is_secure(fm: FedModel) -> bool:
@@ -79,13 +91,14 @@ class SecureRounds:
             fed, fm, r = self._round(s, dev, t)
             return self._answer(s, fed, fm, r, dev.slot)
 
-    def post(self, dev: Device, t: int, msg: SecAggKeys | SecAggShares | SecAggUnmask) -> SecAggStep:
-        """A device's message for the step it belongs to, checked and kept (module docstring)."""
-        step = {SecAggKeys: "advertise", SecAggShares: "share", SecAggUnmask: "unmask"}[type(msg)]
+    def post(self, dev: Device, t: int, msg: Message) -> SecAggStep:
+        """A device's message for the step it belongs to, checked and kept (module docstring). A message that
+        names a device (a complaint, a forged share) is kept with the name (an unmask answer without its forged
+        shares: the others were each checked), then answered 422 if it named its sender."""
+        step, kind = _MSG[type(msg)]
         body = msg.model_dump()
         with self.store.write() as s:
             fed, fm, r = self._round(s, dev, t, lock=True)
-            kind = _KIND[step]
             old = s.get(SecAggMessage, (fed.id, t, dev.slot, kind))
             if old is not None:
                 if old.body != body:
@@ -96,11 +109,22 @@ class SecureRounds:
                                f"belongs to the {step} step")
             if not self.planner.takes_part(s, fed, fm, t, dev):
                 raise Conflict(f"this device takes no part in round {t}")
-            self._check(s, fed, fm, r, dev.slot, msg)
+            if self._named(s, r, dev.slot):
+                raise Conflict(f"this device was named for a forged message of round {t}: it is out of the round")
+            forged = self._check(s, fed, fm, r, dev.slot, msg)
+            if isinstance(msg, SecAggUnmask):  # each share against its dealer's commitment: the forged ones go
+                bad = self._forged_shares(s, fm, r, dev.slot, msg)
+                if bad:
+                    forged = {dev.slot: f"its shares of {bad} are not the ones their dealers committed to"}
+                    body = {"shares": [x for x in body["shares"] if x["about"] not in bad]}
             s.add(SecAggMessage(federation=fed.id, round=t, slot=dev.slot, kind=kind, body=body))
+            for culprit, why in (forged or {}).items():
+                self._name(s, r, culprit, why, out=step == "input")
             s.flush()
             answer = self._answer(s, fed, fm, r, dev.slot)
         self.on_message()
+        if forged and dev.slot in forged:
+            raise Unprocessable(f"round {t}: {forged[dev.slot]}; this device is named and its message discarded")
         return answer
 
     def check_input(self, s: Session, fm: FedModel, r: Round, dev: Device, payload: bytes) -> None:
@@ -111,6 +135,8 @@ class SecureRounds:
                            "taken in the input step")
         if s.get(SecAggMessage, (r.federation, r.round, dev.slot, "shares")) is None:
             raise Conflict(f"this device shared no keys in round {r.round}: its input could never be unmasked")
+        if self._named(s, r, dev.slot):
+            raise Conflict(f"this device was named for a forged message of round {r.round}: it is out of the round")
         try:
             got, _ = decode_masked(payload, fm.secure_size())
         except CodecError as e:
@@ -169,16 +195,18 @@ class SecureRounds:
             return len(self._slots(s, r, "shares")), len(sent)
         survivors = self._survivors(s, r)
         if step == "input":
-            return len(survivors), len(self._slots(s, r, "shares"))
-        return len(self._slots(s, r, "unmask")), len(survivors)
+            return len(survivors), len(self._slots(s, r, "shares") - self._slots(s, r, "out"))
+        answered = self._slots(s, r, "unmask") | self._slots(s, r, "named")
+        return len(answered & set(survivors)), len(survivors)
 
     def unmasked(self, fed_id: str, t: int, fm: FedModel) -> tuple[np.ndarray, int] | None:
         """Round ``t``'s unmasked sum and how many inputs it sums, for the algorithm's aggregate to release
         (``Algorithm.aggregate``'s ``summed``, which checks it first); None where the round releases nothing
         (module docstring): too few survivors, or a reconstruction the messages do not allow. Whatever the messages
-        hold, this returns: a forged share that breaks the reconstruction ends the round without a release, the
-        next round opens (it never leaves the round in ``closing`` for a retry)."""
+        hold, this returns: a forged share that breaks the reconstruction names its dealer and ends the round
+        without a release, the next round opens (it never leaves the round in ``closing`` for a retry)."""
         from pfl_edge.secagg import Advert, Server
+        from pfl_edge.secagg.verify import Forged
 
         with self.store.read() as s:
             r = self.store.round(s, fed_id, t)
@@ -191,17 +219,25 @@ class SecureRounds:
             srv = Server(params, derive_seed(fm.cfg.seed, "secagg-graph", t))
             srv.advertised([Advert(slot, bytes.fromhex(b["c_public"]), bytes.fromhex(b["s_public"]))
                             for slot, b in self._bodies(s, r, "keys").items()])
-            for slot, b in self._bodies(s, r, "shares").items():
-                srv.route(slot, {x["index"]: bytes.fromhex(x["box"]) for x in b["shares"]})
-            for slot, digest in survivors.items():
-                srv.receive(slot, decode_masked(self.blobs.blobs.get(digest), params.size)[1])
-            for slot, b in self._bodies(s, r, "unmask").items():
-                srv.collect(slot, {x["about"]: (x["kind"], bytes.fromhex(x["share"])) for x in b["shares"]})
-        try:
-            total = srv.total()
-        except (ConfigError, CodecError) as e:  # too few, forged or inconsistent shares: the devices', not ours
+            try:
+                for slot, b in self._bodies(s, r, "shares").items():
+                    srv.route(slot, {x["index"]: (bytes.fromhex(x["box"]), bytes.fromhex(x["commits"]))
+                                     for x in b["shares"]})
+                for slot, b in self._bodies(s, r, "complain").items():
+                    srv.complain(slot, bytes.fromhex(b["c_secret"]), b["accused"])
+                for slot, digest in survivors.items():
+                    srv.receive(slot, decode_masked(self.blobs.blobs.get(digest), params.size)[1])
+                for slot, b in self._bodies(s, r, "unmask").items():
+                    srv.collect(slot, {x["about"]: (x["kind"], bytes.fromhex(x["share"])) for x in b["shares"]})
+                total, failed = srv.total(), None
+            except (ConfigError, CodecError) as e:  # too few, forged or inconsistent shares: the devices', not ours
+                total, failed = None, e
+        if failed is not None or total is None:
             log.error("federation %s: round %d cannot be unmasked (%s); the base stays the round's start", fed_id,
-                      t, e)
+                      t, failed)
+            if isinstance(failed, Forged):  # a dealer's committed shares make no secret, or another key
+                with self.store.write() as s:
+                    self._name(s, self.store.round(s, fed_id, t), failed.culprit, failed.why, out=False)
             return None
         return total, len(survivors)
 
@@ -233,11 +269,30 @@ class SecureRounds:
         rows = s.execute(q.order_by(SecAggMessage.slot))
         return {slot: body for slot, body in rows}
 
+    def _survivors(self, s: Session, r: Round) -> dict[int, str]:
+        """Slot -> digest of every accepted masked input of round ``r`` whose device is not out of the round."""
+        out = self._slots(s, r, "out")
+        rows = s.execute(select(Device.slot, Update.digest).join(Device, Device.id == Update.device).where(
+            Update.federation == r.federation, Update.round == r.round)).all()
+        return {slot: digest for slot, digest in rows if slot not in out}
+
     @staticmethod
-    def _survivors(s: Session, r: Round) -> dict[int, str]:
-        """Slot -> digest of every accepted masked input of round ``r``."""
-        return dict(s.execute(select(Device.slot, Update.digest).join(Device, Device.id == Update.device).where(
-            Update.federation == r.federation, Update.round == r.round)).all())
+    def _named(s: Session, r: Round, slot: int) -> bool:
+        return any(s.get(SecAggMessage, (r.federation, r.round, slot, kind)) is not None for kind in ("out", "named"))
+
+    def _name(self, s: Session, r: Round, slot: int, why: str, *, out: bool) -> None:
+        """Name the device in ``slot`` for a forged message of round ``r`` (``out``: it leaves the round as a
+        dropout), once: a row of its own, its refused count, the log."""
+        kind = "out" if out else "named"
+        if s.get(SecAggMessage, (r.federation, r.round, slot, kind)) is not None:
+            return
+        s.add(SecAggMessage(federation=r.federation, round=r.round, slot=slot, kind=kind, body={"why": why}))
+        dev = s.scalars(select(Device).where(Device.federation == r.federation, Device.slot == slot)).first()
+        if dev is not None:
+            dev.refused_updates = (dev.refused_updates or 0) + 1
+        log.warning("federation %s: round %d: device %s (slot %d) is named for a forged secure-aggregation message"
+                    "%s: %s", r.federation, r.round, None if dev is None else dev.id, slot,
+                    " and is out of the round" if out else "", why)
 
     def _params(self, s: Session, fm: FedModel, r: Round) -> Any:
         from pfl_edge.secagg.aggregate import secure_params
@@ -266,8 +321,9 @@ class SecureRounds:
         keys = self._bodies(s, r, "keys")
         out["neighbours"] = [SecAggNeighbour(index=j, **keys[j]) for j in sorted(mine)]
         if step in ("input", "unmask"):
-            out["inbox"] = [SecAggSealed(index=j, box=x["box"]) for j, b in self._bodies(s, r, "shares", mine).items()
-                            for x in b["shares"] if x["index"] == slot]
+            out["inbox"] = [SecAggSealed(index=j, box=x["box"], commits=x["commits"])
+                            for j, b in self._bodies(s, r, "shares", mine).items() for x in b["shares"]
+                            if x["index"] == slot]
         if step == "unmask":
             survivors = set(self._survivors(s, r))
             out["survivors"] = sorted(survivors)
@@ -275,9 +331,12 @@ class SecureRounds:
         return SecAggStep(**out)
 
     def _check(self, s: Session, fed: Federation, fm: FedModel, r: Round, slot: int,
-               msg: SecAggKeys | SecAggShares | SecAggUnmask) -> None:
-        """``msg`` fits the step, the graph and what the server asked (Unprocessable otherwise)."""
-        from pfl_edge.secagg import KeyPair
+               msg: Message) -> dict[int, str] | None:
+        """``msg`` fits the step, the graph and what the server asked (Unprocessable otherwise); the devices it
+        names and why (``pfl_edge.secagg.verify``): a complaint names each dealer at fault or its sender, an unmask
+        answer holding a share other than its dealer committed to names its sender."""
+        from pfl_edge.secagg import Advert, KeyPair
+        from pfl_edge.secagg.verify import judge
 
         if isinstance(msg, SecAggKeys):
             for key in (msg.c_public, msg.s_public):
@@ -285,8 +344,8 @@ class SecureRounds:
                     KeyPair().agree(bytes.fromhex(key), b"pfl-secagg:check")
                 except CodecError as e:
                     raise Unprocessable(f"a public key of this device is unusable: {e}") from None
-            return
-        _, edges = self._edges(s, fm, r)
+            return None
+        params, edges = self._edges(s, fm, r)
         mine = edges.get(slot)
         if mine is None:
             raise Conflict(f"this device advertised no keys in round {r.round}: it is not in the round's graph")
@@ -295,14 +354,41 @@ class SecureRounds:
             if sorted(to) != sorted(mine) or len(set(to)) != len(to):
                 raise Unprocessable(f"a device sends one sealed pair to each of its {len(mine)} neighbours "
                                     f"{sorted(mine)}; got pairs for {sorted(to)}")
-            return
+            return None
+        sharers = self._slots(s, r, "shares")
+        dealt = {j: x for j, b in self._bodies(s, r, "shares", mine).items() for x in b["shares"] if x["index"] == slot}
+        if isinstance(msg, SecAggComplaint):
+            if slot not in sharers or not set(msg.accused) <= set(dealt) or len(set(msg.accused)) != len(msg.accused):
+                raise Unprocessable(f"a complaint names dealers of pairs this device was sent ({sorted(dealt)}), "
+                                    f"each once; got {msg.accused}")
+            keys = self._bodies(s, r, "keys", mine | {slot})
+            advert = {j: Advert(j, bytes.fromhex(keys[j]["c_public"]), bytes.fromhex(keys[j]["s_public"]))
+                      for j in [slot, *msg.accused]}
+            named: dict[int, str] = {}
+            for j in msg.accused:
+                who = judge(params, advert[slot], bytes.fromhex(msg.c_secret), advert[j],
+                            bytes.fromhex(dealt[j]["box"]), bytes.fromhex(dealt[j]["commits"]))
+                named[who] = (f"its pair for {slot} does not open or holds shares other than it committed to"
+                              if who == j else f"a false complaint of {j}: that pair opens and checks, or the key "
+                              "sent is not this device's")
+            return named
         survivors = set(self._survivors(s, r))
         if slot not in survivors:
             raise Conflict(f"this device's masked input was not taken in round {r.round}: it is not a survivor")
-        # a neighbour that shared sent this device a pair (its shares were checked to be one per neighbour)
-        sharers = self._slots(s, r, "shares")
-        asked = {j: "b" if j in survivors else "s" for j in mine & sharers}
+        complained = set(self._bodies(s, r, "complain", frozenset({slot})).get(slot, {}).get("accused", ()))
+        asked = {j: "b" if j in survivors else "s" for j in (mine & sharers) - complained}
         got = {x.about: x.kind for x in msg.shares}
         if got != asked or len(got) != len(msg.shares):
             raise Unprocessable(f"the unmask step asks this device for {sorted(asked.items())}; got "
                                 f"{sorted(got.items())}")
+        return None
+
+    def _forged_shares(self, s: Session, fm: FedModel, r: Round, slot: int, msg: SecAggUnmask) -> list[int]:
+        """The neighbours whose share in ``msg`` is not the one they committed to for this device."""
+        from pfl_edge.secagg.verify import matches
+
+        params, edges = self._edges(s, fm, r)
+        dealt = {j: x for j, b in self._bodies(s, r, "shares", edges[slot]).items() for x in b["shares"]
+                 if x["index"] == slot}
+        return [x.about for x in msg.shares if not matches(params, x.kind, x.about, slot, bytes.fromhex(x.share),
+                                                           bytes.fromhex(dealt[x.about]["commits"]))]

@@ -52,14 +52,15 @@ GOOD: dict[str, dict[str, Any]] = {
     "SecAggStep": {"round": 2, "step": "unmask", "deadline": 1.8e9,
                    "params": {"degree": 2, "threshold": 2, "size": 10},
                    "neighbours": [{"index": 1, "c_public": "ab" * 32, "s_public": "cd" * 32}],
-                   "inbox": [{"index": 1, "box": "ef" * 168}], "survivors": [0, 1], "dropped": [2]},
+                   "inbox": [{"index": 1, "box": "ef" * 168, "commits": "0a" * 64}], "survivors": [0, 1], "dropped": [2]},
     "SecAggParams": {"degree": 4, "threshold": 3, "size": 1},
     "SecAggNeighbour": {"index": 0, "c_public": "00" * 32, "s_public": "ff" * 32},
-    "SecAggSealed": {"index": 3, "box": "01" * 168},
+    "SecAggSealed": {"index": 3, "box": "01" * 168, "commits": "0b" * 64},
     "SecAggKeys": {"c_public": "ab" * 32, "s_public": "cd" * 32},
-    "SecAggShares": {"shares": [{"index": 3, "box": "01" * 168}]},
+    "SecAggShares": {"shares": [{"index": 3, "box": "01" * 168, "commits": "0c" * 64}]},
     "SecAggShare": {"about": 1, "kind": "s", "share": "02" * 66},
     "SecAggUnmask": {"shares": [{"about": 1, "kind": "b", "share": "02" * 66}]},
+    "SecAggComplaint": {"c_secret": "0d" * 32, "accused": [2, 5]},
 }
 
 # (message, change) pairs that both pydantic and the schema must refuse
@@ -67,6 +68,8 @@ BAD: list[tuple[str, dict[str, Any]]] = [
     ("UpdateRequest", {"personal": {"w": 1}}),  # an extra field
     ("SecAggKeys", {"c_public": "AB" * 32}),  # upper-case hex
     ("SecAggSealed", {"box": "01" * 167}),  # a sealed pair is 168 bytes exactly
+    ("SecAggSealed", {"commits": "0b" * 63}),  # two 32-byte commitments
+    ("SecAggComplaint", {"accused": []}),  # a complaint accuses someone
     ("SecAggShare", {"kind": "both"}),
     ("SecAggStep", {"step": "closing"}),
     ("UpdateRequest", {"digest": "A" * 64}),  # upper-case hex

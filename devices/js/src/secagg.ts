@@ -181,6 +181,8 @@ export class SecureClient {
   neighbours = new Map<number, Advert>();
   held = new Map<number, [Uint8Array, Uint8Array]>();
   revealed = new Map<number, 'b' | 's'>();
+  /** Neighbours whose pair for it did not open or held shares other than they committed to. */
+  accused = new Set<number>();
 
   constructor(readonly subtle: SubtleCrypto, readonly cid: number, readonly roundId: string, readonly threshold: number,
     readonly size: number, readonly c: KeyPair, readonly s: KeyPair, readonly b: Uint8Array,
@@ -194,8 +196,17 @@ export class SecureClient {
     return ENC.encode(`pfl-secagg:${kind}:${this.roundId}`);
   }
 
-  /** The sealed pair of shares (of b, of the ``s`` key) for each neighbour, by its id. */
-  async shareKeys(neighbours: Map<number, Advert>): Promise<Map<number, Uint8Array>> {
+  /**
+   * The dealer's commitment to the share of its secret `kind` that `holder` holds (pfl_edge.secagg.verify.commitment):
+   * SHA-256 of "pfl-secagg-commit:<kind>:", the round id, the dealer and the holder (big-endian uint32), the share.
+   */
+  async commitment(kind: 'b' | 's', dealer: number, holder: number, share: Uint8Array): Promise<Uint8Array> {
+    const msg = concat(ENC.encode(`pfl-secagg-commit:${kind}:${this.roundId}`), be32(dealer), be32(holder), share);
+    return new Uint8Array(await this.subtle.digest('SHA-256', msg));
+  }
+
+  /** For each neighbour, by its id: the sealed pair of shares (of b, of the ``s`` key) and its commitments to them. */
+  async shareKeys(neighbours: Map<number, Advert>): Promise<Map<number, [Uint8Array, Uint8Array]>> {
     if (neighbours.size < this.threshold || neighbours.has(this.cid)) {
       throw new SecAggError(`${neighbours.size} neighbours: fewer than the threshold ${this.threshold}`);
     }
@@ -205,33 +216,59 @@ export class SecureClient {
     const coeffs = (): bigint[] => Array.from({ length: this.threshold - 1 }, () => fieldElement(this.random));
     const sb = split(this.b, xs, coeffs());
     const ss = split(this.s.secretRaw, xs, coeffs());
-    const out = new Map<number, Uint8Array>();
+    const out = new Map<number, [Uint8Array, Uint8Array]>();
     for (const j of ids) {
       const key = await agree(this.subtle, this.c, neighbours.get(j)!.c, this.info('c'));
       const body = concat(be32(this.cid), be32(j), sb.get(j + 1)!, ss.get(j + 1)!);
-      out.set(j, await seal(this.subtle, key, body, this.aad(this.cid, j), this.random(12)));
+      const commits = concat(await this.commitment('b', this.cid, j, sb.get(j + 1)!),
+        await this.commitment('s', this.cid, j, ss.get(j + 1)!));
+      out.set(j, [await seal(this.subtle, key, body, this.aad(this.cid, j), this.random(12)), commits]);
     }
     return out;
   }
 
-  /** y = x + the masks (mod 2^32), after opening the shares its neighbours sealed for it. */
-  async maskedInput(x: Uint32Array, sealed: Map<number, Uint8Array>): Promise<Uint32Array> {
+  /** The pair `dealer` sealed for it, opened and checked against the dealer's commitments (SecAggError otherwise). */
+  private async openPair(dealer: number, box: Uint8Array, commits: Uint8Array): Promise<[Uint8Array, Uint8Array]> {
+    const adv = this.neighbours.get(dealer)!;
+    const body = await openSealed(this.subtle, await agree(this.subtle, this.c, adv.c, this.info('c')), box, this.aad(dealer, this.cid));
+    const hdr = concat(be32(dealer), be32(this.cid));
+    if (body.length !== 8 + 2 * SHARE_BYTES || hdr.some((v, i) => body[i] !== v)) {
+      throw new SecAggError(`the pair from ${dealer} is not addressed to this client`);
+    }
+    const sb = body.slice(8, 8 + SHARE_BYTES);
+    const ss = body.slice(8 + SHARE_BYTES);
+    const want = concat(await this.commitment('b', dealer, this.cid, sb), await this.commitment('s', dealer, this.cid, ss));
+    if (commits.length !== want.length || want.some((v, i) => commits[i] !== v)) {
+      throw new SecAggError(`the pair from ${dealer} holds shares other than the ones it committed to`);
+    }
+    return [sb, ss];
+  }
+
+  /** The complaint it sends when `accused` is not empty: its sealing secret of this round and the dealers it accuses. */
+  complaint(): { c_secret: string; accused: number[] } {
+    return { c_secret: toHex(this.c.secretRaw), accused: [...this.accused].sort((a, b) => a - b) };
+  }
+
+  /**
+   * y = x + the masks (mod 2^32), after opening the pairs its neighbours sealed for it (with their commitments). A pair
+   * that does not open or check is not used: its dealer goes in `accused`, and it masks only with the pairs it holds.
+   */
+  async maskedInput(x: Uint32Array, sealed: Map<number, [Uint8Array, Uint8Array]>): Promise<Uint32Array> {
     if (x.length !== this.size) throw new SecAggError(`the input must hold ${this.size} values`);
     const senders = [...sealed.keys()].sort((a, b) => a - b);
     for (const j of senders) {
-      const adv = this.neighbours.get(j);
-      if (adv === undefined) throw new SecAggError(`a share from ${j}, not a neighbour`);
-      const body = await openSealed(this.subtle, await agree(this.subtle, this.c, adv.c, this.info('c')), sealed.get(j)!, this.aad(j, this.cid));
-      const hdr = concat(be32(j), be32(this.cid));
-      if (body.length !== 8 + 2 * SHARE_BYTES || hdr.some((v, i) => body[i] !== v)) {
-        throw new SecAggError(`the share from ${j} is not addressed to this client`);
+      if (!this.neighbours.has(j)) throw new SecAggError(`a share from ${j}, not a neighbour`);
+      try {
+        this.held.set(j, await this.openPair(j, ...sealed.get(j)!));
+      } catch (e) {
+        if (!(e instanceof SecAggError)) throw e;
+        this.accused.add(j);
       }
-      this.held.set(j, [body.slice(8, 8 + SHARE_BYTES), body.slice(8 + SHARE_BYTES)]);
     }
     const y = Uint32Array.from(x);
     const own = await prg(this.subtle, this.b, this.size);
     for (let i = 0; i < y.length; i++) y[i] = (y[i]! + own[i]!) >>> 0;
-    for (const j of senders) {
+    for (const j of senders.filter((k) => this.held.has(k))) {
       const m = await prg(this.subtle, await agree(this.subtle, this.s, this.neighbours.get(j)!.s, this.info('s')), this.size);
       const sign = this.cid < j ? 1 : -1;
       for (let i = 0; i < y.length; i++) y[i] = (y[i]! + sign * m[i]!) >>> 0;

@@ -18,7 +18,7 @@ export interface SecAggState {
   deadline: number;
   params: { degree: number; threshold: number; size: number } | null;
   neighbours: Array<{ index: number; c_public: string; s_public: string }>;
-  inbox: Array<{ index: number; box: string }>;
+  inbox: Array<{ index: number; box: string; commits: string }>;
   survivors: number[];
   dropped: number[];
 }
@@ -49,7 +49,8 @@ export function parseSecAggState(v: unknown): SecAggState {
     }),
     inbox: list('inbox').map((n) => {
       const x = n as Record<string, unknown>;
-      return { index: int(x['index'], 'index'), box: String(x['box']) };
+      if (!/^[0-9a-f]{128}$/.test(String(x['commits']))) throw new SecAggError('a pair\'s commitments are not 64 bytes of hex');
+      return { index: int(x['index'], 'index'), box: String(x['box']), commits: String(x['commits']) };
     }),
     survivors: list('survivors').map((x) => int(x, 'survivor')),
     dropped: list('dropped').map((x) => int(x, 'dropout')),
@@ -79,7 +80,8 @@ export async function runSecureRound(ctx: SecureRoundContext, t: number, x: Uint
     try {
       return parseSecAggState(await ctx.http.postJson(path(what), body));
     } catch (e) {
-      if (!(e instanceof HttpError) || e.status !== 409) throw e;
+      // 409: not its step; 422: named for a forged message (a false complaint): out of the round
+      if (!(e instanceof HttpError) || (e.status !== 409 && e.status !== 422)) throw e;
       ctx.log('warn', `round ${t}: the server took no ${what} message of this device: ${e.message}`);
       return null;
     }
@@ -113,16 +115,15 @@ export async function runSecureRound(ctx: SecureRoundContext, t: number, x: Uint
   const client = new SecureClient(ctx.subtle, ctx.slot, `${ctx.federation}:${t}`, at.params.threshold, at.params.size, c, s,
     ctx.random(32), (n) => ctx.random(n));
   const nbrs = new Map<number, Advert>(at.neighbours.map((n) => [n.index, { c: fromHex(n.c_public), s: fromHex(n.s_public) }]));
-  const boxes = await client.shareKeys(nbrs);
-  at = await wait(await post('shares', { shares: [...boxes].map(([j, b]) => ({ index: j, box: toHex(b) })) }),
+  const dealt = await client.shareKeys(nbrs);
+  at = await wait(await post('shares', { shares: [...dealt].map(([j, [b, h]]) => ({ index: j, box: toHex(b), commits: toHex(h) })) }),
     ['input', 'unmask', 'done']);
   if (at === null || at.step !== 'input') return out('the round moved past its input step without this device', at);
-  let y: Uint32Array;
-  try {
-    y = await client.maskedInput(x, new Map(at.inbox.map((b) => [b.index, fromHex(b.box)])));
-  } catch (e) {
-    if (!(e instanceof SecAggError)) throw e;
-    return out(`a neighbour's share does not open (${e.message})`, at);
+  const y = await client.maskedInput(x, new Map(at.inbox.map((b) => [b.index, [fromHex(b.box), fromHex(b.commits)]])));
+  if (client.accused.size) { // a pair that does not open or check: the server judges, this device stays
+    const complaint = client.complaint();
+    ctx.log('warn', `round ${t}: the pairs of ${complaint.accused.join(', ')} do not open or check; complaining before the input`);
+    if ((await post('complaint', complaint)) === null) return out('the server took no complaint', at);
   }
   if (!(await sendInput(encodeMasked(y, t)))) return false;
   at = await wait(await state(), ['unmask', 'done']);

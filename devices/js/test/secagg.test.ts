@@ -37,17 +37,34 @@ test('key agreement and the masks\' generator are pfl-edge\'s', async () => {
   await assert.rejects(agree(subtle, c0.c, new Uint8Array(32), ENC.encode('x')), /low-order|unusable|invalid/i);
 });
 
+type Inbox = Map<number, [Uint8Array, Uint8Array]>;
+const inbox0 = (): Inbox => new Map(Object.entries(fx.inbox0 as Record<string, { box: string; commits: string }>)
+  .map(([j, b]) => [Number(j), [fromHex(b.box), fromHex(b.commits)]]));
+
 test('the masked input is pfl-edge\'s, from the boxes pfl-edge sealed for it', async () => {
   const c0 = await client(0);
   c0.neighbours = adverts(0);
-  const inbox = new Map(Object.entries(fx.inbox0 as Record<string, string>).map(([j, b]) => [Number(j), fromHex(b)]));
-  const y = await c0.maskedInput(Uint32Array.from(fx.x0), inbox);
+  const y = await c0.maskedInput(Uint32Array.from(fx.x0), inbox0());
   assert.deepEqual(Array.from(y), fx.y0);
-  const tampered = new Map(inbox);
-  const box = Uint8Array.from(inbox.get(1)!);
-  box[20] = box[20]! ^ 1;
-  tampered.set(1, box);
-  await assert.rejects((await client(0)).maskedInput(Uint32Array.from(fx.x0), tampered), SecAggError);
+  assert.equal(c0.accused.size, 0);
+  assert.equal(toHex(await c0.commitment('b', 1, 0, c0.held.get(1)![0])), fx.commit_b_1_0);
+});
+
+test('a pair that does not open, or holds shares other than committed, is accused and not masked with', async () => {
+  for (const how of ['box', 'commits']) {
+    const tampered = inbox0();
+    const [box, commits] = tampered.get(1)!;
+    const bad = Uint8Array.from(how === 'box' ? box : commits);
+    bad[20] = bad[20]! ^ 1;
+    tampered.set(1, how === 'box' ? [bad, commits] : [box, bad]);
+    const c0 = await client(0);
+    c0.neighbours = adverts(0);
+    const y = await c0.maskedInput(Uint32Array.from(fx.x0), tampered);
+    assert.deepEqual([...c0.accused], [1]);
+    assert.deepEqual([...c0.held.keys()], [2]);
+    assert.notDeepEqual(Array.from(y), fx.y0); // the mask with 1 is left out
+    assert.deepEqual(c0.complaint(), { c_secret: fx.clients[0].c_secret, accused: [1] });
+  }
 });
 
 test('Shamir shares at fixed coefficients are pfl-edge\'s; its own boxes open for their pair only', async () => {
@@ -55,7 +72,7 @@ test('Shamir shares at fixed coefficients are pfl-edge\'s; its own boxes open fo
   const got = split(fromHex(fx.shamir.secret), Object.keys(want).map(Number), fx.shamir.coeffs.slice(1).map(BigInt));
   for (const [x, share] of Object.entries(want)) assert.equal(toHex(got.get(Number(x))!), share);
   const c1 = await client(1);
-  const boxes = await c1.shareKeys(adverts(1));
+  const boxes = new Map([...(await c1.shareKeys(adverts(1)))].map(([j, [b]]) => [j, b]));
   assert.deepEqual([...boxes.keys()], [0, 2]);
   const c0 = await client(0);
   const aad = (s: number, r: number) => new Uint8Array([...ENC.encode('pfl-secagg:' + fx.round_id), 0, 0, 0, s, 0, 0, 0, r]);
@@ -68,8 +85,7 @@ test('Shamir shares at fixed coefficients are pfl-edge\'s; its own boxes open fo
 test('it reveals one secret of a neighbour, never both', async () => {
   const c0 = await client(0);
   c0.neighbours = adverts(0);
-  const inbox = new Map(Object.entries(fx.inbox0 as Record<string, string>).map(([j, b]) => [Number(j), fromHex(b)]));
-  await c0.maskedInput(Uint32Array.from(fx.x0), inbox);
+  await c0.maskedInput(Uint32Array.from(fx.x0), inbox0());
   const first = c0.unmask(new Set([0, 1]), new Set([2]));
   assert.deepEqual(first.map((s) => [s.about, s.kind]), [[1, 'b'], [2, 's']]);
   assert.throws(() => c0.unmask(new Set([0, 2]), new Set([1])), /revealed already/);
