@@ -29,13 +29,20 @@ class SecAggConfig:
     [-bound, bound] before it is quantized (None: the privacy table's ``clip``, which bounds every coordinate
     already); ``bits``: the quantization's (None: the most that cannot wrap, 32 - ceil(log2(clients + 1)));
     ``degree`` and ``threshold``: SecAgg+'s graph (None: about 3 log2 n neighbours, threshold 2k/3 + 1);
-    ``step_s``: on devices, how long each step after a device's training may wait for the slow (seconds)."""
+    ``step_s``: on devices, how long each step after a device's training may wait for the slow (seconds).
+    ``min_group``: 0 (one sum of every participant), or grouped secure aggregation: the round's devices split by
+    the round's public seed into groups of at least ``min_group`` (each group's sum unmasked alone: the server
+    learns sums over ``min_group`` devices or more), combined ``across`` them: "median" (the coordinate-wise
+    median of the groups' means: one hostile device moves only its group's) or "mean" (weighted by the groups'
+    sizes: the plain mean); a group whose sum fails its check is left out either way."""
 
     bound: float | None = None
     bits: int | None = None
     degree: int | None = None
     threshold: int | None = None
     step_s: float = 60.0
+    min_group: int = 0
+    across: str = "median"
 
     def __post_init__(self) -> None:
         if self.bound is not None and (isinstance(self.bound, bool) or not isinstance(self.bound, int | float)
@@ -45,6 +52,12 @@ class SecAggConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi):
                 raise ConfigError(f"secure_aggregation.{name} must be an integer in [{lo}, {hi}], got {v!r:.40}")
+        if isinstance(self.min_group, bool) or not isinstance(self.min_group, int) or not (
+                self.min_group == 0 or MIN_CLIENTS <= self.min_group <= 100_000):
+            raise ConfigError(f"secure_aggregation.min_group must be 0 (one group) or an integer in [{MIN_CLIENTS}, "
+                              f"100000], got {self.min_group!r:.40}")
+        if self.across not in ("median", "mean"):
+            raise ConfigError(f"secure_aggregation.across must be 'median' or 'mean', got {self.across!r:.40}")
         if isinstance(self.step_s, bool) or not isinstance(self.step_s, int | float) or not (
                 math.isfinite(self.step_s) and 0 < self.step_s <= 86_400):
             raise ConfigError(f"secure_aggregation.step_s must be in (0, 86400] seconds, got {self.step_s!r:.40}")

@@ -241,16 +241,17 @@ class Algorithm:
     def aggregate(self, prev: Mapping[str, Tensor], updates: Iterable[tuple[Mapping[str, Tensor], float]], *,
                   rule: AggregationRule | None = None, history: Sequence[float] = (),
                   bounds: Sequence[float | None] | None = None, norms: Sequence[float] | None = None,
-                  start: PartialAverage | None = None, summed: tuple[numpy.ndarray, int] | None = None,
-                  noise: numpy.random.Generator | None = None, t: int = 0) -> dict[str, Tensor] | None:
+                  start: PartialAverage | None = None, summed: Sequence[tuple[numpy.ndarray, int]] | None = None,
+                  noise: numpy.random.Generator | None = None, t: int = 0,
+                  ids: Sequence[int] | None = None) -> dict[str, Tensor] | None:
         """The coordinator's new shared model from the round's updates (weights: training samples), streamed
         one at a time, under the federation's ``rule`` (default: the mean; updates come clipped to its bound,
         a robust rule's unclipped, with the last round's norms in ``history``), after the updates already
         folded into ``start`` (``partial_sum``'s, under the mean only); None where nothing is shared through a
         server. Under differential privacy (``pfl_edge.privacy``): the private mean, its noise from ``noise``
-        (the round's stream); under secure aggregation, round ``t``'s (``summed``: the sum a server unmasked and
-        how many inputs it holds). ``bounds``/``norms``: each update's norm bound and norm where the caller knows
-        them (the update-bound stage). The server always asks here: an algorithm composes the rule with its own
+        (the round's stream); under secure aggregation, round ``t``'s (``summed``: the sums a server unmasked,
+        one per group, and how many inputs each holds; ``ids``: the updates' slots). ``bounds``/``norms``: each
+        update's norm bound and norm where the caller knows them (the update-bound stage). The server always asks here: an algorithm composes the rule with its own
         step, and the server clips, averages and applies nothing itself."""
         return None
 

@@ -9,6 +9,7 @@ training samples, per tensor over the clients that sent it (clients of different
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -58,6 +59,8 @@ __all__ = [
     "with_base",
 ]
 
+log = logging.getLogger(__name__)
+
 
 class Central(Algorithm):
     """The server-coordinated algorithms: clients train every block, send their base (the blocks below K_P) and
@@ -81,12 +84,14 @@ class Central(Algorithm):
     def aggregate(self, prev: Mapping[str, Tensor], updates: Iterable[tuple[Mapping[str, Tensor], float]], *,
                   rule: AggregationRule | None = None, history: Sequence[float] = (),
                   bounds: Sequence[float | None] | None = None, norms: Sequence[float] | None = None,
-                  start: PartialAverage | None = None, summed: tuple[np.ndarray, int] | None = None,
-                  noise: np.random.Generator | None = None, t: int = 0) -> dict[str, Tensor] | None:
+                  start: PartialAverage | None = None, summed: Sequence[tuple[np.ndarray, int]] | None = None,
+                  noise: np.random.Generator | None = None, t: int = 0,
+                  ids: Sequence[int] | None = None) -> dict[str, Tensor] | None:
         """The round's new base, composed here for the simulator and the server alike: under secure aggregation
         the mean of round ``t``'s unmasked sum (``pfl_edge.secagg.aggregate.secure_mean``: the simulator runs
-        the protocol over ``updates``; a server gives the sum it unmasked, ``summed`` = (sum, survivors), checked
-        there before anything is released, SumOutOfRange otherwise); under differential
+        the protocol over ``updates``, whose slots are ``ids``; a server gives the sums it unmasked, ``summed`` =
+        (sum, survivors) per group, checked there before anything is released, SumOutOfRange where none passes);
+        under differential
         privacy the private mean (``pfl_edge.privacy.private_mean``, which bounds every update itself); under a
         robust ``rule`` that rule (it bounds the updates itself); else the sample-weighted mean of the bases
         (``aggregate_bases``), each update first held to its norm bound (the update-bound stage,
@@ -99,8 +104,8 @@ class Central(Algorithm):
             from ..secagg.aggregate import apply_sum, secure_mean  # the coordinator's side (cryptography)
 
             if summed is not None:
-                return {**prev, **apply_sum(self.cfg, {k: prev[k] for k in self.split.base}, *summed)}
-            return secure_mean(self.cfg, prev, updates, t)
+                return {**prev, **apply_sum(self.cfg, {k: prev[k] for k in self.split.base}, summed)}
+            return secure_mean(self.cfg, prev, updates, t, ids)
         if self.cfg.privacy is not None:
             if start is not None:
                 raise InternalError("partial sums under differential privacy: the private mean takes every update")
@@ -284,6 +289,23 @@ class CentralSimulation(Simulation):
             raise InternalError("a central algorithm with a base aggregated nothing")
         return new
 
+    def _secure_or_private(self, t: int, participants: Tensor,
+                           uploads: Iterable[tuple[Mapping[str, Tensor], float]]) -> dict[str, Tensor] | None:
+        """The private or secure round's base; a secure round whose every group's sum fails its check publishes
+        nothing (the base stays), as a server's does."""
+        if self.base is None:
+            raise InternalError("a round's private or secure mean without a base")
+        algo = self.central
+        if algo.cfg.secure_aggregation is None:
+            return algo.aggregate(self.base, uploads, noise=round_noise(algo.cfg, t), t=t)
+        from ..secagg.aggregate import SumOutOfRange  # the coordinator's side (cryptography)
+
+        try:
+            return algo.aggregate(self.base, uploads, t=t, ids=participants.tolist())
+        except SumOutOfRange as e:
+            log.error("round %d: the unmasked sum is refused (%s); the base stays the round's start", t, e)
+            return self.base
+
     def round(self, t: int, participants: Tensor) -> SimRound:
         import torch
 
@@ -297,7 +319,7 @@ class CentralSimulation(Simulation):
         else:  # the private and the secure mean bound every update themselves; no base (local): nothing to mean
             uploads = self._trained(t, participants, losses)
             if self.base is not None:
-                self.base = algo.aggregate(self.base, uploads, noise=round_noise(algo.cfg, t), t=t)
+                self.base = self._secure_or_private(t, participants, uploads)
             for _ in uploads:  # nothing shared (local): train all the same
                 pass
         if self.base is not None and not all_finite(self.base):

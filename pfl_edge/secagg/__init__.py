@@ -36,6 +36,7 @@ __all__ = [
     "dequantize_sum",
     "encode_masked",
     "graph",
+    "groups",
     "open_sealed",
     "prg",
     "quantize",
@@ -48,7 +49,7 @@ __all__ = [
 _LAZY = {
     "KeyPair": "crypto", "agree": "crypto", "open_sealed": "crypto", "prg": "crypto", "seal": "crypto",
     "Advert": "protocol", "Client": "protocol", "Params": "protocol", "Server": "protocol",
-    "dequantize_sum": "protocol", "graph": "protocol", "quantize": "protocol",
+    "dequantize_sum": "protocol", "graph": "protocol", "groups": "protocol", "quantize": "protocol",
     "RoundCost": "rounds", "run_round": "rounds",
     "PRIME": "shamir", "SHARE_BYTES": "shamir", "combine": "shamir", "split": "shamir",
 }

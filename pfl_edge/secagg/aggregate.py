@@ -16,7 +16,8 @@ and the server (``secure_params``, ``apply_sum``), which carry the protocol's st
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+import logging
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -24,7 +25,7 @@ import numpy as np
 from ..errors import CodecError, ConfigError
 from ..privacy import MIN_CLIENTS, SecAggConfig
 from ..seeding import derive_seed
-from .protocol import Params, dequantize_sum, quantize
+from .protocol import Params, dequantize_sum, groups, quantize
 from .rounds import run_round
 
 if TYPE_CHECKING:
@@ -32,8 +33,10 @@ if TYPE_CHECKING:
 
     from ..federation import FederationConfig
 
-__all__ = ["SumOutOfRange", "apply_sum", "check_sum", "float_keys", "secagg_config", "secure_input", "secure_mean",
-           "secure_params"]
+__all__ = ["SumOutOfRange", "apply_sum", "check_sum", "float_keys", "graph_seed", "group_seed", "secagg_config",
+           "secure_input", "secure_mean", "secure_params"]
+
+log = logging.getLogger(__name__)
 
 
 class SumOutOfRange(CodecError):
@@ -91,18 +94,35 @@ def check_sum(total: np.ndarray, survivors: int, bits: int) -> None:
                             "forged share)")
 
 
-def apply_sum(cfg: FederationConfig, prev: Mapping[str, Tensor], total: np.ndarray,
-              survivors: int) -> dict[str, Tensor]:
-    """The round's new shared part from the unmasked sum of ``survivors`` inputs, once ``check_sum`` has passed
-    it: ``prev`` plus the mean update (divided by q N under differential privacy, else by the survivors); integer
-    tensors stay ``prev``'s."""
+def apply_sum(cfg: FederationConfig, prev: Mapping[str, Tensor],
+              sums: Sequence[tuple[np.ndarray, int]]) -> dict[str, Tensor]:
+    """The round's new shared part from the unmasked sums of its groups, ``(sum, survivors)`` each (one group
+    unless ``min_group`` splits the round): each group's sum must pass ``check_sum`` (a group that fails is left
+    out, logged; SumOutOfRange if none passes); ``prev`` plus the groups' mean update combined ``across`` them:
+    the coordinate-wise median of the groups' means, or their mean weighted by survivors (the plain mean, under
+    differential privacy always, divided by q N there); integer tensors stay ``prev``'s."""
     import torch
 
-    bound, bits, _ = secagg_config(cfg).resolved(cfg, MIN_CLIENTS)
-    check_sum(total, survivors, bits)
+    sa = secagg_config(cfg)
+    bound, bits, _ = sa.resolved(cfg, MIN_CLIENTS)
+    kept, why = [], None
+    for total, survivors in sums:
+        try:
+            check_sum(total, survivors, bits)
+        except SumOutOfRange as e:
+            log.error("a group of %d inputs is left out of the round: %s", survivors, e)
+            why = e
+            continue
+        kept.append((dequantize_sum(total, survivors, bound, bits), survivors))
+    if not kept:
+        raise why or SumOutOfRange("no group's sum to release")
+    if cfg.dp is not None:  # the noise is in the sum: every kept group's, over the expected count
+        mean = np.sum([v for v, _ in kept], axis=0) / (cfg.participation * cfg.clients)
+    elif sa.across == "median" and len(kept) > 1:
+        mean = np.median(np.stack([v / n for v, n in kept]), axis=0)
+    else:
+        mean = np.sum([v for v, _ in kept], axis=0) / sum(n for _, n in kept)
     keys = float_keys(prev)
-    count = cfg.participation * cfg.clients if cfg.dp is not None else survivors
-    mean = dequantize_sum(total, survivors, bound, bits) / count
     out, at = dict(prev), 0
     for k in keys:
         n = prev[k].numel()
@@ -121,14 +141,31 @@ def secagg_config(cfg: FederationConfig) -> SecAggConfig:
 
 
 def secure_mean(cfg: FederationConfig, prev: Mapping[str, Tensor],
-                updates: Iterable[tuple[Mapping[str, Tensor], float]], t: int) -> dict[str, Tensor]:
+                updates: Iterable[tuple[Mapping[str, Tensor], float]], t: int,
+                ids: Sequence[int] | None = None) -> dict[str, Tensor]:
     """The round's new shared part (module docstring), the simulator's: every participant's ``secure_input``
-    through a whole SecAgg+ round in this process, then ``apply_sum``; every tensor of a round with fewer than
-    ``MIN_CLIENTS`` participants stays ``prev``'s."""
-    inputs = dict(enumerate(secure_input(cfg, prev, s) for s, _ in updates))
+    (``ids``: their slots, by default 0, 1, ...) through a whole SecAgg+ round per group in this process (the
+    server's groups: ``groups`` of the slots, by the round's seed), then ``apply_sum``; every tensor of a round
+    with fewer than ``MIN_CLIENTS`` participants stays ``prev``'s, as does a group of fewer."""
+    updates = list(updates)
+    ids = list(range(len(updates))) if ids is None else list(ids)
+    inputs = {i: secure_input(cfg, prev, s) for i, (s, _) in zip(ids, updates, strict=True)}
     size = sum(prev[k].numel() for k in float_keys(prev))
-    params = secure_params(cfg, len(inputs), size, f"round-{t}".encode())
-    if params is None:
-        return dict(prev)
-    total, survivors, _ = run_round(inputs, params, seed=derive_seed(cfg.seed, "secagg-graph", t))
-    return apply_sum(cfg, prev, total, len(survivors))
+    sums = []
+    for g, members in enumerate(groups(ids, secagg_config(cfg).min_group, group_seed(cfg, t))):
+        params = secure_params(cfg, len(members), size, f"round-{t}".encode())
+        if params is None:
+            continue
+        total, survivors, _ = run_round({i: inputs[i] for i in members}, params, seed=graph_seed(cfg, t, g))
+        sums.append((total, len(survivors)))
+    return apply_sum(cfg, prev, sums) if sums else dict(prev)
+
+
+def group_seed(cfg: FederationConfig, t: int) -> int:
+    """The public seed of round ``t``'s groups (``protocol.groups``): the server's and the simulator's."""
+    return derive_seed(cfg.seed, "secagg-groups", t)
+
+
+def graph_seed(cfg: FederationConfig, t: int, group: int) -> int:
+    """The public seed of round ``t``'s graph in ``group`` (the first group's is the ungrouped round's)."""
+    return derive_seed(cfg.seed, "secagg-graph", t) if group == 0 else derive_seed(cfg.seed, "secagg-graph", t, group)

@@ -36,7 +36,7 @@ from .shamir import combine, split
 from .verify import Forged, commitment, consistent, judge, matches, open_pair, pair_key
 from .verify import pair_info as _pair_info
 
-__all__ = ["Advert", "Client", "Dealt", "Params", "Server", "dequantize_sum", "graph", "quantize"]
+__all__ = ["Advert", "Client", "Dealt", "Params", "Server", "dequantize_sum", "graph", "groups", "quantize"]
 
 Dealt = tuple[bytes, bytes]  # a sealed pair and the dealer's commitments to its two shares (64 bytes)
 
@@ -70,6 +70,25 @@ def graph(ids: list[int], degree: int, seed: int) -> dict[int, frozenset[int]]:
     random.Random(seed).shuffle(order)
     n, half = len(order), degree // 2
     return {order[p]: frozenset(order[(p + d) % n] for d in range(-half, half + 1) if d) for p in range(n)}
+
+
+def groups(ids: list[int], min_group: int, seed: int) -> list[list[int]]:
+    """Grouped secure aggregation's groups (each one SecAgg+ round of its own, its sum unmasked alone): ``ids``
+    in an order drawn from ``seed`` (public: the round's), cut into as many groups of at least ``min_group`` as
+    they fill, of sizes differing by at most one, each sorted; one group of everyone where ``min_group`` is 0 or
+    fewer than two groups fill."""
+    order = sorted(ids)
+    g = len(order) // min_group if min_group > 0 else 1
+    if g <= 1:
+        return [order]
+    random.Random(seed).shuffle(order)
+    size, extra = divmod(len(order), g)
+    out, at = [], 0
+    for i in range(g):
+        n = size + (i < extra)
+        out.append(sorted(order[at:at + n]))
+        at += n
+    return out
 
 
 def quantize(x: np.ndarray, bound: float, bits: int) -> np.ndarray:

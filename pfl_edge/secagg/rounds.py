@@ -1,18 +1,20 @@
 """A SecAgg+ round in one process (``run_round``): every client's and the server's steps in order, clients
 dropping out where asked, with what each step sends and how long each side computes. The tests and the cost
-benchmark (bench/secagg_cost.py) run it; a federation would carry the same messages over its HTTP API."""
+benchmark (bench/secagg_cost.py) run it; a federation carries the same messages over its HTTP API, and its
+server unmasks a round from the messages it stored (``stored_total``)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from .protocol import Client, Params, Server
+from .protocol import Advert, Client, Params, Server
 
-__all__ = ["RoundCost", "run_round"]
+__all__ = ["RoundCost", "run_round", "stored_total"]
 
 STEPS = ("advertise", "share", "input", "unmask")
 
@@ -86,3 +88,23 @@ def run_round(inputs: Mapping[int, np.ndarray], params: Params, seed: int, *,
     total = server.total()
     cost.server_s += time.perf_counter() - t0
     return total, survivors, cost
+
+
+def stored_total(params: Params, seed: int, members: list[int], keys: Mapping[int, Mapping[str, Any]],
+                 shares: Mapping[int, Mapping[str, Any]], complaints: Mapping[int, Mapping[str, Any]],
+                 inputs: Iterable[tuple[int, np.ndarray]], answers: Mapping[int, Mapping[str, Any]]) -> np.ndarray:
+    """The sum of one group's ``inputs`` (slot, masked vector), unmasked by a ``Server`` rebuilt from the group's
+    stored messages as the wire carried them (``pfl_edge.secagg.wire``'s JSON, by slot: ``keys``, ``shares``,
+    ``complaints``, ``answers`` of the unmask step), in the steps' order; raises as ``Server.total`` does."""
+    srv = Server(params, seed)
+    srv.advertised([Advert(i, bytes.fromhex(keys[i]["c_public"]), bytes.fromhex(keys[i]["s_public"]))
+                    for i in members])
+    for i in (i for i in members if i in shares):
+        srv.route(i, {x["index"]: (bytes.fromhex(x["box"]), bytes.fromhex(x["commits"])) for x in shares[i]["shares"]})
+    for i in (i for i in members if i in complaints):
+        srv.complain(i, bytes.fromhex(complaints[i]["c_secret"]), list(complaints[i]["accused"]))
+    for i, y in inputs:
+        srv.receive(i, y)
+    for i in (i for i in members if i in answers):
+        srv.collect(i, {x["about"]: (x["kind"], bytes.fromhex(x["share"])) for x in answers[i]["shares"]})
+    return srv.total()

@@ -8,8 +8,8 @@ The step is the round's (``Round.secagg_step``, ``Round.step_deadline``), moved 
 ``done``; advertising ends early at the federation's quorum of the round's devices, as a plain round closes
 at its quorum of updates. Each device message is kept whole (``SecAggMessage``) and checked against the step
 and the graph before it is: a device sends only in its step, only to and about its neighbours, once (a retry of
-the same message is answered again; another is refused). The library's ``Server`` is rebuilt from those rows where the
-sum is needed: the server holds nothing of a round in memory, and a replica or a restart reads the same state.
+the same message is answered again; another is refused). The sum is unmasked from those rows (``stored_total``):
+nothing of a round is held in memory, and a replica or a restart reads the same state.
 
 A device whose message fails a check only it could fail is named (``pfl_edge.secagg.verify``; a row of kind
 ``out`` or ``named``, its ``refused_updates`` counted, the log): a dealer whose pair a neighbour's complaint
@@ -18,11 +18,10 @@ its neighbours reveal its mask key as a dropout's); a survivor whose revealed sh
 committed to is **named** and its answer discarded (its input stays: its neighbours revealed its seed already),
 and a dealer whose committed shares make no secret is named and the round releases nothing.
 
-What the server cannot bound here: an update's norm (it sees only masked vectors); every coordinate is bounded by
-the quantization's range, and the unmasked sum is checked before release (``check_sum``). The round releases
-nothing (its base stays the start) when fewer than ``MIN_CLIENTS`` inputs survive, when a secret cannot be
-rebuilt (more than degree - threshold of a device's neighbours left before unmasking), or when a dealer's
-shares are forged; the next round opens either way.
+Grouped rounds (``min_group``): each group is a SecAgg+ round of its own over the same messages, unmasked alone.
+The server cannot bound an update's norm (it sees masked vectors); each group's sum is checked before release
+(``check_sum``). A group releases nothing with fewer than ``MIN_CLIENTS`` inputs, a secret that cannot be rebuilt
+or a dealer's forged shares; the next round opens either way.
 """
 
 from __future__ import annotations
@@ -51,7 +50,6 @@ from pfl_edge.secagg.wire import (
     decode_masked,
     round_id,
 )
-from pfl_edge.seeding import derive_seed
 
 from ..db import Device, Federation, Round, SecAggMessage, Update
 from ..errors import Conflict, Unprocessable
@@ -199,47 +197,47 @@ class SecureRounds:
         answered = self._slots(s, r, "unmask") | self._slots(s, r, "named")
         return len(answered & set(survivors)), len(survivors)
 
-    def unmasked(self, fed_id: str, t: int, fm: FedModel) -> tuple[np.ndarray, int] | None:
-        """Round ``t``'s unmasked sum and how many inputs it sums, for the algorithm's aggregate to release
-        (``Algorithm.aggregate``'s ``summed``, which checks it first); None where the round releases nothing
-        (module docstring): too few survivors, or a reconstruction the messages do not allow. Whatever the messages
-        hold, this returns: a forged share that breaks the reconstruction names its dealer and ends the round
-        without a release, the next round opens (it never leaves the round in ``closing`` for a retry)."""
-        from pfl_edge.secagg import Advert, Server
+    def unmasked(self, fed_id: str, t: int, fm: FedModel) -> list[tuple[np.ndarray, int]] | None:
+        """Round ``t``'s unmasked sums, ``(sum, inputs it sums)`` per group, for the algorithm's aggregate to
+        release (``Algorithm.aggregate``'s ``summed``, which checks each first); None where nothing can be
+        released (module docstring). A group releases nothing with too few survivors, or a reconstruction the
+        messages do not allow: a forged share that breaks it names its dealer and leaves the group out. Whatever
+        the messages hold, this returns: the next round opens (it never leaves the round in ``closing``)."""
+        from pfl_edge.secagg.aggregate import graph_seed
+        from pfl_edge.secagg.rounds import stored_total
         from pfl_edge.secagg.verify import Forged
 
+        out: list[tuple[np.ndarray, int]] = []
+        named: list[Forged] = []
         with self.store.read() as s:
             r = self.store.round(s, fed_id, t)
-            params = self._params(s, fm, r)
+            _, _, layout = self._layout(s, fm, r)
             survivors = self._survivors(s, r)
-            if params is None or len(survivors) < MIN_CLIENTS:
-                log.warning("federation %s: round %d: %d masked inputs survived; the base stays the round's start",
-                            fed_id, t, len(survivors))
-                return None
-            srv = Server(params, derive_seed(fm.cfg.seed, "secagg-graph", t))
-            srv.advertised([Advert(slot, bytes.fromhex(b["c_public"]), bytes.fromhex(b["s_public"]))
-                            for slot, b in self._bodies(s, r, "keys").items()])
-            try:
-                for slot, b in self._bodies(s, r, "shares").items():
-                    srv.route(slot, {x["index"]: (bytes.fromhex(x["box"]), bytes.fromhex(x["commits"]))
-                                     for x in b["shares"]})
-                for slot, b in self._bodies(s, r, "complain").items():
-                    srv.complain(slot, bytes.fromhex(b["c_secret"]), b["accused"])
-                for slot, digest in survivors.items():
-                    srv.receive(slot, decode_masked(self.blobs.blobs.get(digest), params.size)[1])
-                for slot, b in self._bodies(s, r, "unmask").items():
-                    srv.collect(slot, {x["about"]: (x["kind"], bytes.fromhex(x["share"])) for x in b["shares"]})
-                total, failed = srv.total(), None
-            except (ConfigError, CodecError) as e:  # too few, forged or inconsistent shares: the devices', not ours
-                total, failed = None, e
-        if failed is not None or total is None:
-            log.error("federation %s: round %d cannot be unmasked (%s); the base stays the round's start", fed_id,
-                      t, failed)
-            if isinstance(failed, Forged):  # a dealer's committed shares make no secret, or another key
-                with self.store.write() as s:
-                    self._name(s, self.store.round(s, fed_id, t), failed.culprit, failed.why, out=False)
-            return None
-        return total, len(survivors)
+            keys, shares = self._bodies(s, r, "keys"), self._bodies(s, r, "shares")
+            complaints, answers = self._bodies(s, r, "complain"), self._bodies(s, r, "unmask")
+            for g, params, members in layout:
+                mine = {i: survivors[i] for i in members if i in survivors}
+                if len(mine) < MIN_CLIENTS:
+                    log.warning("federation %s: round %d: %d masked inputs survived in group %d; it releases nothing",
+                                fed_id, t, len(mine), g)
+                    continue
+                inputs = ((i, decode_masked(self.blobs.blobs.get(d), params.size)[1]) for i, d in mine.items())
+                try:
+                    out.append((stored_total(params, graph_seed(fm.cfg, t, g), members, keys, shares, complaints,
+                                             inputs, answers), len(mine)))
+                except (ConfigError, CodecError) as e:  # too few, forged or inconsistent shares: devices', not ours
+                    log.error("federation %s: round %d: group %d cannot be unmasked (%s); it releases nothing",
+                              fed_id, t, g, e)
+                    if isinstance(e, Forged):
+                        named.append(e)
+        if named:
+            with self.store.write() as s:
+                r = self.store.round(s, fed_id, t)
+                for f in named:
+                    self._name(s, r, f.culprit, f.why, out=False)
+        if not out:
+            log.error("federation %s: round %d releases nothing; the base stays the round's start", fed_id, t)
+        return out or None
 
     # ------------------------------------------------------------------------------------------- internals
     def _round(self, s: Session, dev: Device, t: int, *, lock: bool = False) -> tuple[Federation, FedModel, Round]:
@@ -266,8 +264,7 @@ class SecureRounds:
             SecAggMessage.federation == r.federation, SecAggMessage.round == r.round, SecAggMessage.kind == kind)
         if slots is not None:
             q = q.where(SecAggMessage.slot.in_(sorted(slots)))
-        rows = s.execute(q.order_by(SecAggMessage.slot))
-        return {slot: body for slot, body in rows}
+        return {slot: body for slot, body in s.execute(q.order_by(SecAggMessage.slot))}
 
     def _survivors(self, s: Session, r: Round) -> dict[int, str]:
         """Slot -> digest of every accepted masked input of round ``r`` whose device is not out of the round."""
@@ -294,27 +291,35 @@ class SecureRounds:
                     "%s: %s", r.federation, r.round, None if dev is None else dev.id, slot,
                     " and is out of the round" if out else "", why)
 
-    def _params(self, s: Session, fm: FedModel, r: Round) -> Any:
-        from pfl_edge.secagg.aggregate import secure_params
+    def _layout(self, s: Session, fm: FedModel, r: Round) -> tuple[dict[int, Any], dict[int, frozenset[int]],
+                                                                   list[tuple[int, Any, list[int]]]]:
+        """Round ``r``'s groups as the advertisers fixed them (one unless ``min_group`` splits the round: each
+        group one SecAgg+ round, ``pfl_edge.secagg.groups``): each slot's group's parameters, each slot's
+        neighbours, and the groups (index, parameters, slots); none where the round is too small."""
+        from pfl_edge.secagg import graph, groups
+        from pfl_edge.secagg.aggregate import graph_seed, group_seed, secure_params
 
-        n = len(self._slots(s, r, "keys"))
-        return secure_params(fm.cfg, n, fm.secure_size(), round_id(r.federation, r.round))
-
-    def _edges(self, s: Session, fm: FedModel, r: Round) -> tuple[Any, dict[int, frozenset[int]]]:
-        from pfl_edge.secagg import graph
-
-        params = self._params(s, fm, r)
         ids = sorted(self._slots(s, r, "keys"))
-        if params is None:
-            return None, {}
-        return params, graph(ids, params.degree, derive_seed(fm.cfg.seed, "secagg-graph", r.round))
+        rid = round_id(r.federation, r.round)
+        by_slot: dict[int, Any] = {}
+        edges: dict[int, frozenset[int]] = {}
+        out = []
+        for g, members in enumerate(groups(ids, secagg_config(fm.cfg).min_group, group_seed(fm.cfg, r.round))):
+            params = secure_params(fm.cfg, len(members), fm.secure_size(), rid)
+            if params is None:
+                continue
+            out.append((g, params, members))
+            by_slot.update(dict.fromkeys(members, params))
+            edges.update(graph(members, params.degree, graph_seed(fm.cfg, r.round, g)))
+        return by_slot, edges, out
 
     def _answer(self, s: Session, fed: Federation, fm: FedModel, r: Round, slot: int) -> SecAggStep:
         step = "done" if fed.round != r.round or fed.state != RoundState.COLLECTING else r.secagg_step or "advertise"
         out: dict[str, Any] = dict(round=r.round, step=step, deadline=r.step_deadline or r.deadline)
         if step in ("advertise", "done"):
             return SecAggStep(**out)
-        params, edges = self._edges(s, fm, r)
+        by_slot, edges, _ = self._layout(s, fm, r)
+        params = by_slot.get(slot)
         if params is not None:
             out["params"] = SecAggParams(degree=params.degree, threshold=params.threshold, size=params.size)
         mine = edges.get(slot, frozenset())
@@ -345,9 +350,9 @@ class SecureRounds:
                 except CodecError as e:
                     raise Unprocessable(f"a public key of this device is unusable: {e}") from None
             return None
-        params, edges = self._edges(s, fm, r)
-        mine = edges.get(slot)
-        if mine is None:
+        by_slot, edges, _ = self._layout(s, fm, r)
+        params, mine = by_slot.get(slot), edges.get(slot)
+        if params is None or mine is None:
             raise Conflict(f"this device advertised no keys in round {r.round}: it is not in the round's graph")
         if isinstance(msg, SecAggShares):
             to = [x.index for x in msg.shares]
@@ -387,7 +392,8 @@ class SecureRounds:
         """The neighbours whose share in ``msg`` is not the one they committed to for this device."""
         from pfl_edge.secagg.verify import matches
 
-        params, edges = self._edges(s, fm, r)
+        by_slot, edges, _ = self._layout(s, fm, r)
+        params = by_slot[slot]
         dealt = {j: x for j, b in self._bodies(s, r, "shares", edges[slot]).items() for x in b["shares"]
                  if x["index"] == slot}
         return [x.about for x in msg.shares if not matches(params, x.kind, x.about, slot, bytes.fromhex(x.share),

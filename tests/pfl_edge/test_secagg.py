@@ -263,7 +263,7 @@ def test_an_unmasked_sum_no_honest_inputs_make_is_refused_before_release() -> No
                                       "secure_aggregation": {"bound": 0.5, "bits": 4}})
     prev = {"w": torch.zeros(2)}
     # honest: 3 inputs at 15 (each +0.5) and at 0 (each -0.5) -> the mean update is +0.5 and -0.5
-    out = apply_sum(cfg, prev, np.array([45, 0], dtype=np.uint32), 3)
+    out = apply_sum(cfg, prev, [(np.array([45, 0], dtype=np.uint32), 3)])
     assert torch.allclose(out["w"], torch.tensor([0.5, -0.5]))
     with pytest.raises(SumOutOfRange):
-        apply_sum(cfg, prev, np.array([2**31, 0], dtype=np.uint32), 3)
+        apply_sum(cfg, prev, [(np.array([2**31, 0], dtype=np.uint32), 3)])

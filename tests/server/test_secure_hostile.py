@@ -122,3 +122,62 @@ def test_one_hostile_device_cannot_move_the_base_or_stall_the_federation(srv: Ba
     assert listing[0]["refused"] == (1 if named else 0)
     assert all(listing[i]["refused"] == 0 for i in range(1, 5))  # nobody honest is named
     mq.close()
+
+
+GROUPED: dict[str, Any] = {**FEDPER, "clients": 9, "rounds": 2,
+                           "secure_aggregation": {"bound": 0.5, "bits": 16, "min_group": 3}}
+
+
+@pytest.mark.parametrize("hostile", [False, True])
+def test_in_groups_one_hostile_device_spoils_only_its_own_group(srv: BackgroundServer, hostile: bool) -> None:
+    """Grouped secure aggregation (``min_group`` 3: three groups of three, by the round's seed), each group's sum
+    unmasked alone: honest, the published base is the simulator's (``secure_mean`` over the same slots: the
+    median of the three groups' means, not the plain mean); with slot 0's input out of range, its group's sum
+    fails its check and is left out, and the base moves by the median of the other two groups' means (their
+    mean, at equal sizes; before groups: nothing was published)."""
+    from pfl_edge.secagg import groups
+    from pfl_edge.secagg.aggregate import group_seed, secure_mean
+
+    c, cfg, devs, mq, task, start, keys, sent = enrolled(srv, ADMIN, "gx", GROUPED, 3)
+    xs = [secure_input(cfg, start, s) for s in sent]
+    parts = groups(list(range(9)), 3, group_seed(cfg, 1))
+    assert len(parts) == 3
+    clients = {d.index: Client(d.index, Params(2, 2, 1)) for d in devs}
+    for d in devs:
+        cl = clients[d.index]
+        assert c.post("/v1/rounds/1/secagg/keys", headers=d.h, json={
+            "c_public": cl.c.public.hex(), "s_public": cl.s.public.hex()}).status_code == 200
+    size = sum(start[k].numel() for k in keys)
+    for d in devs:
+        at = at_step(c, d, 1, "share")
+        group = next(p for p in parts if d.index in p)
+        assert sorted(n["index"] for n in at["neighbours"]) == [j for j in group if j != d.index]
+        cl = clients[d.index]
+        cl.params = Params(at["params"]["degree"], at["params"]["threshold"], size, round_id("gx", 1))
+        assert c.post("/v1/rounds/1/secagg/shares", headers=d.h,
+                      json=dealt_json(cl.share_keys(adverts(at)))).status_code == 200
+    for d in devs:
+        y = clients[d.index].masked_input(xs[d.index], inbox(at_step(c, d, 1, "input")))
+        if hostile and d.index == 0:
+            y = (y.astype(np.uint64) + (1 << 31)).astype(np.uint32)
+        assert d.update(1, d.put(encode_masked(y, 1))).status_code == 200
+    coord = srv.app_state.coordinator  # type: ignore[union-attr]
+    coord.rounds.clock = lambda: time.time() + 10**6
+    coord.worker.kick()
+    for d in devs:
+        ask = at_step(c, d, 1, "unmask")
+        shares = clients[d.index].unmask(frozenset(ask["survivors"]), frozenset(ask["dropped"]))
+        assert c.post("/v1/rounds/1/secagg/unmask", headers=d.h, json={"shares": [
+            {"about": j, "kind": k, "share": s.hex()} for j, (k, s) in shares.items()]}).status_code == 200
+    coord.rounds.clock = lambda: time.time() + 2 * 10**6
+    coord.worker.kick()
+    nxt = mq.wait(task_topic("gx", devs[0].id), lambda x: x["round"] == 2, timeout=60)
+    got = devs[0].get(nxt["base"]).tensors
+    if hostile:
+        want = expected_base(start, keys, xs, sorted(i for p in parts if 0 not in p for i in p), 0.5, 16)
+    else:
+        want = secure_mean(cfg, {k: start[k] for k in keys}, [(s, 1.0) for s in sent], t=1, ids=list(range(9)))
+        plain = expected_base(start, keys, xs, list(range(9)), 0.5, 16)
+        assert not all(torch.allclose(got[k].double(), plain[k].double(), rtol=0, atol=1e-6) for k in keys)
+    assert all(torch.allclose(got[k].double(), want[k].double(), rtol=0, atol=1e-6) for k in keys)
+    mq.close()
