@@ -156,3 +156,14 @@ def test_consistency_against_a_hand_worked_polynomial() -> None:
     share = {x: (7 + 3 * x).to_bytes(SHARE_BYTES, "big") for x in (1, 2, 3)}
     assert consistent(share, 2) and consistent({1: share[1], 2: share[2]}, 2)
     assert not consistent({**share, 3: (17).to_bytes(SHARE_BYTES, "big")}, 2)
+
+
+def test_the_commitment_vector_of_the_protocol_doc() -> None:
+    """docs/protocol.md, "Secure aggregation": the vector a device written from the docs checks itself against."""
+    from pathlib import Path
+
+    doc = " ".join((Path(__file__).resolve().parents[2] / "docs" / "protocol.md").read_text(encoding="utf-8").split())
+    p = Params(2, 2, 1, b"fed:3")
+    for kind in ("b", "s"):
+        got = commitment(p, kind, 1, 0, bytes(range(66))).hex()
+        assert f"`{kind}` gives `{got}`" in doc
