@@ -46,3 +46,12 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'state.db'}"
     return str(request.getfixturevalue("pg_url"))
+
+
+@pytest.fixture
+def mixing() -> Iterator[str]:
+    """The toy mixing algorithm's name, registered for the test (``server_testkit.mixing_algorithm``)."""
+    from server_testkit import mixing_algorithm
+
+    with mixing_algorithm() as name:
+        yield name

@@ -15,7 +15,7 @@ from pfl_edge.protocol import task_topic
 from pfl_edge.secagg import Advert, dequantize_sum
 from pfl_edge.secagg.aggregate import float_keys
 
-__all__ = ["adverts", "at_step", "dealt_json", "enrolled", "expected_base", "inbox", "state"]
+__all__ = ["adverts", "at_step", "dealt_json", "enrolled", "expected_base", "honest_round", "inbox", "state"]
 
 
 def state(c: httpx.Client, d: Dev, t: int) -> dict[str, Any]:
@@ -81,3 +81,37 @@ def expected_base(start: dict[str, torch.Tensor], keys: list[str], xs: list[np.n
         out[k] = v.to(start[k].dtype)
         at += n
     return out
+
+
+def honest_round(srv: Any, c: httpx.Client, devs: list[Dev], fed: str, xs: list[np.ndarray], size: int) -> None:
+    """Round 1's four steps over HTTP for every device of ``devs``, each an honest ``Client`` with input ``xs``
+    (the step deadlines are passed by moving the round machine's clock); the round then closes."""
+    import time
+
+    from pfl_edge.secagg import Client, Params, encode_masked, round_id
+
+    clients = {d.index: Client(d.index, Params(2, 2, 1)) for d in devs}
+    for d in devs:
+        cl = clients[d.index]
+        r = c.post("/v1/rounds/1/secagg/keys", headers=d.h, json={"c_public": cl.c.public.hex(),
+                                                                   "s_public": cl.s.public.hex()})
+        assert r.status_code == 200, r.text
+    for d in devs:
+        at = at_step(c, d, 1, "share")
+        cl = clients[d.index]
+        cl.params = Params(at["params"]["degree"], at["params"]["threshold"], size, round_id(fed, 1))
+        assert c.post("/v1/rounds/1/secagg/shares", headers=d.h,
+                      json=dealt_json(cl.share_keys(adverts(at)))).status_code == 200
+    for d in devs:
+        y = clients[d.index].masked_input(xs[d.index], inbox(at_step(c, d, 1, "input")))
+        assert d.update(1, d.put(encode_masked(y, 1))).status_code == 200
+    coord = srv.app_state.coordinator
+    coord.rounds.clock = lambda: time.time() + 10**6
+    coord.worker.kick()
+    for d in devs:
+        ask = at_step(c, d, 1, "unmask")
+        shares = clients[d.index].unmask(frozenset(ask["survivors"]), frozenset(ask["dropped"]))
+        assert c.post("/v1/rounds/1/secagg/unmask", headers=d.h, json={"shares": [
+            {"about": j, "kind": k, "share": s.hex()} for j, (k, s) in shares.items()]}).status_code == 200
+    coord.rounds.clock = lambda: time.time() + 2 * 10**6
+    coord.worker.kick()

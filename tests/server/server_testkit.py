@@ -4,12 +4,13 @@ check that a refused request changed nothing."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import socket
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -263,3 +264,27 @@ def closed(s: socket.socket) -> bool:
         return False
     except OSError:
         return True
+
+
+BETA = 0.25  # the toy mixing algorithm's (``mixing_algorithm``)
+
+
+@contextlib.contextmanager
+def mixing_algorithm() -> Iterator[str]:
+    """A toy algorithm whose aggregate is not a weighted mean, registered while the block runs: FedPer's base mixed
+    with the last one, beta * (what FedPer's aggregate gives) + (1 - beta) * prev (pFedMe's server step). A server
+    that bypassed the algorithm's aggregate would publish FedPer's."""
+    from pfl_edge.algorithms import algorithm as registry
+    from pfl_edge.algorithms.central import FedPer
+
+    class Mixing(FedPer):
+        def aggregate(self, prev, updates, **kw):  # type: ignore[no-untyped-def]
+            new = super().aggregate(prev, updates, **kw)
+            assert new is not None
+            return {k: (BETA * v.double() + (1 - BETA) * prev[k].double()).to(v.dtype) for k, v in new.items()}
+
+    registry.register_algorithm("toy-mixing")(Mixing)
+    try:
+        yield "toy-mixing"
+    finally:
+        del registry._REGISTRY["toy-mixing"]

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from server_testkit import FEDPER, Dev, create, perturbed, wait_for
+from server_testkit import BETA, FEDPER, Dev, create, perturbed, wait_for
 from sqlalchemy import select
 
 from pfl_edge.aggregate import AggregationRule, PartialAverage, robust_aggregate
@@ -146,29 +146,6 @@ def test_two_replicas_close_a_round_from_their_sums(replicas: list[BackgroundSer
     for k in base_keys:
         want = sum(x[k].double() * n for x, n in ups) / total
         torch.testing.assert_close(got[k].double(), want, rtol=0, atol=1e-6)
-
-
-BETA = 0.25
-
-
-@pytest.fixture
-def mixing() -> Iterator[str]:
-    """A toy algorithm whose aggregate is not a weighted mean: FedPer's base mixed with the last one,
-    beta * (the rule's result) + (1 - beta) * prev (pFedMe's server step), registered for the test only."""
-    from pfl_edge.algorithms import algorithm as registry
-    from pfl_edge.algorithms.central import FedPer
-
-    class Mixing(FedPer):
-        def aggregate(self, prev, updates, **kw):  # type: ignore[no-untyped-def]
-            new = super().aggregate(prev, updates, **kw)
-            assert new is not None
-            return {k: (BETA * v.double() + (1 - BETA) * prev[k].double()).to(v.dtype) for k, v in new.items()}
-
-    registry.register_algorithm("toy-mixing")(Mixing)
-    try:
-        yield "toy-mixing"
-    finally:
-        del registry._REGISTRY["toy-mixing"]
 
 
 @pytest.mark.parametrize("aggregation", [None, {"rule": "median"}])

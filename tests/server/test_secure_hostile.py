@@ -138,7 +138,7 @@ def test_in_groups_one_hostile_device_spoils_only_its_own_group(srv: BackgroundS
     from pfl_edge.secagg import groups
     from pfl_edge.secagg.aggregate import group_seed, secure_mean
 
-    c, cfg, devs, mq, task, start, keys, sent = enrolled(srv, ADMIN, "gx", GROUPED, 3)
+    c, cfg, devs, mq, _task, start, keys, sent = enrolled(srv, ADMIN, "gx", GROUPED, 3)
     xs = [secure_input(cfg, start, s) for s in sent]
     parts = groups(list(range(9)), 3, group_seed(cfg, 1))
     assert len(parts) == 3

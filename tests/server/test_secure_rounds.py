@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from secure_kit import adverts, at_step, dealt_json, enrolled, expected_base, inbox, state
-from server_testkit import FEDPER, Dev, background_server, bearer, create, wait_for
+from secure_kit import adverts, at_step, dealt_json, enrolled, expected_base, honest_round, inbox, state
+from server_testkit import BETA, FEDPER, Dev, background_server, bearer, create, wait_for
 
 from pfl_edge.protocol import task_topic
 from pfl_edge.secagg import Client, Params, encode_masked, round_id
@@ -219,3 +219,41 @@ def test_a_large_body_is_checked_off_the_event_loop(srv: BackgroundServer, monke
     assert any(on for n, on in sizes.items() if n <= limits.PARSE_ON_LOOP)
     assert any(n > limits.PARSE_ON_LOOP for n in sizes) and not any(
         on for n, on in sizes.items() if n > limits.PARSE_ON_LOOP), seen
+
+
+def test_a_secure_round_goes_through_the_algorithms_aggregate(srv: BackgroundServer, mixing: str) -> None:
+    """The server never replaces an algorithm's aggregate, secure rounds included: a toy algorithm's beta mixing
+    (``server_testkit.mixing_algorithm``) is applied to the mean the server unmasked, as the simulator applies it
+    (the simulator's aggregate over the same updates and slots: ``Algorithm.aggregate``)."""
+    from server.fedmodel import fed_model
+
+    config = {**SECURE, "algorithm": mixing, "clients": 5}
+    c, cfg, devs, mq, _task, start, keys, sent = _enrolled(srv, "smx", config, 4)
+    xs = [secure_input(cfg, start, s) for s in sent]
+    honest_round(srv, c, devs, "smx", xs, sum(start[k].numel() for k in keys))
+    nxt = mq.wait(task_topic("smx", devs[0].id), lambda x: x["round"] == 2, timeout=60)
+    got = devs[0].get(nxt["base"]).tensors
+    mean = expected_base(start, keys, xs, list(range(5)), 0.5, 16)
+    sim = fed_model(config).algorithm().aggregate({k: start[k] for k in keys}, [(s, 1.0) for s in sent], t=1,
+                                               ids=list(range(5)))
+    assert sim is not None
+    for k in keys:
+        want = BETA * mean[k].double() + (1 - BETA) * start[k].double()
+        torch.testing.assert_close(got[k].double(), want, rtol=0, atol=1e-6, msg=k)
+        torch.testing.assert_close(sim[k].double(), want, rtol=0, atol=1e-6, msg=k)
+        assert not torch.allclose(got[k].double(), mean[k].double(), atol=1e-6), "the plain mean: bypassed"
+    mq.close()
+
+
+def test_no_route_parses_a_strangers_body_over_64_kib() -> None:
+    """Every JSON body a route may take above 64 KiB (``BODY_LIMITS``) is one only the admin or an enrolled device
+    may send, and its token is checked before the body is read (``ADMIN_FIRST``, ``DEVICE_FIRST``); every other
+    JSON body is at most ``JSON_BODY_LIMIT``, 64 KiB; a streamed body (None) is the blob route's own, never JSON."""
+    from server import limits
+
+    assert limits.JSON_BODY_LIMIT <= 64 << 10 and limits.PARSE_ON_LOOP <= 64 << 10
+    first = {(m, p.pattern) for m, p in (*limits.ADMIN_FIRST, *limits.DEVICE_FIRST)}
+    large = [(m, p.pattern) for m, p, n in limits.BODY_LIMITS if n is not None and n > 64 << 10]
+    assert large and all(x in first for x in large), (large, first)
+    streamed = [p.pattern for _, p, n in limits.BODY_LIMITS if n is None]
+    assert streamed == [rf"^{limits.API_PREFIX}/blobs/[^/]*$"]
