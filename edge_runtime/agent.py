@@ -219,13 +219,13 @@ class Agent:
             self._wake(hint)
 
     def _not_drawn(self, payload: bytes) -> bool:
-        """A sampled round's bell not drawing this slot (``Algorithm.participation``): not worth a request (at
-        100,000 devices, 2,000 drawn). An empty bell (a reconnect), an unreadable one and the end are asked about."""
+        """A sampled round's bell not drawing this slot (``Algorithm.participation``): not worth a request. An empty
+        bell (a reconnect), an unreadable one, the end and every bell of a secret draw (the server's) are asked."""
         try:
             ann = RoundAnnouncement.model_validate_json(payload) if payload else None
         except ValueError:
             return False
-        t = None if ann is None or ann.state == "finished" or ann.round < 1 else ann.round  # None: every slot
+        t = None if ann is None or ann.state == "finished" or ann.round < 1 or self.algo.secret_draw() else ann.round
         return t is not None and self.enr.index not in (self.algo.participation(t).slots or {self.enr.index})
 
     def _wake(self, hint: Task | None = None) -> None:

@@ -4,7 +4,8 @@ for the server-averaged algorithms (FedPer, FedAvg, Ditto and their -FT variants
 A round, under a federation's ``[privacy]`` table:
 
 1. **Who**: each client takes part independently with probability q = ``participation`` (Poisson sampling, from
-   the round's participants stream; ``Algorithm.sampled``), the draw the accountant assumes. A round may draw
+   the round's participants stream, or under the server's sampling key where ``secret_draw``;
+   ``Algorithm.sampled``), the draw the accountant assumes. A round may draw
    nobody; it still releases a noised base.
 2. **The device** clips its update, the difference of the base it trained from the base it received, to L2 norm
    ``clip`` (just inside it, ``MARGIN``: the server's clip then leaves an honest update's bits alone); in the
@@ -25,6 +26,9 @@ default): a device that knew the stream could subtract it. ``secret_noise = fals
 seed instead, reproducible and equal to the simulator's, for research and tests only. The simulator draws from
 the seed always (there is nobody to hide it from). A distributed-mode device draws its share from the operating
 system's randomness (from its slot's seeded stream with ``secret_noise = false``).
+
+With secret noise the draw is secret too (``secret_draw``: amplification by sampling assumes nobody knows who
+took part): the server draws under a key of its own, and a device learns only its own draw, from its task.
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ __all__ = [
     "privatize",
     "reported_epsilon",
     "round_noise",
+    "secret_draw",
     "seed_key",
     "server_bound",
 ]
@@ -207,6 +212,14 @@ def reported_epsilon(cfg: FederationConfig, rounds: int) -> float:
     if not _dp(cfg).secret_noise and rounds > 0:
         return math.inf
     return epsilon(cfg, rounds)
+
+
+def secret_draw(cfg: FederationConfig) -> bool:
+    """Whether the server draws the rounds of ``cfg`` under a sampling key no device holds: a federation with a
+    privacy table, secret noise (with ``secret_noise = false`` nothing is hidden from the devices anyway) and a
+    draw (participation below 1). A device of it does not compute the draw: its task says whether it was drawn."""
+    dp = cfg.dp
+    return dp is not None and dp.secret_noise and cfg.participation < 1
 
 
 @functools.lru_cache(maxsize=4096)

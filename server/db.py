@@ -93,6 +93,14 @@ class Federation(Base):
     # the key of the aggregate's differential-privacy noise (pfl_edge.privacy.noise_rng), hex; made at creation
     # where the config's privacy asks for secret noise, never sent to anyone
     noise_key: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # the key of its rounds' secret draw (pfl_edge.algorithms.participants.secret_slots), hex; made at creation
+    # with the noise key (pfl_edge.privacy.secret_draw), never sent to a device (None: the seed's public draw)
+    sampling_key: Mapped[str | None] = mapped_column(String(64), nullable=True)
+
+    @property
+    def draw_key(self) -> bytes | None:
+        """The sampling key that ``Algorithm.participation`` draws this federation's rounds under (None: none)."""
+        return bytes.fromhex(self.sampling_key) if self.sampling_key else None
 
 
 class Device(Base):

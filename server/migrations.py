@@ -105,6 +105,10 @@ STEPS: tuple[Step, ...] = (
              "the devices' messages of its steps", _secagg),
     Step(12, "pfl_devices.platform: what a device says it is (architecture, OS, runtime, threads) at enrolment",
          _add_column("pfl_devices", "platform", "JSON")),
+    # a federation made before 13 keeps the public draw its devices compute (a draw cannot change under rounds
+    # already drawn): it has no key, and its server reports no epsilon for its sampled rounds
+    Step(13, "pfl_federations.sampling_key: the secret key of a private federation's draw",
+         _add_column("pfl_federations", "sampling_key", "VARCHAR(64)")),
 )
 SCHEMA_VERSION = STEPS[-1].version
 

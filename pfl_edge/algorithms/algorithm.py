@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 from ..arrays import Array as Tensor
 from ..errors import ConfigError, UnknownNameError
+from ..privacy import secret_draw
 from ..protocol import MAX_NEIGHBOURS
 from ..split import Split, split_keys
 from ..topology import in_degree, neighbours
@@ -211,22 +212,29 @@ class Algorithm:
         self.split: Split = split_keys(model, k, local_norm_stats=cfg.local_norm_stats)
 
     # ------------------------------------------------------------------------------------------ coordinator
-    def participants(self, t: int) -> Tensor:
+    def participants(self, t: int, key: bytes | None = None) -> Tensor:
+        """``sampled(t, key)`` as the simulator takes it: the slots of round ``t``, sorted (all where all)."""
         return sample_participants(self.cfg.seed, t, self.cfg.clients, self.cfg.participation,
-                                   poisson=self.cfg.privacy is not None)
+                                   poisson=self.cfg.privacy is not None, key=key)
 
-    def sampled(self, t: int) -> frozenset[int] | None:
-        """The slots that take part in round ``t`` (the simulator's ``participants``); None when every client
-        does. The server asks on every update: the draw is cached."""
+    def sampled(self, t: int, key: bytes | None = None) -> frozenset[int] | None:
+        """The slots that take part in round ``t`` (None: every client), cached: the server asks on every update.
+        ``key``: the server's sampling key, where the draw is secret (``secret_draw``; without it the draw is the
+        seed's, the simulator's default, not the server's: a device of such a federation never asks here)."""
         return sampled_slots(self.cfg.seed, t, self.cfg.clients, self.cfg.participation,
-                              self.cfg.privacy is not None)
+                             self.cfg.privacy is not None, key)
 
-    def participation(self, t: int) -> Participation:
+    def participation(self, t: int, key: bytes | None = None) -> Participation:
         """Who takes part in round ``t`` (0: the devices' initial models, where the algorithm takes them):
-        the one definition the server and the devices read."""
+        the one definition the server and the devices read (``key``: as ``sampled``'s)."""
         if t == 0:
             return Participation(0, None if self.sends_initial_model else frozenset(), False)
-        return Participation(t, self.sampled(t), self.sends_initial_model)
+        return Participation(t, self.sampled(t, key), self.sends_initial_model)
+
+    def secret_draw(self) -> bool:
+        """Whether the server draws the rounds under a key no device holds (``pfl_edge.privacy.secret_draw``): a
+        device then asks the server, whose task says whether it was drawn."""
+        return secret_draw(self.cfg)
 
     def neighbours(self, t: int) -> list[list[int]] | None:
         """Decentralised algorithms: each slot's in-neighbours in round ``t``; None where a server averages."""

@@ -136,8 +136,8 @@ class Participation:
         if self.slots is not None and not self.slots:
             return f"round {self.round} takes no updates in this federation's algorithm"
         if self.slots is not None and slot not in self.slots:
-            return (f"round {self.round} draws {len(self.slots)} slots, and this device's ({slot}) is not one of "
-                    "them: it has no task this round")
+            # neither the count nor the other slots: a device learns its own draw alone (docs/privacy.md)
+            return f"round {self.round} did not draw this device's slot ({slot}): it has no task this round"
         if self.after_initial and not has_initial:
             return "upload the initial model as the update of round 0 first"
         return None

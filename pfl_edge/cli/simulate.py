@@ -118,14 +118,30 @@ def parse_options(items: list[str], flag: str = "--option") -> dict[str, Any]:
     return out
 
 
+def sampling_key(path: Path) -> bytes:
+    """A server's sampling key from the file at ``path`` (hex, as ``pfl_federations.sampling_key`` holds it): a
+    file, not a flag's value or a config key, so that it sits in no process listing and no config a device gets."""
+    from ..secret_file import read_secret_file
+
+    text = read_secret_file(path)
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        raise ConfigError(f"{path}: a sampling key is hex (the server's pfl_federations.sampling_key)") from None
+    if len(key) < 16:
+        raise ConfigError(f"{path}: a sampling key has at least 128 bits (32 hex digits), got {len(key) * 8}")
+    return key
+
+
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from ..sim import client_table, simulate, write_result
 
     cfg = _sim_config(args)
     out = args.out or Path("runs") / f"{cfg.algorithm}.json"
     _check_writable(out, args.save_dir)
+    key = None if args.sampling_key_file is None else sampling_key(args.sampling_key_file)
     result = simulate(cfg, save_dir=args.save_dir, progress=False if args.no_progress else None,
-                      backend=args.backend, ray_address=args.ray_address)
+                      backend=args.backend, ray_address=args.ray_address, sampling_key=key)
     write_result(result, out)
     print(client_table(result))
     print(f"results: {out}  plot: {Path(out).with_suffix('.png')}"
@@ -145,4 +161,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--ray-address", metavar="HOST:PORT",
                    help="--backend ray: the cluster to join (ray start --head's address); default: a cluster "
                         "started on this machine, else a local one")
+    p.add_argument("--sampling-key-file", type=Path, metavar="PATH",
+                   help="a private federation's secret draw: the file holding its server's sampling key (hex, "
+                        "pfl_federations.sampling_key); the rounds then draw the server's slots (docs/privacy.md)")
     p.set_defaults(func=_cmd_simulate)

@@ -70,24 +70,29 @@ def _pstd(xs: list[float]) -> float:
 
 
 def simulate(cfg: FederationConfig, *, save_dir: str | Path | None = None, progress: bool | None = None,
-             backend: str = "fork", ray_address: str | None = None) -> dict[str, Any]:
+             backend: str = "fork", ray_address: str | None = None,
+             sampling_key: bytes | None = None) -> dict[str, Any]:
     """Run ``cfg`` and return the result: ``config``, ``rounds`` (one dict per round), ``final``, ``meta``.
 
     ``progress``: a bar on stderr; ``None`` shows it only on a terminal. ``backend``: where the clients train,
     ``fork`` (worker processes on this machine) or ``ray`` (actors on the Ray cluster at ``ray_address``; see
     ``sim.ray_backend.RayTrainer``); the same config gives the same numbers on either (bit for bit where the
-    arithmetic is the same: docs/simulation.md).
+    arithmetic is the same: docs/simulation.md). ``sampling_key``: a server's secret sampling key of a federation
+    with a privacy table (``pfl_edge.privacy.secret_draw``): the rounds draw the server's slots; without one, the
+    seed's draw. Never part of the config (a device receives the config), nor of the result.
     """
+    if sampling_key is not None and cfg.privacy is None:
+        raise ConfigError("a sampling key draws a private federation's rounds: this config has no privacy table")
     t0 = time.perf_counter()
     ctx, spec = build_context(cfg, backend=backend, ray_address=ray_address)
     try:
-        return _run(cfg, ctx, spec, t0, save_dir, progress, backend)
+        return _run(cfg, ctx, spec, t0, save_dir, progress, backend, sampling_key)
     finally:
         ctx.trainer.close()
 
 
 def _run(cfg: FederationConfig, ctx: Context, spec: ModelSpec, t0: float, save_dir: str | Path | None,
-         progress: bool | None, backend: str) -> dict[str, Any]:
+         progress: bool | None, backend: str, key: bytes | None) -> dict[str, Any]:
     algo = Runner(ctx)
     setup_s = time.perf_counter() - t0
     rounds: list[dict[str, Any]] = []
@@ -97,7 +102,7 @@ def _run(cfg: FederationConfig, ctx: Context, spec: ModelSpec, t0: float, save_d
     z = noise_multiplier(cfg) if dp is not None else None  # a target epsilon no noise reaches fails now
     for t in bar:
         start = time.perf_counter()
-        participants = algo.algo.participants(t)
+        participants = algo.algo.participants(t, key)
         st = algo.run_round(t, participants)
         wall = time.perf_counter() - start
         rounds.append(_record(t, st, wall))
@@ -131,7 +136,8 @@ def _run(cfg: FederationConfig, ctx: Context, spec: ModelSpec, t0: float, save_d
     if dp is not None:
         result["privacy"] = {"noise_multiplier": z, "delta": dp.delta, "epsilon": last["epsilon"],
                              "clip": dp.clip, "mode": dp.mode, "sample_rate": cfg.participation,
-                             "accountant": "opacus RDP (sampled Gaussian)"}
+                             "accountant": "opacus RDP (sampled Gaussian)",
+                             "draw": "the server's sampling key" if key is not None else "the seed"}
     analysis = algo.analysis()
     if analysis:
         result["mask_analysis"] = analysis

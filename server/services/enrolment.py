@@ -18,7 +18,7 @@ from device_profiles import Profile, get_profile, list_profiles
 from pfl_edge.codec import encode
 from pfl_edge.errors import InternalError, PflEdgeError, UnknownNameError
 from pfl_edge.federation import device_capacity
-from pfl_edge.privacy import new_key
+from pfl_edge.privacy import new_key, secret_draw
 from pfl_edge.protocol import Enrolment, EnrolRequest, FederationCreate, FederationInfo
 
 from ..db import SERVER, Device, Federation, hash_secret, hash_token, now
@@ -91,6 +91,8 @@ class EnrolmentService:
             raise Unprocessable(f"aggregation rule {req.aggregation.rule!r} with differential privacy: the private "
                                 "mean bounds every update to privacy.clip itself; leave the rule 'mean'")
         noise_key = new_key().hex() if dp is not None and dp.secret_noise else None
+        # the draw's key, apart from the noise's: an admin may hand it to the simulator without the noise's
+        sampling_key = new_key().hex() if secret_draw(fm.cfg) else None
         digest = self.blobs.keep(payload)
         try:
             with self.store.write(blobs="store") as s:
@@ -103,7 +105,8 @@ class EnrolmentService:
                                  min_devices=req.min_devices, profile_capacity=req.profile_capacity,
                                  aggregation=None if req.aggregation is None else req.aggregation.model_dump(),
                                  round=ENROLMENT_ROUND, state=RoundState.OPEN.value, init_digest=digest,
-                                 base_digest=digest, noise_key=noise_key))
+                                 base_digest=digest, noise_key=noise_key,
+                                 sampling_key=sampling_key))
                 s.flush()
                 self.blobs.add_ref(s, digest, len(payload), req.id, SERVER)
         except IntegrityError:

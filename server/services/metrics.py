@@ -65,9 +65,9 @@ class Metrics:
             # a round's figures are its participants' alone; the last round's are every device's evaluation of
             # what it deploys at the end (the final step), drawn or not
             algo = fm.algorithm()
-            drawn = algo.participation(t).slots if 1 <= t < fm.cfg.rounds else None
+            drawn = algo.participation(t, fed.draw_key).slots if 1 <= t < fm.cfg.rounds else None
             if drawn is not None and t < fed.round:  # round t + 1 is open: its draw evaluated round t's base
-                drawn = drawn | (algo.participation(t + 1).slots or set())
+                drawn = drawn | (algo.participation(t + 1, fed.draw_key).slots or set())
             if drawn is not None and dev.slot not in drawn:
                 raise Conflict(f"metrics for round {t}: neither round {t} nor {t + 1} drew this device's slot "
                                f"({dev.slot}), so it was not one of them")

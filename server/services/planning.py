@@ -28,7 +28,7 @@ class Planner:
         """Who takes part in round ``t``, once, as SQL: enrolled before it opened and not revoked (the server's
         rule), and what the algorithm's ``participation(t)`` says (its draw, its initial model). ``active``,
         ``count_active`` and ``takes_part`` (so quorum, close, tasks and updates) all filter on this."""
-        p = fm.algorithm().participation(t)
+        p = fm.algorithm().participation(t, fed.draw_key)  # a secret draw under the federation's key
         where = [Device.federation == fed.id, Device.joined_round < t, Device.revoked_at.is_(None)]
         if sampled and p.slots is not None:
             where.append(Device.slot.in_(sorted(p.slots)))

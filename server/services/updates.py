@@ -196,7 +196,7 @@ class Updates:
         # the algorithm's rule (a device's initial model is accepted whenever it enrolls, where one is taken)
         has_initial = s.scalar(select(Update.id).where(Update.federation == fed.id, Update.device == dev.id,
                                                        Update.round == ENROLMENT_ROUND)) is not None
-        why = fm.algorithm().participation(t).refusal(dev.slot, has_initial=has_initial)
+        why = fm.algorithm().participation(t, fed.draw_key).refusal(dev.slot, has_initial=has_initial)
         if why is not None:
             raise Conflict(f"{why}; the current round is {fed.round}" if t == ENROLMENT_ROUND else why)
 

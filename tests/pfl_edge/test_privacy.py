@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pfl_edge.algorithms.participants import sampled_slots
-from pfl_edge.errors import ConfigError
+from pfl_edge.errors import ConfigError, InternalError
 from pfl_edge.federation import FederationConfig, check_device_config
 from pfl_edge.privacy import (
     MARGIN,
@@ -310,3 +310,61 @@ def test_the_reported_epsilon_is_recomputed_without_the_accountant(z: float, q: 
     assert ours <= theirs + 1e-9 and theirs <= 1.05 * ours, (ours, theirs)
     if (z, q, rounds) == (2.344, 0.2, 20):
         assert abs(ours - 1.9931) < 1e-4 and abs(theirs - 1.9936) < 1e-4
+
+
+# ------------------------------------------------------------------------------------------- the secret draw
+
+def _hmac_draw(key: bytes, t: int, n: int, q: float) -> frozenset[int]:
+    """The secret draw written out here: slot i when the first 8 bytes of HMAC-SHA256(key, "pfl-participants" ||
+    t || i), big-endian, are below q 2^64 (compared exactly, as fractions)."""
+    import hashlib
+    import hmac
+    from fractions import Fraction
+
+    out = set()
+    for i in range(n):
+        mac = hmac.new(key, b"pfl-participants" + t.to_bytes(8, "big") + i.to_bytes(8, "big"), hashlib.sha256)
+        if Fraction(int.from_bytes(mac.digest()[:8], "big"), 2**64) < Fraction(q):
+            out.add(i)
+    return frozenset(out)
+
+
+def test_the_secret_draw_is_hmac_under_the_servers_key_and_not_the_seeds() -> None:
+    """A private federation with secret noise is drawn under the server's key (``Algorithm.secret_draw``): the
+    slots are the HMAC rule's, each with probability q, the same for the same key, and neither the seed's public
+    draw nor another key's; without privacy a key is no part of the draw, and a device of a secret draw is told
+    not to compute it."""
+    from pfl_edge.algorithms.participants import secret_slots
+    from pfl_edge.privacy import secret_draw
+
+    key, other = bytes(range(32)), bytes(range(1, 33))
+    sizes, same_as_seed, same_as_other = [], 0, 0
+    for t in range(1, 201):
+        drawn = sampled_slots(9, t, 50, 0.2, True, key)
+        assert drawn == _hmac_draw(key, t, 50, 0.2) == secret_slots(key, t, 50, 0.2), t
+        sizes.append(len(drawn or ()))
+        same_as_seed += drawn == sampled_slots(9, t, 50, 0.2, True)
+        same_as_other += drawn == sampled_slots(9, t, 50, 0.2, True, other)
+    assert 9.0 < sum(sizes) / len(sizes) < 11.0 and min(sizes) < 7 and max(sizes) > 13
+    assert same_as_seed == 0 and same_as_other == 0
+    assert sampled_slots(9, 1, 50, 1.0, True, key) is None  # everyone: nothing to draw
+    with pytest.raises(InternalError, match="Poisson"):
+        sampled_slots(9, 1, 50, 0.2, False, key)
+    assert secret_draw(_cfg(noise_multiplier=1.0, participation=0.5))
+    assert not secret_draw(_cfg(noise_multiplier=1.0, participation=0.5, secret_noise=False))
+    assert not secret_draw(_cfg(noise_multiplier=1.0, participation=1.0))
+    assert not secret_draw(_cfg(noise_multiplier=1.0).replace(privacy=None, participation=0.5))
+
+
+def test_the_simulator_given_the_key_draws_under_it_and_keeps_it_out_of_the_result() -> None:
+    import json
+
+    cfg = _cfg(noise_multiplier=0.8, participation=0.5)
+    key = bytes(range(7, 39))
+    res = simulate(cfg, progress=False, sampling_key=key)
+    assert [r["participants"] for r in res["rounds"]] == [sorted(_hmac_draw(key, t, 8, 0.5)) for t in (1, 2, 3)]
+    text = json.dumps(res)
+    assert key.hex() not in text and key.hex().upper() not in text
+    assert res["privacy"]["draw"] == "the server's sampling key"
+    with pytest.raises(ConfigError, match="sampling key"):
+        simulate(cfg.replace(privacy=None), progress=False, sampling_key=key)

@@ -126,7 +126,9 @@ def test_participation_says_who_takes_part_in_each_round() -> None:
     assert p.slots == frozenset(sample_participants(cfg.seed, 2, 10, 0.3).tolist()) and not p.after_initial
     inside, outside = min(p.slots), min(set(range(10)) - p.slots)
     assert p.refusal(inside, has_initial=False) is None
-    assert "is not one of them" in (p.refusal(outside, has_initial=True) or "")
+    # its own draw only, neither the count nor the others' (docs/privacy.md)
+    assert p.refusal(outside, has_initial=True) == (f"round 2 did not draw this device's slot ({outside}): it has "
+                                                   "no task this round")
     assert "round 0 takes no updates" in (fedper.participation(0).refusal(inside, has_initial=False) or "")
     dis = get_algorithm(SimConfig.from_dict({**QUICK, "algorithm": "dispfl", "clients": 10}), model)
     assert dis.participation(0).refusal(7, has_initial=False) is None  # its initial model, whenever it enrols

@@ -124,7 +124,7 @@ def test_sampled_rounds_task_only_the_simulators_participants(srv: BackgroundSer
                 assert got.status_code == 404, got.text
         out = next(d for d in devs if d.index not in want)
         r = out.update(t, out.put(encode(perturbed(base, 99), model_id=out.fm.model_id, round=t)))
-        assert r.status_code == 409 and "not one of them" in r.json()["detail"], r.text
+        assert r.status_code == 409 and "did not draw this device" in r.json()["detail"], r.text
         ups, ns = [], []
         for d in sorted((d for d in devs if d.index in want), key=lambda d: d.index):
             sent = perturbed(base, 10 * t + d.index)
