@@ -61,8 +61,9 @@ class RoundSummary(_Answer):
     bytes_down: int = Field(description="bytes down its devices reported for it (sum of their metrics)")
     epsilon: float | None = Field(default=None, description=(
         "differential privacy (docs/privacy.md): the epsilon, at the config's delta, spent by every round up to "
-        "this one once it is published (Opacus's RDP accountant); null: no privacy, not yet published, or no noise "
-        "(unbounded)"))
+        "this one once it is published (Opacus's RDP accountant; the distributed mode's as the rounds achieved it, "
+        "from each one's count of noised updates); null: no privacy, not yet published, or no bound (no noise, "
+        "noise or a draw the devices know, a distributed round of one update)"))
     devices: dict[str, DeviceRoundMetrics] = Field(description="device id -> its metrics of this round (only "
                                                                "devices that reported)")
 

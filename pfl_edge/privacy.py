@@ -28,7 +28,9 @@ the seed always (there is nobody to hide it from). A distributed-mode device dra
 system's randomness (from its slot's seeded stream with ``secret_noise = false``).
 
 With secret noise the draw is secret too (``secret_draw``: amplification by sampling assumes nobody knows who
-took part): the server draws under a key of its own, and a device learns only its own draw, from its task.
+took part): the server draws under a key of its own, and a device learns only its own draw, from its task. In the
+distributed mode the epsilon reported is what each round's realised count achieved
+(``pfl_edge.privacy_spent``).
 """
 
 from __future__ import annotations
@@ -70,7 +72,6 @@ __all__ = [
     "noise_rng",
     "private_mean",
     "privatize",
-    "reported_epsilon",
     "round_noise",
     "secret_draw",
     "seed_key",
@@ -202,16 +203,6 @@ def epsilon(cfg: FederationConfig, rounds: int) -> float:
     if z == 0:
         return math.inf
     return _epsilon(z, cfg.participation, rounds, dp.delta)
-
-
-def reported_epsilon(cfg: FederationConfig, rounds: int) -> float:
-    """The epsilon a server reports for ``rounds`` published rounds: ``epsilon``'s, where no device can undo the
-    noise; inf (no guarantee: JSON's null, no gauge) with ``secret_noise = false``, whose noise comes from the
-    config's seed, which every device holds: any of them can draw it and subtract it from the published base
-    (issue 48). The simulator's figure stays ``epsilon``: the mechanism's, with nobody to hide the noise from."""
-    if not _dp(cfg).secret_noise and rounds > 0:
-        return math.inf
-    return epsilon(cfg, rounds)
 
 
 def secret_draw(cfg: FederationConfig) -> bool:

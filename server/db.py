@@ -153,6 +153,10 @@ class Round(Base):
     # secure aggregation (server.services.secure): the collecting round's step and the time it may end at
     secagg_step: Mapped[str | None] = mapped_column(String(16), nullable=True)
     step_deadline: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # the updates in what its close published (0: it published its start; a secure round, the inputs its unmasked
+    # sum holds): the count a distributed-mode round's achieved epsilon is figured from (None: closed before
+    # schema 14, or not closed)
+    released: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class Update(Base):

@@ -109,6 +109,8 @@ STEPS: tuple[Step, ...] = (
     # already drawn): it has no key, and its server reports no epsilon for its sampled rounds
     Step(13, "pfl_federations.sampling_key: the secret key of a private federation's draw",
          _add_column("pfl_federations", "sampling_key", "VARCHAR(64)")),
+    Step(14, "pfl_rounds.released: the updates in what a round published (a distributed-mode round's achieved "
+             "epsilon is figured from it)", _add_column("pfl_rounds", "released", "INTEGER")),
 )
 SCHEMA_VERSION = STEPS[-1].version
 

@@ -82,10 +82,12 @@ def _server_total(devices: Sequence[dict[str, Any]], key: str) -> int | None:
 
 def _privacy(run: Run, rounds: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     """Differential privacy's spend (docs/privacy.md) where the run's config has a ``privacy`` table: the
-    accountant's epsilon after the rounds that released a base (a live round once closed; every simulated one)."""
+    accountant's epsilon after the rounds that released a base (a live round once closed; every simulated one),
+    as they ran (``privacy_spent.achieved_epsilon``: the distributed mode's noise is its participants' shares)."""
     from ..errors import ConfigError
     from ..federation import FederationConfig
-    from ..privacy import epsilon, noise_multiplier
+    from ..privacy import noise_multiplier
+    from ..privacy_spent import achieved_epsilon
 
     if not run.config.get("privacy"):
         return None
@@ -94,9 +96,9 @@ def _privacy(run: Run, rounds: Sequence[dict[str, Any]]) -> dict[str, Any] | Non
     except (ConfigError, TypeError):  # a config this version cannot read: say nothing rather than guess
         return None
     dp = cfg.dp
-    released = [r["round"] for r in rounds if r["round"] >= 1 and (r["state"] is None or r["state"] in CLOSED_STATES)]
-    t = max(released, default=0)
-    eps = epsilon(cfg, t)
+    released = [r for r in rounds if r["round"] >= 1 and (r["state"] is None or r["state"] in CLOSED_STATES)]
+    t = max((r["round"] for r in released), default=0)
+    eps = achieved_epsilon(cfg, [r["updates"] for r in sorted(released, key=lambda r: r["round"])])
     return {"rounds": t, "epsilon": eps if math.isfinite(eps) else None, "delta": dp.delta if dp else None,
             "noise_multiplier": noise_multiplier(cfg), "clip": dp.clip if dp else None,
             "mode": dp.mode if dp else None}

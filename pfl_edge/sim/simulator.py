@@ -17,6 +17,7 @@ from ..federation import FederationConfig, deal, init_state
 from ..flops import forward_flops
 from ..parallel import Trainer
 from ..privacy import epsilon, noise_multiplier
+from ..privacy_spent import achieved_epsilon, realised_multiplier
 from ..seeding import seed_everything
 from ..train import ClientTensors, unstack
 from .algorithms import Context, RoundStats, Runner
@@ -100,14 +101,18 @@ def _run(cfg: FederationConfig, ctx: Context, spec: ModelSpec, t0: float, save_d
                else not progress, leave=False)
     dp = cfg.dp
     z = noise_multiplier(cfg) if dp is not None else None  # a target epsilon no noise reaches fails now
+    counts: list[int | None] = []  # each round's participants: every one's update is in the round's sum
     for t in bar:
         start = time.perf_counter()
         participants = algo.algo.participants(t, key)
         st = algo.run_round(t, participants)
         wall = time.perf_counter() - start
         rounds.append(_record(t, st, wall))
-        if dp is not None:  # the privacy spent after this round, at the config's delta
-            rounds[-1]["epsilon"] = epsilon(cfg, t)
+        if dp is not None:  # the privacy spent after this round, at the config's delta, as the round ran
+            counts.append(len(participants))
+            rounds[-1]["epsilon"] = achieved_epsilon(cfg, counts)
+            if dp.mode == "distributed":  # the noise its participants' shares made (privacy_spent)
+                rounds[-1]["noise_multiplier"] = realised_multiplier(cfg, len(participants))
         bar.set_postfix(acc=f"{rounds[-1]['mean_acc']:.3f}")
     bar.close()
     last = rounds[-1]
@@ -138,6 +143,9 @@ def _run(cfg: FederationConfig, ctx: Context, spec: ModelSpec, t0: float, save_d
                              "clip": dp.clip, "mode": dp.mode, "sample_rate": cfg.participation,
                              "accountant": "opacus RDP (sampled Gaussian)",
                              "draw": "the server's sampling key" if key is not None else "the seed"}
+        if dp.mode == "distributed":  # the figure had every round drawn q N: what the config was calibrated for
+            result["privacy"]["nominal_epsilon"] = epsilon(cfg, cfg.rounds)
+            result["privacy"]["accountant"] += ", each round at the noise its participants added"
     analysis = algo.analysis()
     if analysis:
         result["mask_analysis"] = analysis

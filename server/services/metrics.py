@@ -14,7 +14,7 @@ from sqlalchemy import case, func, select
 
 from device_profiles import get_profile
 from pfl_edge.errors import ConfigError
-from pfl_edge.privacy import reported_epsilon
+from pfl_edge.privacy_spent import reported_epsilons
 from pfl_edge.protocol import MetricsReport, quorum_updates
 
 from ..db import Blob, Device, Federation, Metric, Round, Update, now
@@ -96,13 +96,16 @@ class Metrics:
                     "accuracy": m.accuracy, "loss": m.loss, "n_test": m.n_test, "bytes_up": m.bytes_up,
                     "bytes_down": m.bytes_down, "step_ms": m.step_ms, "train_s": m.train_s, "dropped": m.dropped}
             cfg = self.store.model(fed).cfg
+            hidden = fed.sampling_key is not None  # its draw is the server's secret (else every device's)
         out = [_round_row(t, rounds.get(t), counts.get(t, 0), per.get(t, {}), quorum)
                for t in sorted(set(rounds) | set(per) | set(counts))]
         if cfg.privacy is not None:  # every published round released a noised base: it spent its share
-            for row in out:
-                if row["round"] >= 1 and row["closed_at"] is not None:
-                    eps = reported_epsilon(cfg, row["round"])
-                    row["epsilon"] = eps if math.isfinite(eps) else None  # no noise: unbounded (JSON has no inf)
+            published = [(row, rounds[row["round"]]) for row in out
+                         if row["round"] >= 1 and row["closed_at"] is not None]
+            # each round's count of updates in what it published (before schema 14: the updates it took)
+            took = [r.released if r.released is not None else r.inputs for _, r in published]
+            for (row, _), eps in zip(published, reported_epsilons(cfg, took, draw_hidden=hidden), strict=True):
+                row["epsilon"] = eps if math.isfinite(eps) else None  # unbounded (JSON has no inf)
         return {"federation": fed_id, "rounds": out}
 
     def devices(self, fed_id: str) -> list[dict[str, Any]]:

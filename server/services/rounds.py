@@ -22,7 +22,8 @@ from torch import Tensor
 from pfl_edge.aggregate import MIN_UPDATES, AggregationRule, update_norm
 from pfl_edge.codec import encode
 from pfl_edge.errors import InternalError
-from pfl_edge.privacy import round_noise
+from pfl_edge.federation import FederationConfig
+from pfl_edge.privacy import MIN_CLIENTS, round_noise
 from pfl_edge.secagg.aggregate import SumOutOfRange
 
 from ..db import Device, Federation, PartialSum, Round, Update, inputs_digest, now
@@ -42,6 +43,23 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[str, Transition], None]
 _Upload = tuple[str, int, int] | tuple[str, int, int, float | None]  # digest, n_samples, kp[, its norm]
+
+
+def _released_inputs(cfg: FederationConfig, summed: Sequence[tuple[np.ndarray, int]]) -> int:
+    """How many inputs a secure round's release holds: the survivors of each group whose unmasked sum passes
+    ``check_sum`` (the algorithm's ``apply_sum`` leaves the others out of the base, and their noise shares with
+    them): the count a distributed-mode round's achieved epsilon is figured from (``pfl_edge.privacy_spent``)."""
+    from pfl_edge.secagg.aggregate import check_sum, secagg_config
+
+    _, bits, _ = secagg_config(cfg).resolved(cfg, MIN_CLIENTS)
+    kept = 0
+    for total, survivors in summed:
+        try:
+            check_sum(total, survivors, bits)
+        except SumOutOfRange:
+            continue
+        kept += survivors
+    return kept
 
 
 class RoundMachine:
@@ -173,18 +191,20 @@ class RoundMachine:
             took = inputs_digest((u.device, u.digest) for u, _ in taken)
             sums = Partials.stored(s, fed_id, t) if self.partial_sums else []
         result: str | None = None
+        released = 0  # the updates in what the round publishes (the achieved epsilon's count, privacy_spent)
         if start is not None:  # a server model to aggregate into (none where devices exchange models)
             self.last_merge = (0, 0)
             key = bytes.fromhex(known.noise_key) if known.noise_key else None
-            new = self._secure(fed_id, t, fm, start) if is_secure(fm) else (
+            new, released = self._secure(fed_id, t, fm, start) if is_secure(fm) else (
                 self.average(fm, start, ups, rule, sums=sums, ids=ids, history=history,
-                             noise=round_noise(fm.cfg, t, key)))
+                             noise=round_noise(fm.cfg, t, key)), len(ups))
             self.merged[fed_id, t] = self.last_merge
             if new is None:  # a secure round that released nothing (said there): the base stays the round's start
-                result = None
+                result, released = None, 0
             elif all(bool(v.isfinite().all()) for v in new.values() if v.is_floating_point()):
                 result = self.blobs.store_server_blob(fed_id, encode(new, model_id=fm.model_id, round=t))
             else:  # never announced: the base stays the round's start (the codec refuses NaN/Inf anyway)
+                released = 0
                 log.error("federation %s: round %d's aggregate holds NaN/Inf; the base stays the round's start",
                           fed_id, t)
         with self.store.write() as s:
@@ -194,7 +214,7 @@ class RoundMachine:
             s.execute(delete(PartialSum).where(PartialSum.federation == fed_id, PartialSum.round <= t))
             r = self.store.round(s, fed_id, t)
             r.state, r.closed_at, r.base_digest = RoundState.PUBLISHED.value, now(), result
-            r.inputs, r.inputs_digest = len(ups), took
+            r.inputs, r.inputs_digest, r.released = len(ups), took, released
             if result is not None:
                 fed.base_digest = result
             elif start is not None:
@@ -202,19 +222,21 @@ class RoundMachine:
         log.info("federation %s: round %d closed with %d updates (%d of them in %d partial sums)", fed_id, t,
                  len(ups), *self.merged.get((fed_id, t), (0, 0)))
 
-    def _secure(self, fed_id: str, t: int, fm: FedModel, start: str) -> dict[str, Tensor] | None:
+    def _secure(self, fed_id: str, t: int, fm: FedModel, start: str) -> tuple[dict[str, Tensor] | None, int]:
         """A secure round's release: the sum it unmasked, made into the new base by the algorithm's aggregate,
-        which checks it first; None (the base stays the round's start) where nothing was unmasked or the sum is
-        one no honest inputs make (``SumOutOfRange``: an input out of range, a forged share)."""
+        which checks it first, and the inputs that sum holds; None (the base stays the round's start) where
+        nothing was unmasked or the sum is one no honest inputs make (``SumOutOfRange``: an input out of range, a
+        forged share)."""
         summed = self.secure.unmasked(fed_id, t, fm)
         if summed is None:
-            return None
+            return None, 0
         try:
-            return fm.algorithm().aggregate(self.blobs.load(start, fm).tensors, (), summed=summed, t=t)
+            return (fm.algorithm().aggregate(self.blobs.load(start, fm).tensors, (), summed=summed, t=t),
+                    _released_inputs(fm.cfg, summed))
         except SumOutOfRange as e:
             log.error("federation %s: round %d's unmasked sum is refused (%s); nothing is published, the base "
                       "stays the round's start", fed_id, t, e)
-            return None
+            return None, 0
 
     def average(self, fm: FedModel, start: str, ups: Sequence[_Upload], rule: AggregationRule | None = None, *,
                 sums: Sequence[Sum] = (), ids: Sequence[int] = (), history: Sequence[float] = (),

@@ -210,14 +210,18 @@ def test_with_the_noise_in_every_devices_hands_the_server_reports_no_epsilon() -
     """``secret_noise = false`` draws the server's noise from the seed every device holds: any device can subtract
     it from the published base, so the server reports no epsilon (inf: null in JSON); the simulator's figure is the
     mechanism's, and with the secret key the server reports exactly that."""
-    from pfl_edge.privacy import reported_epsilon
+    from pfl_edge.privacy_spent import reported_epsilons
 
     public = _cfg(noise_multiplier=0.8, participation=0.5, secret_noise=False)
     secret = _cfg(noise_multiplier=0.8, participation=0.5)
-    assert reported_epsilon(public, 0) == 0.0
+    assert reported_epsilons(public, []) == []
     for t in (1, 3):
-        assert math.isinf(reported_epsilon(public, t)) and math.isfinite(epsilon(public, t))
-        assert reported_epsilon(secret, t) == epsilon(secret, t) == epsilon(public, t)
+        assert math.isinf(reported_epsilons(public, [4] * t)[-1]) and math.isfinite(epsilon(public, t))
+        assert reported_epsilons(secret, [4] * t)[-1] == epsilon(secret, t) == epsilon(public, t)
+        # a draw every device computes (a federation made before servers kept a sampling key): no epsilon either
+        assert math.isinf(reported_epsilons(secret, [4] * t, draw_hidden=False)[-1])
+    everyone = _cfg(noise_multiplier=0.8, participation=1.0)  # no draw to hide
+    assert reported_epsilons(everyone, [8], draw_hidden=False) == [epsilon(everyone, 1)]
 
 
 # ------------------------------------------------------------------------------------------- the run
@@ -368,3 +372,60 @@ def test_the_simulator_given_the_key_draws_under_it_and_keeps_it_out_of_the_resu
     assert res["privacy"]["draw"] == "the server's sampling key"
     with pytest.raises(ConfigError, match="sampling key"):
         simulate(cfg.replace(privacy=None), progress=False, sampling_key=key)
+
+
+# ------------------------------------------------------------------------------------------- achieved epsilon
+
+def _independent_rdp(z: float, q: float, a: int) -> float:
+    """One round's RDP at integer order ``a`` of the sampled Gaussian mechanism (as ``_independent_epsilon``)."""
+    terms = [math.lgamma(a + 1) - math.lgamma(k + 1) - math.lgamma(a - k + 1) + (a - k) * math.log1p(-q)
+             + k * math.log(q) + (k * k - k) / (2 * z * z) for k in range(a + 1)]
+    top = max(terms)
+    return (top + math.log(sum(math.exp(t - top) for t in terms))) / (a - 1)
+
+
+def test_the_achieved_epsilon_composes_each_rounds_realised_noise() -> None:
+    """A hand-worked distributed case: z 2, q 0.2, N 50 (q N = 10), delta 1e-5. Each participant adds
+    N(0, (z C)^2 / 10); what hides one participant is the others' shares, z_r = 2 sqrt((m - 1) / 10), capped at 2:
+    m = 11, 12 -> 2; m = 6 -> 2 sqrt(0.5) = 1.4142; m = 3 -> 2 sqrt(0.2) = 0.8944; m = 0 releases nothing and spends
+    nothing. Composed over the rounds (RDP adds), converted as Balle et al. 2020 do, over the integer orders: the
+    reported figure is at most that and within 5 %, above the nominal epsilon of as many rounds at z, and a
+    round of one participant (nobody else's noise) leaves no bound. The central mode is the nominal figure."""
+    from pfl_edge.privacy import ORDERS
+    from pfl_edge.privacy_spent import achieved_epsilon, achieved_epsilons, realised_multiplier
+
+    cfg = _cfg(noise_multiplier=2.0, mode="distributed", participation=0.2, clients=50, rounds=5)
+    counts = [11, 6, 0, 3, 12]
+    want_z = [2.0, 2.0 * math.sqrt(0.5), None, 2.0 * math.sqrt(0.2), 2.0]
+    for m, z in zip(counts, want_z, strict=True):
+        if z is not None:
+            assert realised_multiplier(cfg, m) == pytest.approx(z, rel=1e-12), m
+    assert [round(realised_multiplier(cfg, m), 4) for m in (1, 2, 6, 10, 11, 40)] == [0.0, 0.6325, 1.4142, 1.8974,
+                                                                                        2.0, 2.0]
+    ints = sorted(int(o) for o in ORDERS if float(o).is_integer())
+    got = achieved_epsilons(cfg, counts)
+    for t in range(1, len(counts) + 1):
+        best = math.inf
+        for a in ints:
+            rdp = sum(_independent_rdp(z, 0.2, a) for z in want_z[:t] if z is not None)
+            best = min(best, rdp - (math.log(1e-5) + math.log(a)) / (a - 1) + math.log((a - 1) / a))
+        assert got[t - 1] <= best + 1e-9 and best <= 1.05 * got[t - 1], (t, got[t - 1], best)
+    assert got[1] == got[2]  # the round that released nothing spent nothing
+    assert got[-1] == achieved_epsilon(cfg, counts) > epsilon(cfg, 4)  # less noise than the nominal 4 rounds'
+    assert achieved_epsilon(cfg, [11] * 5) == pytest.approx(epsilon(cfg, 5), rel=1e-9)  # q N + 1 each: nominal
+    assert achieved_epsilons(cfg, [11, 1, 11]) == [got[0], math.inf, math.inf]
+    assert math.isinf(achieved_epsilon(cfg, [11, None]))
+    central = _cfg(noise_multiplier=2.0, participation=0.2, clients=50, rounds=5)
+    assert achieved_epsilons(central, counts) == [epsilon(central, t) for t in range(1, 6)]
+
+
+def test_a_distributed_simulation_reports_the_epsilon_its_rounds_achieved() -> None:
+    from pfl_edge.privacy_spent import achieved_epsilons, realised_multiplier
+
+    cfg = _cfg(noise_multiplier=0.8, mode="distributed", participation=0.5, rounds=3)
+    res = simulate(cfg, progress=False)
+    counts = [len(r["participants"]) for r in res["rounds"]]
+    want = achieved_epsilons(cfg, counts)
+    assert [r["epsilon"] for r in res["rounds"]] == want and res["privacy"]["epsilon"] == want[-1]
+    assert [r["noise_multiplier"] for r in res["rounds"]] == [realised_multiplier(cfg, m) for m in counts]
+    assert res["privacy"]["nominal_epsilon"] == epsilon(cfg, 3)

@@ -1,13 +1,15 @@
 """A private federation's draw is the server's secret (issue 48 item 3, docs/privacy.md): the server draws each
 round under a sampling key it makes at creation and keeps in its database; the simulator given that key draws the
 same slots; two servers given the same config draw differently (the config does not decide the draw); nothing a
-device is sent holds the key or another slot's draw."""
+device is sent holds the key or another slot's draw; and in the distributed mode the federation's metrics report
+the epsilon its rounds achieved from their realised counts."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
 import json
+import math
 import re
 from collections.abc import Iterator
 from fractions import Fraction
@@ -15,13 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 from server_testkit import FEDPER, Dev, Mqtt, bearer, create, fed_state, wait_for
 from sqlalchemy.orm import Session
 
 from pfl_edge.codec import encode
 from pfl_edge.federation import FederationConfig
-from pfl_edge.privacy import epsilon, privatize
+from pfl_edge.privacy import ORDERS, epsilon, privatize
 from pfl_edge.protocol import round_topic, task_topic
 from pfl_edge.sim import simulate
 from server.db import Federation
@@ -181,3 +184,58 @@ def test_two_servers_draw_one_config_differently(tmp_path: Path, broker_url: str
     public = [fed_model(configs[0]).algorithm().participation(t).slots for t in range(1, 21)]
     assert draws[0] != draws[1] and public not in draws
     assert sum(a == b for a, b in zip(*draws, strict=True)) < 5  # each round's two draws agree with chance 2^-16
+
+
+def _gaussian_epsilon(z: float, rounds: int, delta: float) -> float:
+    """``rounds`` Gaussian mechanisms of multiplier ``z`` (every client in every round: no subsampling): RDP
+    rounds a / (2 z^2) at order a exactly, converted as Balle et al. 2020 do (the accountant's conversion),
+    minimised over the accountant's orders."""
+    return min(rounds * a / (2 * z * z) - (math.log(delta) + math.log(a)) / (a - 1) + math.log((a - 1) / a)
+               for a in ORDERS)
+
+
+def test_distributed_metrics_report_the_epsilon_the_rounds_achieved(tmp_path: Path, broker_url: str) -> None:
+    """Distributed noise, 4 devices, every one in every round (q 1, q N = 4), a quorum of half: each round closes on
+    2 noised updates, so each released sum holds 2 shares, and what hides one participant is the other's:
+    z_r = z sqrt(1 / 4) = 0.75 for z 1.5. The metrics report, after round t, t Gaussian mechanisms at 0.75,
+    computed here; above the nominal epsilon at z 1.5."""
+    privacy = {"clip": 0.5, "noise_multiplier": 1.5, "delta": 1e-3, "mode": "distributed", "allow_unmasked": True}
+    srv = _server(tmp_path, broker_url)
+    c = httpx.Client(base_url=srv.url, timeout=60)
+    try:
+        info = create(c, ADMIN, "dd", {**FEDPER, "clients": 4, "rounds": 2, "privacy": privacy}, quorum=0.5)
+        cfg = FederationConfig.from_dict(dict(info["config"]))
+        devs = [Dev(c, "dd") for _ in range(4)]
+        for t in (1, 2):
+            wait_for(lambda t=t: fed_state(c, ADMIN, "dd") == (t, "collecting"), timeout=120, what=f"round {t}")
+            for i, d in enumerate(devs[:2]):
+                task = c.get("/v1/rounds/current/task", headers=d.h).json()
+                start = d.get(task["base"]).tensors
+                sent = privatize(cfg, start, start, np.random.default_rng([t, i]))
+                d.send(t, sent)
+            wait_for(lambda t=t: _past(c, "dd", t), timeout=120, what=f"round {t}'s close")
+        rows = {r["round"]: r for r in c.get("/v1/federations/dd/metrics", headers=bearer(ADMIN)).json()["rounds"]}
+    finally:
+        c.close()
+        srv.stop()
+    for t in (1, 2):
+        assert rows[t]["updates"] == 2
+        assert rows[t]["epsilon"] == pytest.approx(_gaussian_epsilon(0.75, t, 1e-3), rel=1e-9), t
+        assert rows[t]["epsilon"] > epsilon(cfg, t)
+
+
+def test_a_secure_rounds_count_is_the_inputs_of_the_groups_it_released() -> None:
+    """Under secure aggregation the achieved epsilon counts the inputs of the groups whose unmasked sums the
+    algorithm's ``apply_sum`` kept: a group whose sum fails ``check_sum`` is left out of the base, and its noise
+    shares with it."""
+    from server.services.rounds import _released_inputs
+
+    privacy = {"clip": 0.5, "noise_multiplier": 1.0, "delta": 1e-3, "mode": "distributed"}
+    cfg = FederationConfig.from_dict({**FEDPER, "clients": 12, "privacy": privacy,
+                                      "secure_aggregation": {"bits": 16}})
+    top = 2**16 - 1
+    honest = [(np.full(10, 3 * top, np.uint32), 3), (np.zeros(10, np.uint32), 5)]
+    forged = (np.full(10, 2**32 - 1, np.uint32), 4)  # no 4 inputs of 16 bits sum to this
+    assert _released_inputs(cfg, honest) == 8
+    assert _released_inputs(cfg, [honest[0], forged, honest[1]]) == 8
+    assert _released_inputs(cfg, [forged]) == 0
