@@ -4,11 +4,11 @@ secret, so a share is one element (66 bytes) and its x."""
 from __future__ import annotations
 
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ..errors import ConfigError
 
-__all__ = ["PRIME", "SHARE_BYTES", "combine", "split"]
+__all__ = ["PRIME", "SHARE_BYTES", "combine", "evaluator", "split"]
 
 PRIME = 2**521 - 1  # a Mersenne prime: any 32-byte secret is one element
 SHARE_BYTES = 66  # ceil(521 / 8)
@@ -45,14 +45,49 @@ def combine(shares: dict[int, bytes], threshold: int, size: int = 32) -> bytes:
         if len(share) != SHARE_BYTES or y >= PRIME or not 0 < x < 2**31:
             raise ConfigError("a share is not a point of the field")
         ys.append((x, y))
-    secret = 0
-    for i, (xi, yi) in enumerate(ys):
-        num, den = 1, 1
-        for j, (xj, _) in enumerate(ys):
-            if i != j:
-                num = num * (-xj) % PRIME
-                den = den * (xi - xj) % PRIME
-        secret = (secret + yi * num * pow(den, -1, PRIME)) % PRIME  # extended Euclid: 18x Fermat here
+    secret = evaluator(ys)(0)
     if secret >= 2 ** (8 * size):
         raise ConfigError("the shares do not combine to a secret of this size (a wrong or forged share)")
     return secret.to_bytes(size, "big")
+
+
+def evaluator(points: list[tuple[int, int]]) -> Callable[[int], int]:
+    """The polynomial through ``points`` ((x, y), distinct x) as a function over GF(PRIME): its barycentric
+    weights 1 / prod_{j != i} (x_i - x_j) found once, with one inversion for all of them (Montgomery's trick), so
+    each value costs about 3 t multiplications and no inversion (at 1,000 clients the server checks thousands of
+    shares: one inversion per term made that check 6x the round's unmasking)."""
+    xs = [x for x, _ in points]
+    dens = []
+    for i, xi in enumerate(xs):
+        d = 1
+        for j, xj in enumerate(xs):
+            if i != j:
+                d = d * (xi - xj) % PRIME
+        dens.append(d)
+    weights = [w * y % PRIME for w, (_, y) in zip(_inverses(dens), points, strict=True)]
+
+    def at(x: int) -> int:
+        terms = [(x - xj) % PRIME for xj in xs]
+        suffix = [1] * (len(terms) + 1)
+        for i in range(len(terms) - 1, -1, -1):
+            suffix[i] = suffix[i + 1] * terms[i] % PRIME
+        out, prefix = 0, 1
+        for i, w in enumerate(weights):
+            out = (out + w * prefix % PRIME * suffix[i + 1]) % PRIME
+            prefix = prefix * terms[i] % PRIME
+        return out
+
+    return at
+
+
+def _inverses(values: list[int]) -> list[int]:
+    """Each of ``values`` (non-zero mod PRIME) inverted, with one modular inversion in all."""
+    prefix = [1]
+    for v in values:
+        prefix.append(prefix[-1] * v % PRIME)
+    inv = pow(prefix[-1], -1, PRIME)
+    out = [0] * len(values)
+    for i in range(len(values) - 1, -1, -1):
+        out[i] = inv * prefix[i] % PRIME
+        inv = inv * values[i] % PRIME
+    return out

@@ -24,7 +24,7 @@ import hmac
 from typing import TYPE_CHECKING
 
 from ..errors import CodecError
-from .shamir import PRIME, SHARE_BYTES
+from .shamir import SHARE_BYTES, evaluator
 
 if TYPE_CHECKING:
     from .crypto import KeyPair
@@ -117,18 +117,5 @@ def consistent(shares: dict[int, bytes], threshold: int) -> bool:
     points = sorted((x, int.from_bytes(y, "big")) for x, y in shares.items())
     if len(points) <= threshold:
         return True
-    base = points[:threshold]
-    return all(_at(base, x) == y for x, y in points[threshold:])
-
-
-def _at(points: list[tuple[int, int]], x: int) -> int:
-    """The value at ``x`` of the polynomial through ``points`` (Lagrange over GF(PRIME))."""
-    out = 0
-    for i, (xi, yi) in enumerate(points):
-        num, den = 1, 1
-        for j, (xj, _) in enumerate(points):
-            if i != j:
-                num = num * (x - xj) % PRIME
-                den = den * (xi - xj) % PRIME
-        out = (out + yi * num * pow(den, -1, PRIME)) % PRIME
-    return out
+    at = evaluator(points[:threshold])
+    return all(at(x) == y for x, y in points[threshold:])

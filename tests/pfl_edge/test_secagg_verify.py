@@ -167,3 +167,22 @@ def test_the_commitment_vector_of_the_protocol_doc() -> None:
     for kind in ("b", "s"):
         got = commitment(p, kind, 1, 0, bytes(range(66))).hex()
         assert f"`{kind}` gives `{got}`" in doc
+
+
+def test_the_evaluator_is_lagrange_interpolation() -> None:
+    """``shamir.evaluator`` (barycentric weights, one inversion in all) against the polynomial itself, evaluated
+    term by term with Python integers, at points inside and outside the ones it was built from."""
+    import random
+
+    from pfl_edge.secagg.shamir import evaluator
+
+    rng = random.Random(7)
+    for t in (1, 2, 5, 21):
+        coeffs = [rng.randrange(PRIME) for _ in range(t)]
+
+        def f(x: int, coeffs: list[int] = coeffs) -> int:
+            return sum(a * pow(x, k, PRIME) for k, a in enumerate(coeffs)) % PRIME
+
+        xs = rng.sample(range(1, 2**31), t + 5)
+        at = evaluator([(x, f(x)) for x in xs[:t]])
+        assert all(at(x) == f(x) for x in [0, *xs])
