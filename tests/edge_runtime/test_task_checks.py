@@ -218,6 +218,7 @@ def test_only_drawn_devices_ask_on_a_sampled_rounds_bell() -> None:
     from types import SimpleNamespace
 
     from pfl_edge.algorithms import get_algorithm
+    from pfl_edge.algorithms.participants import sampled_slots
     from pfl_edge.federation import FederationConfig
     from pfl_edge.protocol import RoundAnnouncement
     from pfl_edge.sim import build_context, sample_participants
@@ -244,3 +245,9 @@ def test_only_drawn_devices_ask_on_a_sampled_rounds_bell() -> None:
         assert asks(cfg, idle, [bell(t), (task_topic("tc", f"d{idle}"), b"{}")])  # its own task topic rang
     everyone = FederationConfig.from_dict(CONFIG)
     assert asks(everyone, 1, [bell(1)]) and asks(everyone, 0, [bell(2)])
+    # a private federation's draw is the server's secret (docs/privacy.md): every device asks on every bell, none
+    # computes a draw from the config (the seed's would not be the server's)
+    private = cfg.replace(privacy={"clip": 1.0, "noise_multiplier": 1.0, "delta": 1e-3})
+    assert all(asks(private, i, [bell(t)]) for t in (1, 2) for i in range(10))
+    public = cfg.replace(privacy={"clip": 1.0, "noise_multiplier": 1.0, "delta": 1e-3, "secret_noise": False})
+    assert {i for i in range(10) if asks(public, i, [bell(1)])} == sampled_slots(cfg.seed, 1, 10, 0.3, True)
