@@ -101,10 +101,12 @@
     text("ov-online", `${enrolled.filter((d) => d.online).length} / ${enrolled.length}`);
     text("ov-quorum", `${(100 * info.quorum).toFixed(0)} %`);
     text("ov-deadline", `${info.deadline_s} s`);
-    // differential privacy (docs/privacy.md): the epsilon the published rounds have spent, at the config's delta
-    const spent = [...rounds].reverse().find((r) => r.epsilon !== undefined && r.epsilon !== null);
+    // differential privacy (docs/privacy.md): the epsilon the published rounds have spent, at the config's delta;
+    // the last published round's (null there: no bound, e.g. a distributed round of one update, never an older one)
+    const spent = [...rounds].reverse().find((r) => r.round >= 1 && r.closed_at !== undefined && r.closed_at !== null);
     $("ov-privacy-card").hidden = !cfg.privacy;
-    if (cfg.privacy) text("ov-privacy", spent ? `ε ${Number(spent.epsilon).toFixed(2)} (δ ${cfg.privacy.delta ?? 1e-5})` : "ε 0");
+    if (cfg.privacy) text("ov-privacy", !spent ? "ε 0" : spent.epsilon === undefined || spent.epsilon === null ? "no bound"
+      : `ε ${Number(spent.epsilon).toFixed(2)} (δ ${cfg.privacy.delta ?? 1e-5})`);
     const cur = rounds.find((r) => r.round === info.round);
     text("cur-round", String(info.round));
     const badge = $("cur-state");
