@@ -259,8 +259,9 @@ class Algorithm:
         server. Under differential privacy (``pfl_edge.privacy``): the private mean, its noise from ``noise``
         (the round's stream); under secure aggregation, round ``t``'s (``summed``: the sums a server unmasked,
         one per group, and how many inputs each holds; ``ids``: the updates' slots). ``bounds``/``norms``: each
-        update's norm bound and norm where the caller knows them (the update-bound stage). The server always asks here: an algorithm composes the rule with its own
-        step, and the server clips, averages and applies nothing itself."""
+        update's norm bound and norm where the caller knows them (the update-bound stage). The server always
+        asks here: an algorithm composes the rule with its own step, and the server clips, averages and applies
+        nothing itself."""
         return None
 
     def simulation(self, world: World) -> Simulation:

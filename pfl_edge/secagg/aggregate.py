@@ -33,8 +33,8 @@ if TYPE_CHECKING:
 
     from ..federation import FederationConfig
 
-__all__ = ["SumOutOfRange", "apply_sum", "check_sum", "float_keys", "graph_seed", "group_seed", "secagg_config",
-           "secure_input", "secure_mean", "secure_params"]
+__all__ = ["SumOutOfRange", "apply_sum", "check_sum", "float_keys", "graph_seed", "group_seed", "passing",
+           "secagg_config", "secure_input", "secure_mean", "secure_params"]
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +94,22 @@ def check_sum(total: np.ndarray, survivors: int, bits: int) -> None:
                             "forged share)")
 
 
+def passing(cfg: FederationConfig, sums: Sequence[tuple[np.ndarray, int]]
+            ) -> tuple[list[tuple[np.ndarray, int]], list[SumOutOfRange]]:
+    """The groups' sums that pass ``check_sum`` (the ones ``apply_sum`` releases: what a round's published base
+    holds, and its achieved epsilon counts), and why each other one failed."""
+    _, bits, _ = secagg_config(cfg).resolved(cfg, MIN_CLIENTS)
+    passed, refused = [], []
+    for total, survivors in sums:
+        try:
+            check_sum(total, survivors, bits)
+        except SumOutOfRange as e:
+            refused.append(e)
+            continue
+        passed.append((total, survivors))
+    return passed, refused
+
+
 def apply_sum(cfg: FederationConfig, prev: Mapping[str, Tensor],
               sums: Sequence[tuple[np.ndarray, int]]) -> dict[str, Tensor]:
     """The round's new shared part from the unmasked sums of its groups, ``(sum, survivors)`` each (one group
@@ -105,17 +121,12 @@ def apply_sum(cfg: FederationConfig, prev: Mapping[str, Tensor],
 
     sa = secagg_config(cfg)
     bound, bits, _ = sa.resolved(cfg, MIN_CLIENTS)
-    kept, why = [], None
-    for total, survivors in sums:
-        try:
-            check_sum(total, survivors, bits)
-        except SumOutOfRange as e:
-            log.error("a group of %d inputs is left out of the round: %s", survivors, e)
-            why = e
-            continue
-        kept.append((dequantize_sum(total, survivors, bound, bits), survivors))
-    if not kept:
-        raise why or SumOutOfRange("no group's sum to release")
+    passed, refused = passing(cfg, sums)
+    for e in refused:
+        log.error("a group's sum is left out of the round: %s", e)
+    if not passed:
+        raise refused[0] if refused else SumOutOfRange("no group's sum to release")
+    kept = [(dequantize_sum(total, survivors, bound, bits), survivors) for total, survivors in passed]
     if cfg.dp is not None:  # the noise is in the sum: every kept group's, over the expected count
         mean = np.sum([v for v, _ in kept], axis=0) / (cfg.participation * cfg.clients)
     elif sa.across == "median" and len(kept) > 1:

@@ -23,7 +23,7 @@ from pfl_edge.aggregate import MIN_UPDATES, AggregationRule, update_norm
 from pfl_edge.codec import encode
 from pfl_edge.errors import InternalError
 from pfl_edge.federation import FederationConfig
-from pfl_edge.privacy import MIN_CLIENTS, round_noise
+from pfl_edge.privacy import round_noise
 from pfl_edge.secagg.aggregate import SumOutOfRange
 
 from ..db import Device, Federation, PartialSum, Round, Update, inputs_digest, now
@@ -46,20 +46,12 @@ _Upload = tuple[str, int, int] | tuple[str, int, int, float | None]  # digest, n
 
 
 def _released_inputs(cfg: FederationConfig, summed: Sequence[tuple[np.ndarray, int]]) -> int:
-    """How many inputs a secure round's release holds: the survivors of each group whose unmasked sum passes
-    ``check_sum`` (the algorithm's ``apply_sum`` leaves the others out of the base, and their noise shares with
-    them): the count a distributed-mode round's achieved epsilon is figured from (``pfl_edge.privacy_spent``)."""
-    from pfl_edge.secagg.aggregate import check_sum, secagg_config
+    """How many inputs a secure round's release holds: the survivors of each group whose sum the algorithm's
+    ``apply_sum`` keeps (``passing``; the others' noise shares leave with them): the count a distributed-mode
+    round's achieved epsilon is figured from (``pfl_edge.privacy_spent``)."""
+    from pfl_edge.secagg.aggregate import passing
 
-    _, bits, _ = secagg_config(cfg).resolved(cfg, MIN_CLIENTS)
-    kept = 0
-    for total, survivors in summed:
-        try:
-            check_sum(total, survivors, bits)
-        except SumOutOfRange:
-            continue
-        kept += survivors
-    return kept
+    return sum(n for _, n in passing(cfg, summed)[0])
 
 
 class RoundMachine:

@@ -31,7 +31,7 @@ def test_groups_partition_the_round_into_groups_of_at_least_min_group(n: int, m:
 
 def test_min_group_and_across_are_checked() -> None:
     for bad in ({"min_group": 2}, {"min_group": True}, {"min_group": -1}, {"across": "trimmed"}):
-        with pytest.raises(ConfigError, match="min_group|across"):
+        with pytest.raises(ConfigError, match=r"min_group|across"):
             SecAggConfig.parse({"bound": 0.5, **bad})
     assert SecAggConfig.parse({"bound": 0.5}).min_group == 0  # type: ignore[union-attr]
 
