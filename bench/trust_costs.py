@@ -23,8 +23,9 @@ import numpy as np
 from pfl_edge.codec import decode
 from pfl_edge.errors import CodecError
 from server.db import hash_secret
+from server.enrol_gate import EnrolGate
 from server.errors import Forbidden
-from server.ratelimit import Buckets, EnrolGate
+from server.ratelimit import Buckets
 
 _PREFIX = struct.Struct("<4sBI")  # the codec's magic, version, header length (docs/protocol.md)
 

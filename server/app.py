@@ -26,11 +26,11 @@ from .broker import EmbeddedBroker
 from .broker_setup import start_mqtt
 from .coordinator import Coordinator
 from .db import make_engine
+from .enrol_gate import enrol_gate
 from .errors import ApiError
 from .limits import install as install_limits
 from .migrations import make_sessionmaker
 from .mqtt import MqttLink
-from .ratelimit import enrol_gate
 from .routers import api, dashboard, health, prom
 from .services.leadership import leadership_for, sqlite_guard
 from .services.spool import DecodePool

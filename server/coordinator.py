@@ -7,8 +7,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from .blobs import BlobStore
 from .broker import EmbeddedBroker
+from .enrol_gate import EnrolGate
 from .mqtt import MqttLink
-from .ratelimit import EnrolGate
 from .services import (
     BlobAccess,
     EnrolmentService,

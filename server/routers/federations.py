@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from pfl_edge.fleet import DeviceEntry, FederationMetrics
-from pfl_edge.protocol import FederationCreate, FederationInfo, TokenIssued
+from pfl_edge.protocol import MIN_ENROL_SECRET, FederationCreate, FederationInfo, TokenIssued
 
 from ..deps import AdminAuth, Coord, Enrol, FederationReader, MetricsDep
 from .models import artefacts, creation_keys
@@ -57,7 +57,7 @@ def get_devices(fed: str, _admin: AdminAuth, metrics: MetricsDep) -> list[Device
 class EnrolSecret(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    enrol_secret: str = Field(min_length=8, max_length=256)
+    enrol_secret: str = Field(min_length=MIN_ENROL_SECRET, max_length=256)
 
 
 class Revoked(BaseModel):

@@ -22,9 +22,10 @@ from pfl_edge.privacy import new_key, secret_draw
 from pfl_edge.protocol import Enrolment, EnrolRequest, FederationCreate, FederationInfo
 
 from ..db import SERVER, Device, Federation, hash_secret, hash_token, now
+from ..enrol_gate import EnrolGate
 from ..errors import Conflict, Forbidden, NotFound, Unauthorized, Unprocessable
 from ..fedmodel import fed_model
-from ..ratelimit import Buckets, EnrolGate
+from ..ratelimit import Buckets
 from ..states import ENROLMENT_ROUND, RoundState
 from .blob_access import BlobAccess
 from .store import Store
@@ -181,7 +182,7 @@ class EnrolmentService:
 
     def _secret_hash(self, fed_id: str) -> str | None:
         """The federation's secret hash, None if there is no such federation (the gate refuses it as a wrong
-        secret; rate limits and the verify cache: ``server.ratelimit.EnrolGate``)."""
+        secret; rate limits and the verify cache: ``server.enrol_gate.EnrolGate``)."""
         with self.store.read() as s:
             fed = s.get(Federation, fed_id)
             return None if fed is None else fed.enrol_secret_hash

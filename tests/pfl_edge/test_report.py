@@ -230,11 +230,11 @@ def live(tmp_path: Path) -> Iterator[tuple[str, str]]:
     try:
         with httpx.Client(base_url=srv.url, timeout=30) as c:
             cfg = {"algorithm": "fedper", "model": "cnn", "dataset": "synthetic", "clients": 2, "rounds": 2}
-            r = c.post("/v1/federations", json={"id": "live", "enrol_secret": "secret-12345678", "config": cfg},
+            r = c.post("/v1/federations", json={"id": "live", "enrol_secret": "secret-123456789", "config": cfg},
                        headers={"Authorization": f"Bearer {token}"})
             assert r.status_code == 201, r.text
             for i, (profile, acc) in enumerate([("phone-low", 0.25), ("phone-high", 0.75)]):
-                e = c.post("/v1/devices", json={"federation": "live", "enrol_secret": "secret-12345678",
+                e = c.post("/v1/devices", json={"federation": "live", "enrol_secret": "secret-123456789",
                                                 "profile": profile, "name": f"dev{i}"})
                 assert e.status_code == 201, e.text
                 m = c.post("/v1/rounds/0/metrics", json={"accuracy": acc, "loss": 1.5, "n_test": 10,

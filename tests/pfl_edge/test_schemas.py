@@ -22,7 +22,8 @@ D1, D2 = "a" * 64, "0123456789abcdef" * 4
 
 # one valid message of each kind, as a device or the server sends it
 GOOD: dict[str, dict[str, Any]] = {
-    "FederationCreate": {"id": "f1", "enrol_secret": "12345678", "config": {"algorithm": "fedper", "clients": 2},
+    "FederationCreate": {"id": "f1", "enrol_secret": "1234567890123456",
+                         "config": {"algorithm": "fedper", "clients": 2},
                          "aggregation": {"rule": "trimmed-mean", "trim": 0.1}},
     "FederationInfo": {"id": "f1", "config": {"clients": 2}, "round": 3, "state": "collecting", "devices": 2,
                        "quorum": 1.0, "deadline_s": 600.0, "profile_capacity": False},
@@ -67,6 +68,7 @@ GOOD: dict[str, dict[str, Any]] = {
 # (message, change) pairs that both pydantic and the schema must refuse
 BAD: list[tuple[str, dict[str, Any]]] = [
     ("UpdateRequest", {"personal": {"w": 1}}),  # an extra field
+    ("FederationCreate", {"enrol_secret": "x" * 15}),  # a new federation's secret is 16 characters or more
     ("SecAggKeys", {"c_public": "AB" * 32}),  # upper-case hex
     ("SecAggSealed", {"box": "01" * 167}),  # a sealed pair is 168 bytes exactly
     ("SecAggSealed", {"commits": "0b" * 63}),  # two 32-byte commitments

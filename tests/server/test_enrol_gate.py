@@ -1,4 +1,4 @@
-"""The enrolment gate (``server.ratelimit.EnrolGate``) and the token chain's absolute lifetime (issue 33, items 4
+"""The enrolment gate (``server.enrol_gate.EnrolGate``) and the token chain's absolute lifetime (issue 33, items 4
 and 7): guesses pay before the KDF runs, one KDF in flight per address, the KDF on the gate's own threads (never
 a request thread), the verified secret passes a federation bucket that guesses emptied, unknown federations
 share one bucket, and a device's own rotations end ``device_token_max_lifetime_s`` after it last enrolled.
@@ -21,12 +21,13 @@ from fastapi.testclient import TestClient
 from server_testkit import FEDPER, SECRET, bearer, create
 from sqlalchemy import inspect, text
 
-from server import ratelimit
+from server import enrol_gate
 from server.app import create_app
 from server.db import Device, make_engine
+from server.enrol_gate import EnrolGate
 from server.errors import Forbidden, TooManyRequests
 from server.migrations import SCHEMA_VERSION, STEPS, migrate, schema_version
-from server.ratelimit import Buckets, EnrolGate
+from server.ratelimit import Buckets
 from server.settings import Settings
 
 ADMIN = "admin-token-for-enrol-gate-tests"
@@ -63,7 +64,7 @@ def frozen_gate(kdf: FakeKdf, *, address_burst: int = 20, federation_burst: int 
         return 0.0  # frozen: no bucket refills between the steps of a test
 
     return EnrolGate(Buckets(1.0, address_burst, clock=clock), Buckets(1.0, federation_burst, clock=clock),
-                     kdf=kdf, **kw)
+                     kdf=kdf, **{"hit_delay_s": 0.0, **kw})
 
 
 def run_in_thread(fn: Any, *args: Any) -> tuple[threading.Thread, list[BaseException]]:
@@ -83,17 +84,45 @@ def run_in_thread(fn: Any, *args: Any) -> tuple[threading.Thread, list[BaseExcep
 # ------------------------------------------------------------------------------------------------ unit tests
 
 
-def test_a_wrong_guess_spends_both_buckets_before_the_kdf_runs() -> None:
+def test_a_wrong_guess_spends_its_address_before_the_kdf_and_its_federation_after() -> None:
     kdf = FakeKdf()
     gate = frozen_gate(kdf, address_burst=1, federation_burst=1)
     kdf.watch = (gate, "10.0.0.1", "fed:f")
     with pytest.raises(Forbidden):
         gate.check("f", "a-guess", RIGHT, "10.0.0.1")
-    # while the KDF ran, both buckets (of one token each) were already empty: the guess had paid
-    assert len(kdf.seen) == 1 and kdf.seen[0][0] > 0 and kdf.seen[0][1] > 0
+    # while the KDF ran the address's bucket (one token) was already empty: the guess had paid; the federation's
+    # is spent by the wrong answer, after the KDF (the right secret never spends it)
+    assert len(kdf.seen) == 1 and kdf.seen[0][0] > 0 and kdf.seen[0][1] == 0
+    assert gate.per_federation.wait_s("fed:f") > 0
     with pytest.raises(TooManyRequests):  # and they stay spent
         gate.check("f", "a-guess", RIGHT, "10.0.0.1")
     assert len(kdf.calls) == 1
+
+
+def test_a_guess_costs_the_same_whatever_the_federations_bucket_holds() -> None:
+    """Issue 49: a guess that met an empty federation bucket was answered 429 at once, without the KDF, while the
+    verified secret passed; many addresses tested guesses at their summed rate. Now each guess pays the KDF and
+    its address's token, full bucket or empty (only its answer's words differ: 403 or 429), and the verified
+    secret waits what a guess's KDF takes."""
+    kdf = FakeKdf()
+    waits: list[float] = []
+    gate = frozen_gate(kdf, address_burst=1, federation_burst=1, hit_delay_s=0.125)
+    gate.check("f", SECRET, RIGHT, "10.0.0.1")  # verified once: kept
+    for i, answer in enumerate((Forbidden, TooManyRequests, TooManyRequests)):  # full, then empty, then empty
+        before = len(kdf.calls)
+        with pytest.raises(answer):
+            gate.check("f", f"guess-{i}", RIGHT, f"10.66.0.{i}")
+        assert len(kdf.calls) == before + 1  # the KDF ran
+        assert gate.per_address.wait_s(f"10.66.0.{i}") > 0  # the address paid
+    import server.enrol_gate as eg
+
+    real_sleep = eg.time.sleep
+    try:
+        eg.time.sleep = waits.append  # type: ignore[assignment]
+        gate.check("f", SECRET, RIGHT, "10.0.1.1")  # the verified secret: no KDF, the KDF's time waited
+    finally:
+        eg.time.sleep = real_sleep  # type: ignore[assignment]
+    assert waits == [0.125] and len(kdf.calls) == 4
 
 
 def test_a_second_attempt_from_one_address_while_its_kdf_runs_is_429_without_a_kdf() -> None:
@@ -159,7 +188,7 @@ def test_a_fleets_first_wave_on_the_event_loop_verifies_once() -> None:
     gate = frozen_gate(kdf, address_burst=2, federation_burst=2)
 
     async def wave() -> list[BaseException | None]:
-        tasks = [asyncio.ensure_future(gate.acheck("f", SECRET, RIGHT, "10.0.0.1")) for _ in range(8)]
+        tasks = [asyncio.ensure_future(gate.acheck("f", SECRET, RIGHT, f"10.0.0.{i}")) for i in range(8)]
         for _ in range(10):  # each task runs up to its first wait: the first on the KDF, the others on it
             await asyncio.sleep(0)
         kdf.hold.set()
@@ -169,8 +198,31 @@ def test_a_fleets_first_wave_on_the_event_loop_verifies_once() -> None:
         got = asyncio.run(wave())
     finally:
         kdf.hold.set()
-    # one KDF; the seven others waited for its answer (one address, one KDF at a time: no 429 among them)
+    # one KDF; the seven others (each from its own address) waited for its answer
     assert got == [None] * 8 and [c[0] for c in kdf.calls] == [SECRET]
+
+
+def test_a_wave_behind_one_address_is_told_to_retry_while_its_kdf_runs_then_passes() -> None:
+    """Behind one address (NAT) the first attempt's KDF makes the others 429 with Retry-After 1 (the answer does
+    not look at the secret: a guess from that address meets the same), and their retry passes on the kept one."""
+    kdf = FakeKdf(held=True)
+    gate = frozen_gate(kdf, address_burst=20, federation_burst=2)
+
+    async def wave() -> list[BaseException | None]:
+        tasks = [asyncio.ensure_future(gate.acheck("f", SECRET, RIGHT, "10.0.0.1")) for _ in range(4)]
+        for _ in range(10):
+            await asyncio.sleep(0)
+        kdf.hold.set()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    try:
+        got = asyncio.run(wave())
+    finally:
+        kdf.hold.set()
+    assert got[0] is None and all(isinstance(e, TooManyRequests) and e.retry_after == 1.0 for e in got[1:])
+    for _ in range(3):
+        gate.check("f", SECRET, RIGHT, "10.0.0.1")
+    assert [c[0] for c in kdf.calls] == [SECRET]
 
 
 def test_the_verified_secret_passes_a_federation_bucket_that_guesses_emptied() -> None:
@@ -180,22 +232,22 @@ def test_the_verified_secret_passes_a_federation_bucket_that_guesses_emptied() -
     for i in range(5):  # guesses from five addresses empty the federation's bucket
         with pytest.raises(Forbidden):
             gate.check("f", f"guess-{i}", RIGHT, f"10.66.0.{i}")
-    with pytest.raises(TooManyRequests):  # from a sixth: the federation's bucket is empty
+    with pytest.raises(TooManyRequests):  # from a sixth: its KDF ran, its answer is 429 (the bucket is empty)
         gate.check("f", "guess-5", RIGHT, "10.66.0.5")
-    for i in range(3):  # the right secret needs only its address's token (one keyed HMAC, no KDF)
+    assert len(kdf.calls) == 7
+    for i in range(3):  # the right secret needs only its address's bucket (one keyed HMAC, no KDF)
         gate.check("f", SECRET, RIGHT, f"10.0.1.{i}")
-    assert len(kdf.calls) == 6
-    # a guess at the cache still costs its address a token: no free guesses while the federation is empty
-    for _ in range(2):
+    assert len(kdf.calls) == 7
+    for _ in range(2):  # a guess at the cache costs its address a token and a KDF: no cheap guesses
         with pytest.raises(TooManyRequests):
             gate.check("f", "guess-6", RIGHT, "10.66.0.6")
-    with pytest.raises(TooManyRequests) as e:  # now its address's bucket (2) is spent too
+    assert len(kdf.calls) == 9
+    with pytest.raises(TooManyRequests) as e:  # now its address's bucket (2) is spent: refused before the secret
         gate.check("f", SECRET, RIGHT, "10.66.0.6")
-    assert "too many enrolment attempts" in str(e.value)
-    gate.forget("f")  # the secret rotated: the next one verifies afresh and meets the federation's bucket
-    with pytest.raises(TooManyRequests):
-        gate.check("f", SECRET, RIGHT, "10.0.2.1")
-    assert len(kdf.calls) == 6
+    assert "too many enrolment attempts" in str(e.value) and len(kdf.calls) == 9
+    gate.forget("f")  # the secret rotated: the next one verifies afresh (a KDF; the right one spends no bucket)
+    gate.check("f", SECRET, RIGHT, "10.0.2.1")
+    assert len(kdf.calls) == 10
 
 
 def test_unknown_federations_share_one_bucket() -> None:
@@ -206,7 +258,7 @@ def test_unknown_federations_share_one_bucket() -> None:
             gate.check(f"random-{i}", SECRET, None, f"10.0.0.{i}")
     with pytest.raises(TooManyRequests):
         gate.check("random-3", SECRET, None, "10.0.0.3")
-    assert len(kdf.calls) == 3  # the dummy hash's KDF: an unknown federation costs what a wrong secret does
+    assert len(kdf.calls) == 4  # the dummy hash's KDF: an unknown federation costs what a wrong secret does
     with pytest.raises(Forbidden):  # a known federation keeps a bucket of its own
         gate.check("f", "a-guess", RIGHT, "10.0.0.4")
     gate.check("f", SECRET, RIGHT, "10.0.0.5")
@@ -240,7 +292,7 @@ def from_address(c: TestClient, address: str) -> TestClient:
 
 def test_enrolment_over_http_keeps_scrypt_off_the_request_threads(client: TestClient,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    real = ratelimit.verify_secret
+    real = enrol_gate.verify_secret
     threads: list[str] = []
     entered, hold = threading.Event(), threading.Event()
 
@@ -250,7 +302,7 @@ def test_enrolment_over_http_keeps_scrypt_off_the_request_threads(client: TestCl
         hold.wait(BOUND_S)
         return real(secret, stored)
 
-    monkeypatch.setattr(ratelimit, "verify_secret", held)
+    monkeypatch.setattr(enrol_gate, "verify_secret", held)
     statuses: list[int] = []
     first = threading.Thread(
         target=lambda: statuses.append(client.post("/v1/devices", json=body("a-guess")).status_code))
@@ -273,6 +325,7 @@ def test_guesses_from_many_addresses_do_not_lock_out_the_right_secret(client: Te
     assert client.post("/v1/devices", json=body()).status_code == 201  # verified once: kept as a keyed HMAC
     for i in range(3):  # the federation's bucket (3) emptied by guesses from three addresses
         assert from_address(client, f"10.66.0.{i}").post("/v1/devices", json=body(f"guess-{i}")).status_code == 403
+    # a fourth: its scrypt ran, and its answer is 429 (the federation's bucket is empty), not 403
     assert from_address(client, "10.66.0.3").post("/v1/devices", json=body("guess-3")).status_code == 429
     for i in range(2):
         assert from_address(client, f"10.0.1.{i}").post("/v1/devices", json=body()).status_code == 201
