@@ -12,7 +12,7 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import IO
+from typing import IO, Any
 
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
@@ -75,9 +75,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 await run_in_threadpool(arts.close)
             await run_in_threadpool(_stop, st)
 
+    docs: dict[str, Any] = {} if settings.api_docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
     app = FastAPI(title="pfl-edge server", version=str(PROTOCOL_VERSION), lifespan=lifespan,
                   description="Coordination of personalized federated learning (FedPer, DisPFL) on edge devices: "
-                              "the HTTP half of pfl_edge.protocol. Control messages travel over MQTT.")
+                              "the HTTP half of pfl_edge.protocol. Control messages travel over MQTT.", **docs)
+    app.state.api_docs = settings.api_docs
     app.state.admin_token = settings.admin_token.get_secret_value() if settings.admin_token else ""
     app.add_exception_handler(ApiError, _api_error)  # type: ignore[arg-type]  # narrower than Exception
     install_limits(app)  # body, header and JSON bounds before parsing; 422s that never echo the input

@@ -116,6 +116,12 @@ class Settings(BaseSettings):
     # or NAT every client has its address: forwarded_allow_ips are never capped; else raise it, or 0
     http_max_connections_per_address: int = Field(default=64, ge=0, le=1_000_000)
     http_body_idle_timeout_s: float = Field(default=30.0, gt=0, le=3600)  # a blob PUT's body that stops arriving
+    # a blob PUT's body slower on average than this (bytes a second), once past the idle timeout, is refused: a
+    # drip of a byte a second held its connection for ever (issue 49); 2G links carry several kB/s
+    http_body_min_rate: float = Field(default=1000.0, ge=0, le=1e9)
+    # /docs, /redoc, /openapi.json and /v1/schemas: on where people develop, off in the shipped compose files (they
+    # told strangers every route and message, issue 49)
+    api_docs: bool = True
     http_max_header_bytes: int = Field(default=16 * 1024, ge=1024, le=1 << 20)
 
     @field_validator("broker_url")

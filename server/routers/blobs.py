@@ -43,12 +43,12 @@ def _put(blobs: BlobAccess, dev: Device, sha256: str, body: Spooled) -> bool:
         body.discard()
 
 
-def _idle_timeout_s(request: Request) -> float:
-    """The server's ``http_body_idle_timeout_s`` (its default for an app without the server's state)."""
+def _body_setting(request: Request, name: str) -> float:
+    """The server's ``http_body_*`` setting ``name`` (its default for an app without the server's state)."""
     st = getattr(request.app.state, "pfl", None)
     if st is None:
-        return float(Settings.model_fields["http_body_idle_timeout_s"].default)
-    return float(st.settings.http_body_idle_timeout_s)
+        return float(Settings.model_fields[name].default)
+    return float(getattr(st.settings, name))
 
 
 @router.put("/{sha256}", response_model=BlobStored,
@@ -66,7 +66,9 @@ async def put_blob(request: Request, sha256: Digest, dev: DeviceAuth, blobs: Blo
     try:
         with blobs.receiving(dev):
             body = await spool_body(request.stream(), blobs.store.max_blob_bytes, blobs.spool_dir,
-                                    request.headers.get("content-length"), _idle_timeout_s(request))
+                                    request.headers.get("content-length"),
+                                    _body_setting(request, "http_body_idle_timeout_s"),
+                                    _body_setting(request, "http_body_min_rate"))
     except ClientDisconnect:  # cut or killed mid-upload: nothing was kept, and a device sends the blob again
         log.info("device %s went away during PUT of blob %s", dev.id, sha256)
         return Response(status_code=400)  # read by no one; not a server error to log with a traceback

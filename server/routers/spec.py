@@ -1,13 +1,14 @@
 """The protocol's JSON Schemas over HTTP (``pfl_edge.schemas``), generated in this process from the same models
 the server validates with, so what it serves is always what it enforces. No authentication: the schemas are
-public (docs/schemas holds the same files) and reveal nothing of any federation."""
+public (docs/schemas holds the same files) and reveal nothing of any federation; a server with ``api_docs`` off
+(the shipped compose files) answers 404, as it does for /docs and /openapi.json."""
 
 from __future__ import annotations
 
 import functools
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from pfl_edge import schemas
@@ -17,7 +18,15 @@ from ..errors import NotFound
 
 __all__ = ["router"]
 
-router = APIRouter(prefix="/schemas", tags=["spec"])
+
+
+def _published(request: Request) -> None:
+    """The schemas are served where the server's ``api_docs`` setting is on (off in the shipped compose files)."""
+    if not getattr(request.app.state, "api_docs", True):
+        raise NotFound("this server does not publish its schemas (api_docs is off); docs/schemas holds them")
+
+
+router = APIRouter(prefix="/schemas", tags=["spec"], dependencies=[Depends(_published)])
 
 
 @functools.cache

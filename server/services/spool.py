@@ -51,12 +51,15 @@ class BodyStalled(TimeoutError):
 
 
 async def spool_body(chunks: AsyncIterator[bytes], limit: int, directory: Path,
-                     declared: str | None = None, idle_timeout_s: float | None = None) -> Spooled:
+                     declared: str | None = None, idle_timeout_s: float | None = None, min_rate: float = 0.0,
+                     clock: Callable[[], float] | None = None) -> Spooled:
     """The body of ``chunks`` written to a temp file in ``directory`` and hashed as it arrives; TooLarge past
     ``limit`` bytes (at once when ``declared``, the Content-Length, says so); BodyStalled when no chunk comes for
-    ``idle_timeout_s`` (the header was whole, so no timeout of the HTTP server's applies any more). Either way the
-    file is gone. Each write goes to the page cache (a few microseconds a chunk), so it is done on the event loop
-    rather than with a thread hop per chunk."""
+    ``idle_timeout_s`` (the header was whole, so no timeout of the HTTP server's applies any more), or when, past
+    ``idle_timeout_s`` from the first byte, the body has come at fewer than ``min_rate`` bytes a second on average
+    (a byte a second resets an idle timer for ever). Either way the file is gone. ``clock``: the loop's time.
+    Each write goes to the page cache (a few microseconds a chunk), so it is done on the event loop rather than
+    with a thread hop per chunk."""
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise TooLarge(f"blob of {declared} bytes is over the limit of {limit} bytes")
     directory.mkdir(parents=True, exist_ok=True)
@@ -65,6 +68,8 @@ async def spool_body(chunks: AsyncIterator[bytes], limit: int, directory: Path,
     h = hashlib.sha256()
     size = 0
     loop = asyncio.get_running_loop()
+    now = clock or loop.time
+    start = now()
     idle = asyncio.timeout(idle_timeout_s)  # one timer for the whole body, pushed on by each chunk
     try:
         async with idle:
@@ -75,6 +80,10 @@ async def spool_body(chunks: AsyncIterator[bytes], limit: int, directory: Path,
                     size += len(chunk)
                     if size > limit:  # a body without (or with a lying) Content-Length
                         raise TooLarge(f"blob is over the limit of {limit} bytes")
+                    took = now() - start
+                    if min_rate > 0 and took > (idle_timeout_s or 0.0) and size < min_rate * took:
+                        raise BodyStalled(f"the body came at {size / took:.0f} bytes a second ({size} bytes in "
+                                          f"{took:.0f} s); at least {min_rate:g} are needed")
                     h.update(chunk)
                     f.write(chunk)
     except BaseException as e:

@@ -33,7 +33,7 @@ from server.migrations import make_sessionmaker
 from server.routers import health
 from server.services.enrolment import EnrolmentService
 from server.services.planning import Planner
-from server.services.spool import DecodePool, check_update, spool_body
+from server.services.spool import BodyStalled, DecodePool, check_update, spool_body
 from server.services.worker import RoundWorker
 
 
@@ -143,6 +143,28 @@ def test_spool_body_refuses_over_the_limit_and_leaves_nothing(tmp_path: Path) ->
     with pytest.raises(TooLarge):  # a declared length over the limit: refused before reading
         asyncio.run(spool_body(_chunks([]), 1000, tmp_path, declared="1001"))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_spool_body_refuses_a_drip_slower_than_the_least_rate(tmp_path: Path) -> None:
+    """A byte every second resets the idle timer for ever (issue 49: a dripped blob body was never ended); past
+    the idle timeout from its start, a body under ``min_rate`` bytes a second on average is refused. The clock is
+    the test's: each chunk one second later."""
+    t = [0.0]
+
+    async def drip(n: int, size: int) -> AsyncIterator[bytes]:
+        for _ in range(n):
+            t[0] += 1.0
+            yield b"x" * size
+
+    with pytest.raises(BodyStalled, match="bytes a second"):
+        asyncio.run(spool_body(drip(100, 1), 1 << 20, tmp_path, idle_timeout_s=30.0, min_rate=1000.0,
+                               clock=lambda: t[0]))
+    assert 30 <= t[0] <= 32 and list(tmp_path.iterdir()) == []
+    t[0] = 0.0  # at 2 kB a second (a slow phone's link) the same body length goes through
+    body = asyncio.run(spool_body(drip(100, 2000), 1 << 20, tmp_path, idle_timeout_s=30.0, min_rate=1000.0,
+                                  clock=lambda: t[0]))
+    assert body.size == 200_000
+    body.discard()
 
 
 def test_decode_pool_checks_in_another_process(tmp_path: Path) -> None:

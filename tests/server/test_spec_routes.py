@@ -93,3 +93,29 @@ def test_the_refused_messages_are_refused_by_the_schema_too(srv: BackgroundServe
     assert not v["UpdateRequest"].is_valid(bad.request)  # what the server refused, the schema refuses
     kinds = {tuple(i["loc"]) for i in bad.response["detail"]}
     assert kinds == {("body", "n_samples"), ("body", "extra")}
+
+
+def test_the_api_docs_are_a_setting_off_in_the_shipped_compose_files(tmp_path: Path, broker_url: str) -> None:
+    """/docs, /redoc, /openapi.json and /v1/schemas told strangers every route and message (issue 49): with
+    ``api_docs`` off they are 404 (the device routes unchanged); on by default; off in both compose files."""
+    import yaml
+    from fastapi.testclient import TestClient
+
+    from server.app import create_app
+    from server.settings import Settings
+
+    paths = ("/docs", "/redoc", "/openapi.json", "/v1/schemas", "/v1/schemas/Task.json")
+    for docs in (True, False):
+        s = Settings(data_dir=tmp_path / f"d{docs}", broker_url=broker_url, admin_token="admin-token-docs",  # type: ignore[arg-type]
+                     tick_s=0.05, api_docs=docs)
+        with TestClient(create_app(s)) as c:
+            got = {p: c.get(p).status_code for p in paths}
+            assert got == dict.fromkeys(paths, 200 if docs else 404), got
+            assert c.get("/healthz").status_code == 200
+            assert c.get("/v1/rounds/current/task").status_code == 401  # a device route: there, and guarded
+    root = Path(__file__).resolve().parents[2]
+    for name in ("compose.yaml", "compose.replicated.yaml"):
+        doc = yaml.safe_load((root / name).read_text())
+        envs = [svc.get("environment", {}) for svc in doc["services"].values()]
+        servers = [e for e in envs if isinstance(e, dict) and "PFL_ADMIN_TOKEN" in e]
+        assert servers and all(e.get("PFL_API_DOCS") == "false" for e in servers), name
