@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import logging
 import os
@@ -49,37 +50,56 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 _log = logging.getLogger("uvicorn.error")  # where uvicorn's own lines about connections go
 
 
+@functools.lru_cache(maxsize=65536)
+def peer_key(host: str, v6_prefix: int = 64) -> str:
+    """What a TCP peer's connections count under: an IPv4 address itself (an IPv4-mapped IPv6 one too), an IPv6
+    address its ``v6_prefix`` network, anything else (a Unix socket's name) as it is."""
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{ip}/{v6_prefix}", strict=False))
+    return host
+
+
 @dataclass
 class PeerLimit:
     """Open connections per TCP peer address, shared by the protocol instances of one server (each server's
     protocol class has its own: ``uvicorn_config``). Touched only on that server's event loop: no lock. ``cap``:
     the most one address may hold open (0: no limit, counted all the same). The peer is the TCP peer: behind a
     reverse proxy every client is the proxy, so ``proxy`` (the addresses of ``forwarded_allow_ips``) are never
-    capped: limiting its clients is the proxy's business."""
+    capped: limiting its clients is the proxy's business. An IPv6 peer counts under its ``v6_prefix`` network (one
+    client holds a whole /64: counted per address, it held 64 connections per address of it, issue 49)."""
 
     cap: int
     proxy: Callable[[str], bool] = lambda _host: False
+    v6_prefix: int = 64
     open: dict[str, int] = field(default_factory=dict)
     refused: int = 0  # connections reset at once since the start, for tests and the log
     log_every_s: float = 10.0
     _unlogged: int = 0
     _logged_at: float = -float("inf")
 
-    def admit(self, host: str) -> bool:
-        n = self.open.get(host, 0)
+    def admit(self, host: str) -> str | None:
+        """The key ``host``'s new connection counts under (to ``release`` with), or None: over the cap."""
+        key = peer_key(host, self.v6_prefix)
+        n = self.open.get(key, 0)
         if 0 < self.cap <= n and not self.proxy(host):  # asked only at the cap: a proxy's many pay the parse
             self.refused += 1
-            self._log(host)
-            return False
-        self.open[host] = n + 1
-        return True
+            self._log(key)
+            return None
+        self.open[key] = n + 1
+        return key
 
-    def release(self, host: str) -> None:
-        n = self.open.get(host, 0) - 1
+    def release(self, key: str) -> None:
+        n = self.open.get(key, 0) - 1
         if n > 0:
-            self.open[host] = n
+            self.open[key] = n
         else:
-            self.open.pop(host, None)  # an address with nothing open costs no memory
+            self.open.pop(key, None)  # an address with nothing open costs no memory
 
     def _log(self, host: str) -> None:
         # one line per log_every_s however fast a flood comes (a line per refusal would be the flood's own log)
@@ -110,12 +130,13 @@ class _HeaderTimeout(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         peer = transport.get_extra_info("peername")  # cached by the transport: no system call
         if isinstance(peer, tuple) and peer:
-            if not self.peers.admit(str(peer[0])):
+            key = self.peers.admit(str(peer[0]))
+            if key is None:
                 # before uvicorn's own connection_made: never in its connections, no timer, no h11 state used
                 self._gone = True
                 _reset(transport)
                 return
-            self._peer = str(peer[0])
+            self._peer = key
         super().connection_made(transport)
         self._arm()
         if not transport.is_closing():
@@ -236,7 +257,8 @@ def uvicorn_config(app: FastAPI, settings: Settings, host: str, port: int, *,
     proto = type("PflH11Protocol", (_HeaderTimeout,), {  # a class per server: its own count of peers
         "header_timeout_s": settings.http_header_timeout_s,
         "first_byte_timeout_s": settings.http_first_byte_timeout_s,
-        "peers": PeerLimit(settings.http_max_connections_per_address, _proxies(settings.forwarded_allow_ips))})
+        "peers": PeerLimit(settings.http_max_connections_per_address, _proxies(settings.forwarded_allow_ips),
+                           settings.http_ipv6_prefix)})
     cfg = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, lifespan="on", http=proto,
         limit_concurrency=settings.http_limit_concurrency, backlog=settings.http_backlog,

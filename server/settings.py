@@ -117,6 +117,7 @@ class Settings(BaseSettings):
     # open connections one TCP peer address may hold; more are reset at once, unread (0: no limit). Behind a proxy
     # or NAT every client has its address: forwarded_allow_ips are never capped; else raise it, or 0
     http_max_connections_per_address: int = Field(default=64, ge=0, le=1_000_000)
+    http_ipv6_prefix: int = Field(default=64, ge=8, le=128)  # an IPv6 peer counts under its /64: one client holds one
     http_body_idle_timeout_s: float = Field(default=30.0, gt=0, le=3600)  # a blob PUT's body that stops arriving
     # a blob PUT's body slower on average than this (bytes a second), once past the idle timeout, is refused: a
     # drip of a byte a second held its connection for ever (issue 49); 2G links carry several kB/s

@@ -88,7 +88,7 @@ def test_the_cap_counts_each_address_and_spares_the_trusted_proxies() -> None:
         return got
 
     p = peers(forwarded_allow_ips="10.0.0.7, 10.1.0.0/16")
-    assert [p.admit("10.9.9.9") for _ in range(3)] == [True, True, False] and p.refused == 1
+    assert [p.admit("10.9.9.9") for _ in range(3)] == ["10.9.9.9", "10.9.9.9", None] and p.refused == 1
     p.release("10.9.9.9")
     assert p.admit("10.9.9.9") and not p.admit("10.9.9.9")
     p.release("10.9.9.9")
@@ -99,7 +99,15 @@ def test_the_cap_counts_each_address_and_spares_the_trusted_proxies() -> None:
     assert p.open["10.0.0.7"] == 100 and not [p.admit("10.2.0.1") for _ in range(3)][-1]
     anyone, uncapped, default = peers(forwarded_allow_ips="*"), peers(http_max_connections_per_address=0), peers()
     assert all(anyone.admit("192.0.2.1") for _ in range(10)) and all(uncapped.admit("192.0.2.1") for _ in range(10))
-    assert [default.admit("127.0.0.1") for _ in range(3)] == [True, True, False]  # loopback: like any other
+    assert [default.admit("127.0.0.1") for _ in range(3)] == ["127.0.0.1", "127.0.0.1", None]  # like any other
+    # an IPv6 client holds a /64: its addresses count together (issue 49), another /64 apart; mapped IPv4 as IPv4
+    v6 = peers()
+    assert v6.admit("2001:db8::1") == v6.admit("2001:db8::ffff:2") == "2001:db8::/64"
+    assert v6.admit("2001:db8:0:0:8000::3") is None and v6.admit("2001:db8:0:1::1") == "2001:db8:0:1::/64"
+    assert v6.admit("::ffff:192.0.2.9") == "192.0.2.9" and peers(http_ipv6_prefix=128).admit("2001:db8::1") == (
+        "2001:db8::1/128")
+    v6.release("2001:db8::/64")
+    assert v6.open["2001:db8::/64"] == 1
 
 
 def test_one_address_holds_at_most_its_cap_and_others_are_served(srv: BackgroundServer) -> None:
