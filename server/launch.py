@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import ipaddress
 import logging
 import os
@@ -32,6 +31,7 @@ from pfl_edge.errors import InternalError
 
 from .app import AppState, create_app
 from .broker import free_port
+from .peers import PeerLimit
 from .ratelimit import install_flood_filter
 from .settings import Settings, ensure_admin_token
 
@@ -48,67 +48,6 @@ __all__ = [
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 _log = logging.getLogger("uvicorn.error")  # where uvicorn's own lines about connections go
-
-
-@functools.lru_cache(maxsize=65536)
-def peer_key(host: str, v6_prefix: int = 64) -> str:
-    """What a TCP peer's connections count under: an IPv4 address itself (an IPv4-mapped IPv6 one too), an IPv6
-    address its ``v6_prefix`` network, anything else (a Unix socket's name) as it is."""
-    try:
-        ip = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
-        return host
-    if isinstance(ip, ipaddress.IPv6Address):
-        if ip.ipv4_mapped is not None:
-            return str(ip.ipv4_mapped)
-        return str(ipaddress.ip_network(f"{ip}/{v6_prefix}", strict=False))
-    return host
-
-
-@dataclass
-class PeerLimit:
-    """Open connections per TCP peer address, shared by the protocol instances of one server (each server's
-    protocol class has its own: ``uvicorn_config``). Touched only on that server's event loop: no lock. ``cap``:
-    the most one address may hold open (0: no limit, counted all the same). The peer is the TCP peer: behind a
-    reverse proxy every client is the proxy, so ``proxy`` (the addresses of ``forwarded_allow_ips``) are never
-    capped: limiting its clients is the proxy's business. An IPv6 peer counts under its ``v6_prefix`` network (one
-    client holds a whole /64: counted per address, it held 64 connections per address of it, issue 49)."""
-
-    cap: int
-    proxy: Callable[[str], bool] = lambda _host: False
-    v6_prefix: int = 64
-    open: dict[str, int] = field(default_factory=dict)
-    refused: int = 0  # connections reset at once since the start, for tests and the log
-    log_every_s: float = 10.0
-    _unlogged: int = 0
-    _logged_at: float = -float("inf")
-
-    def admit(self, host: str) -> str | None:
-        """The key ``host``'s new connection counts under (to ``release`` with), or None: over the cap."""
-        key = peer_key(host, self.v6_prefix)
-        n = self.open.get(key, 0)
-        if 0 < self.cap <= n and not self.proxy(host):  # asked only at the cap: a proxy's many pay the parse
-            self.refused += 1
-            self._log(key)
-            return None
-        self.open[key] = n + 1
-        return key
-
-    def release(self, key: str) -> None:
-        n = self.open.get(key, 0) - 1
-        if n > 0:
-            self.open[key] = n
-        else:
-            self.open.pop(key, None)  # an address with nothing open costs no memory
-
-    def _log(self, host: str) -> None:
-        # one line per log_every_s however fast a flood comes (a line per refusal would be the flood's own log)
-        self._unlogged += 1
-        now = time.monotonic()
-        if now - self._logged_at >= self.log_every_s:
-            _log.warning("resetting connections at once from addresses over http_max_connections_per_address "
-                         "(%d): %d since the last such line, the last from %s", self.cap, self._unlogged, host)
-            self._logged_at, self._unlogged = now, 0
 
 
 class _HeaderTimeout(H11Protocol):
@@ -138,6 +77,7 @@ class _HeaderTimeout(H11Protocol):
                 return
             self._peer = key
         super().connection_made(transport)
+        self.peers.hold(self)
         self._arm()
         if not transport.is_closing():
             self._first_byte_timer = self.loop.call_later(self.first_byte_timeout_s, self._first_byte_timed_out)
@@ -167,6 +107,7 @@ class _HeaderTimeout(H11Protocol):
             self._arm()  # bytes of a request whose header is not complete yet
         else:
             self._disarm()
+            self.peers.prove(self)  # a whole request header: a client, not a silent socket
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -176,6 +117,7 @@ class _HeaderTimeout(H11Protocol):
         # the WebSocket protocol takes the transport, and its connection_lost is not ours: let go of it now
         self._disarm()
         self._release()
+        self.peers.prove(self)
         self._gone = True
         super().handle_websocket_upgrade(event)
 
@@ -184,7 +126,13 @@ class _HeaderTimeout(H11Protocol):
             return
         self._disarm()
         self._release()
+        self.peers.prove(self)
         super().connection_lost(exc)
+
+    def reset(self) -> None:
+        """Evicted as the oldest connection without a request (``PeerLimit.hold``): reset now."""
+        if not self._gone and self.transport is not None and not self.transport.is_closing():
+            _reset(self.transport)
 
     def _release(self) -> None:
         if self._peer is not None:
@@ -258,7 +206,7 @@ def uvicorn_config(app: FastAPI, settings: Settings, host: str, port: int, *,
         "header_timeout_s": settings.http_header_timeout_s,
         "first_byte_timeout_s": settings.http_first_byte_timeout_s,
         "peers": PeerLimit(settings.http_max_connections_per_address, _proxies(settings.forwarded_allow_ips),
-                           settings.http_ipv6_prefix)})
+                           settings.http_ipv6_prefix, settings.http_max_unproven_connections)})
     cfg = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, lifespan="on", http=proto,
         limit_concurrency=settings.http_limit_concurrency, backlog=settings.http_backlog,

@@ -118,6 +118,9 @@ class Settings(BaseSettings):
     # or NAT every client has its address: forwarded_allow_ips are never capped; else raise it, or 0
     http_max_connections_per_address: int = Field(default=64, ge=0, le=1_000_000)
     http_ipv6_prefix: int = Field(default=64, ge=8, le=128)  # an IPv6 peer counts under its /64: one client holds one
+    # connections without a whole request header yet, all peers together; one more resets the oldest (0: no bound):
+    # a quarter of http_limit_concurrency keeps silent sockets from many addresses off every device's 503
+    http_max_unproven_connections: int = Field(default=1024, ge=0, le=1_000_000)
     http_body_idle_timeout_s: float = Field(default=30.0, gt=0, le=3600)  # a blob PUT's body that stops arriving
     # a blob PUT's body slower on average than this (bytes a second), once past the idle timeout, is refused: a
     # drip of a byte a second held its connection for ever (issue 49); 2G links carry several kB/s

@@ -21,7 +21,8 @@ from fastapi import FastAPI
 from server_testkit import FEDPER, Dev, closed, create, fed_state, perturbed, sha, wait_for
 
 from pfl_edge.codec import encode
-from server.launch import BackgroundServer, PeerLimit, start_background, start_subprocess, uvicorn_config
+from server.launch import BackgroundServer, start_background, start_subprocess, uvicorn_config
+from server.peers import PeerLimit
 from server.services.spool import BodyStalled, spool_body
 from server.settings import Settings
 
@@ -324,3 +325,33 @@ def test_4200_idle_sockets_of_one_address_leave_the_api_answering(tmp_path: Path
         for f in floods:
             f.close()
         srv.stop()
+
+
+@pytest.mark.parametrize("unproven", [0, 8])
+def test_silent_sockets_from_many_addresses_leave_the_server_answering(tmp_path: Path, broker_url: str,
+                                                                       unproven: int) -> None:
+    """Issue 49, scaled down: 70 addresses x 64 silent sockets filled uvicorn's limit_concurrency (4,096) and
+    every device call was 503. Here 6 addresses x 8 silent sockets against a server of 32 connections: without a
+    bound on connections that sent no whole request (0) the attack shows (a 503 among the victim's calls); with
+    ``http_max_unproven_connections`` 8 the oldest silent socket is reset for each new one, and every call of
+    the victim, from its own address, is answered 200."""
+    s = start_background(Settings(
+        data_dir=tmp_path / "data", database_url=f"sqlite:///{tmp_path / 'state.db'}", broker_url=broker_url,
+        admin_token=ADMIN, tick_s=0.05, http_limit_concurrency=32, http_max_connections_per_address=8,  # type: ignore[arg-type]
+        http_first_byte_timeout_s=120.0, http_header_timeout_s=120.0, http_max_unproven_connections=unproven))
+    held: list[socket.socket] = []
+    try:
+        addr = _addr(s)
+        for a in range(6):
+            held += [_connect_from(f"127.0.{a + 2}.1", addr) for _ in range(8)]
+        peers = _peers(s)
+        wait_for(lambda: sum(peers.open.values()) + peers.evicted >= 48, timeout=30, what="the silent sockets")
+        got = [_get_from("127.0.0.1", s.url).status_code for _ in range(10)]
+        if unproven:
+            assert got == [200] * 10 and peers.evicted >= 48 - 8 and len(peers.unproven) <= 8
+        else:
+            assert 503 in got, got  # the attack, as it was
+    finally:
+        for sock in held:
+            sock.close()
+        s.stop()
