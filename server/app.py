@@ -31,6 +31,7 @@ from .errors import ApiError
 from .limits import install as install_limits
 from .migrations import make_sessionmaker
 from .mqtt import MqttLink
+from .peers import CloseStrangers
 from .routers import api, dashboard, health, prom
 from .services.leadership import leadership_for, sqlite_guard
 from .services.spool import DecodePool
@@ -82,6 +83,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.api_docs = settings.api_docs
     app.state.admin_token = settings.admin_token.get_secret_value() if settings.admin_token else ""
     app.add_exception_handler(ApiError, _api_error)  # type: ignore[arg-type]  # narrower than Exception
+    app.add_middleware(CloseStrangers)  # no idle kept-alive connection for a request without a token
     install_limits(app)  # body, header and JSON bounds before parsing; 422s that never echo the input
     install_telemetry(app)  # request latency and bytes by route template, for /metrics (outermost: sees refusals)
     app.include_router(health.router)

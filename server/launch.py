@@ -77,7 +77,8 @@ class _HeaderTimeout(H11Protocol):
                 return
             self._peer = key
         super().connection_made(transport)
-        self.peers.hold(self)
+        if self._peer is not None:
+            self.peers.hold(self, self._peer)
         self._arm()
         if not transport.is_closing():
             self._first_byte_timer = self.loop.call_later(self.first_byte_timeout_s, self._first_byte_timed_out)
@@ -130,7 +131,8 @@ class _HeaderTimeout(H11Protocol):
         super().connection_lost(exc)
 
     def reset(self) -> None:
-        """Evicted as the oldest connection without a request (``PeerLimit.hold``): reset now."""
+        """Evicted as the oldest connection without a request (``PeerLimit``): uncounted and reset now."""
+        self._release()
         if not self._gone and self.transport is not None and not self.transport.is_closing():
             _reset(self.transport)
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["PeerLimit", "peer_key"]
+__all__ = ["CloseStrangers", "PeerLimit", "peer_key"]
 
 _log = logging.getLogger("server.launch")
 
@@ -48,7 +48,8 @@ class PeerLimit:
     # resets the oldest of them: 70 addresses x 64 silent sockets filled uvicorn's limit_concurrency (503 for every
     # device); a real client sends its request within a round trip, so the oldest silent one is a stranger's
     unproven_cap: int = 0
-    unproven: OrderedDict[Any, None] = field(default_factory=OrderedDict)
+    unproven: OrderedDict[Any, str] = field(default_factory=OrderedDict)  # connection -> its key, oldest first
+    unproven_of: dict[str, OrderedDict[Any, None]] = field(default_factory=dict)  # key -> its connections
     evicted: int = 0
     open: dict[str, int] = field(default_factory=dict)
     refused: int = 0  # connections reset at once since the start, for tests and the log
@@ -57,30 +58,43 @@ class PeerLimit:
     _logged_at: float = -float("inf")
 
     def admit(self, host: str) -> str | None:
-        """The key ``host``'s new connection counts under (to ``release`` with), or None: over the cap."""
+        """The key ``host``'s new connection counts under (to ``release`` with), or None: over the cap. At the
+        cap, the address's oldest connection without a whole request is reset to make room (a device behind a
+        NAT whose stranger holds silent sockets there gets in); only an address whose every connection has sent
+        a request is refused."""
         key = peer_key(host, self.v6_prefix)
         n = self.open.get(key, 0)
         if 0 < self.cap <= n and not self.proxy(host):  # asked only at the cap: a proxy's many pay the parse
-            self.refused += 1
-            self._log(key)
-            return None
-        self.open[key] = n + 1
+            mine = self.unproven_of.get(key)
+            if not mine:
+                self.refused += 1
+                self._log(key)
+                return None
+            self._evict(next(iter(mine)))
+        self.open[key] = self.open.get(key, 0) + 1
         return key
 
-    def hold(self, conn: Any) -> None:
-        """``conn`` (a new connection, with ``reset()``) has sent no whole request yet; the oldest such one is
-        reset where that makes more than ``unproven_cap``."""
-        if self.unproven_cap <= 0:
-            return
-        while len(self.unproven) >= self.unproven_cap:
-            oldest, _ = self.unproven.popitem(last=False)
-            self.evicted += 1
-            oldest.reset()
-        self.unproven[conn] = None
+    def hold(self, conn: Any, key: str) -> None:
+        """``conn`` (a new connection of ``key``, with ``reset()``) has sent no whole request yet; the oldest such
+        one of all is reset where that makes more than ``unproven_cap``."""
+        while 0 < self.unproven_cap <= len(self.unproven):
+            self._evict(next(iter(self.unproven)))
+        self.unproven[conn] = key
+        self.unproven_of.setdefault(key, OrderedDict())[conn] = None
 
     def prove(self, conn: Any) -> None:
         """``conn`` sent a whole request header (or went away): no longer counted as unproven."""
-        self.unproven.pop(conn, None)
+        key = self.unproven.pop(conn, None)
+        if key is not None:
+            mine = self.unproven_of[key]
+            mine.pop(conn, None)
+            if not mine:
+                del self.unproven_of[key]
+
+    def _evict(self, conn: Any) -> None:
+        self.prove(conn)
+        self.evicted += 1
+        conn.reset()  # releases its count now: its connection_lost comes on a later turn of the loop
 
     def release(self, key: str) -> None:
         n = self.open.get(key, 0) - 1
@@ -97,3 +111,25 @@ class PeerLimit:
             _log.warning("resetting connections at once from addresses over http_max_connections_per_address "
                          "(%d): %d since the last such line, the last from %s", self.cap, self._unlogged, host)
             self._logged_at, self._unlogged = now, 0
+
+
+class CloseStrangers:
+    """ASGI: a response to a request without an ``Authorization`` header, or answered 401, closes its connection
+    (``Connection: close``): a stranger's connection is never kept alive idle between requests, where it would
+    count against the server's concurrency as a device's does (issue 49); devices and the admin keep theirs."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        signed = any(k == b"authorization" for k, _ in scope.get("headers", ()))
+
+        async def reply(message: Any) -> None:
+            if message["type"] == "http.response.start" and (not signed or message["status"] == 401):
+                message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, receive, reply)

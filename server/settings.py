@@ -116,7 +116,7 @@ class Settings(BaseSettings):
     http_first_byte_timeout_s: float = Field(default=5.0, gt=0, le=3600)  # a new connection that sent no byte yet
     # open connections one TCP peer address may hold; more are reset at once, unread (0: no limit). Behind a proxy
     # or NAT every client has its address: forwarded_allow_ips are never capped; else raise it, or 0
-    http_max_connections_per_address: int = Field(default=64, ge=0, le=1_000_000)
+    http_max_connections_per_address: int = Field(default=256, ge=0, le=1_000_000)
     http_ipv6_prefix: int = Field(default=64, ge=8, le=128)  # an IPv6 peer counts under its /64: one client holds one
     # connections without a whole request header yet, all peers together; one more resets the oldest (0: no bound):
     # a quarter of http_limit_concurrency keeps silent sockets from many addresses off every device's 503

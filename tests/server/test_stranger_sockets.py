@@ -113,10 +113,11 @@ def test_the_cap_counts_each_address_and_spares_the_trusted_proxies() -> None:
 
 def test_one_address_holds_at_most_its_cap_and_others_are_served(srv: BackgroundServer) -> None:
     """40 sockets from 127.0.0.2, each with half a request header (which the 120 s header timeout would let live):
-    8 are held, the other 32 are closed at once by the server; /healthz from 127.0.0.1 answers 200 (without the
-    cap, 40 open connections against a limit of 16 answer it 503); once the 8 close, 127.0.0.2 is served again."""
+    8 are held, the other 32 are closed by the server (each new one at the cap resets the address's oldest that
+    sent no whole request: issue 49); /healthz from 127.0.0.1 answers 200 (without the cap, 40 open connections
+    against a limit of 16 answer it 503); once the 8 close, 127.0.0.2 is served again."""
     peers, addr = _peers(srv), _addr(srv)
-    refused_before = peers.refused
+    evicted_before = peers.evicted
     socks = []
     try:
         for _ in range(40):
@@ -125,7 +126,7 @@ def test_one_address_holds_at_most_its_cap_and_others_are_served(srv: Background
         wait_for(lambda: sum(closed(s) for s in socks) >= 40 - CAP, timeout=30, what="the server closing 32")
         assert sum(closed(s) for s in socks) == 40 - CAP  # and the 8 it holds are still open
         assert peers.open.get("127.0.0.2") == CAP
-        assert peers.refused - refused_before == 40 - CAP
+        assert peers.evicted - evicted_before == 40 - CAP
         r = httpx.get(f"{srv.url}/healthz", timeout=30)
         assert r.status_code == 200, r.text
     finally:
@@ -325,6 +326,48 @@ def test_4200_idle_sockets_of_one_address_leave_the_api_answering(tmp_path: Path
         for f in floods:
             f.close()
         srv.stop()
+
+
+def test_a_fleet_behind_one_address_is_served_while_a_stranger_shares_it(tmp_path: Path, broker_url: str) -> None:
+    """Issue 49: behind one address (NAT) a stranger holding the address's cap of silent sockets locked every
+    device of it out (0 of 100 served). Each new connection at the cap now resets the address's oldest connection
+    that sent no whole request: 8 devices' calls (a valid admin token each, a connection each, at once) from the
+    address a stranger filled are all answered; the stranger's sockets are the ones closed. A request without a
+    token is answered with ``Connection: close`` (a stranger keeps no idle connection), a signed one is kept."""
+    s = start_background(Settings(
+        data_dir=tmp_path / "data", database_url=f"sqlite:///{tmp_path / 'state.db'}", broker_url=broker_url,
+        admin_token=ADMIN, tick_s=0.05, http_limit_concurrency=64, http_max_connections_per_address=8,  # type: ignore[arg-type]
+        http_first_byte_timeout_s=120.0, http_header_timeout_s=120.0))
+    stranger: list[socket.socket] = []
+    try:
+        addr, peers = _addr(s), _peers(s)
+        stranger = [_connect_from("127.0.5.1", addr, b"GET /healthz HTTP/1.1\r\n") for _ in range(8)]
+        wait_for(lambda: peers.open.get("127.0.5.1") == 8, timeout=30, what="the stranger at the cap")
+        got: list[int] = []
+        together = threading.Barrier(8, timeout=60)  # every device holds its connection until all are answered
+
+        def call() -> None:
+            with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.5.1"), timeout=30) as c:
+                got.append(c.get(f"{s.url}/v1/federations", headers={"Authorization": f"Bearer {ADMIN}"}).status_code)
+                together.wait()
+
+        threads = [threading.Thread(target=call) for _ in range(8)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        assert got == [200] * 8 and peers.refused == 0
+        assert sum(closed(x) for x in stranger) == 8
+        with httpx.Client(timeout=30) as c:
+            assert c.get(f"{s.url}/healthz").headers.get("connection") == "close"
+            signed = c.get(f"{s.url}/v1/federations", headers={"Authorization": f"Bearer {ADMIN}"})
+            assert signed.status_code == 200 and signed.headers.get("connection") != "close"
+            assert c.get(f"{s.url}/v1/federations", headers={"Authorization": "Bearer nope"}).headers.get(
+                "connection") == "close"
+    finally:
+        for x in stranger:
+            x.close()
+        s.stop()
 
 
 @pytest.mark.parametrize("unproven", [0, 8])
