@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import statistics
@@ -52,11 +51,6 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 THREADS = {v: "1" for v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS")}
 SIZE = 52_096  # FedPer's base of the cnn at K_P = 3
-
-
-def degree_for(n: int) -> int:
-    k = min(n - 1, 2 * math.ceil(1.5 * math.log2(n)))
-    return k - (k % 2)
 
 
 # ---------------------------------------------------------------- one round, in a subprocess on one side's code
@@ -94,23 +88,13 @@ def _timing(cls: type, names: list[str], into: dict[str, float], per_call: dict[
 
 def worker(n: int, dropout: float, seed: int) -> dict[str, Any]:
     import numpy as np
+    from secagg_cost import degree_for, droppable  # beside this script; its pfl_edge is this side's (PYTHONPATH)
 
     import pfl_edge.secagg.protocol as protocol
-    from pfl_edge.secagg import Params, graph, run_round
+    from pfl_edge.secagg import Params, run_round
 
     k = degree_for(n)
     t = 2 * k // 3 + 1
-
-    def droppable(want: int) -> set[int]:  # as bench/secagg_cost.py: every neighbourhood keeps t
-        g = graph(list(range(n)), k, 1)
-        out: set[int] = set()
-        rng = np.random.default_rng(1)
-        for c in rng.permutation(n).tolist():
-            if len(out) >= want:
-                break
-            if all(len(g[j] & (out | {c})) <= k - t for j in g if j not in out | {c}):
-                out.add(c)
-        return out
 
     server_t: dict[str, float] = {}
     server_cpu: dict[str, float] = {}
@@ -141,7 +125,7 @@ def worker(n: int, dropout: float, seed: int) -> dict[str, Any]:
     rng = np.random.default_rng(n)
     x = rng.integers(0, 1 << 20, SIZE, dtype=np.uint32)
     inputs = {i: x for i in range(n)}
-    drop = droppable(max(1, int(dropout * n))) if dropout else set()
+    drop = droppable(n, k, t, 1, max(1, int(dropout * n))) if dropout else set()
     t0 = time.perf_counter()
     total, survivors, cost = run_round(inputs, Params(k, t, SIZE, b"bench"), seed=seed, drop={"input": drop})
     wall = time.perf_counter() - t0

@@ -109,20 +109,18 @@ class SecureRounds:
                 raise Conflict(f"this device takes no part in round {t}")
             if self._named(s, r, dev.slot):
                 raise Conflict(f"this device was named for a forged message of round {t}: it is out of the round")
-            forged = self._check(s, fed, fm, r, dev.slot, msg)
-            if isinstance(msg, SecAggUnmask):  # each share against its dealer's commitment: the forged ones go
-                bad = self._forged_shares(s, fm, r, dev.slot, msg)
-                if bad:
-                    forged = {dev.slot: f"its shares of {bad} are not the ones their dealers committed to"}
-                    body = {"shares": [x for x in body["shares"] if x["about"] not in bad]}
+            forged, bad = self._check(s, fed, fm, r, dev.slot, msg)
+            if bad:  # an unmask answer's shares that are not their dealers' committed ones go, the rest stay
+                body = {"shares": [x for x in body["shares"] if x["about"] not in bad]}
             s.add(SecAggMessage(federation=fed.id, round=t, slot=dev.slot, kind=kind, body=body))
-            for culprit, why in (forged or {}).items():
+            for culprit, why in forged.items():
                 self._name(s, r, culprit, why, out=step == "input")
             s.flush()
             answer = self._answer(s, fed, fm, r, dev.slot)
         self.on_message()
         if forged and dev.slot in forged:
-            raise Unprocessable(f"round {t}: {forged[dev.slot]}; this device is named and its message discarded")
+            raise Unprocessable(f"round {t}: {forged[dev.slot]}; this device is named (its forged shares discarded, "
+                                "a false complaint kept as judged)")
         return answer
 
     def check_input(self, s: Session, fm: FedModel, r: Round, dev: Device, payload: bytes) -> None:
@@ -336,12 +334,12 @@ class SecureRounds:
         return SecAggStep(**out)
 
     def _check(self, s: Session, fed: Federation, fm: FedModel, r: Round, slot: int,
-               msg: Message) -> dict[int, str] | None:
+               msg: Message) -> tuple[dict[int, str], list[int]]:
         """``msg`` fits the step, the graph and what the server asked (Unprocessable otherwise); the devices it
-        names and why (``pfl_edge.secagg.verify``): a complaint names each dealer at fault or its sender, an unmask
-        answer holding a share other than its dealer committed to names its sender."""
+        names and why (``pfl_edge.secagg.verify``), and the neighbours whose shares in an unmask answer are not the
+        ones they committed to: a complaint names each dealer at fault or its sender, such an answer its sender."""
         from pfl_edge.secagg import Advert, KeyPair
-        from pfl_edge.secagg.verify import judge
+        from pfl_edge.secagg.verify import judge, matches
 
         if isinstance(msg, SecAggKeys):
             for key in (msg.c_public, msg.s_public):
@@ -349,7 +347,7 @@ class SecureRounds:
                     KeyPair().agree(bytes.fromhex(key), b"pfl-secagg:check")
                 except CodecError as e:
                     raise Unprocessable(f"a public key of this device is unusable: {e}") from None
-            return None
+            return {}, []
         by_slot, edges, _ = self._layout(s, fm, r)
         params, mine = by_slot.get(slot), edges.get(slot)
         if params is None or mine is None:
@@ -359,7 +357,7 @@ class SecureRounds:
             if sorted(to) != sorted(mine) or len(set(to)) != len(to):
                 raise Unprocessable(f"a device sends one sealed pair to each of its {len(mine)} neighbours "
                                     f"{sorted(mine)}; got pairs for {sorted(to)}")
-            return None
+            return {}, []
         sharers = self._slots(s, r, "shares")
         dealt = {j: x for j, b in self._bodies(s, r, "shares", mine).items() for x in b["shares"] if x["index"] == slot}
         if isinstance(msg, SecAggComplaint):
@@ -376,7 +374,7 @@ class SecureRounds:
                 named[who] = (f"its pair for {slot} does not open or holds shares other than it committed to"
                               if who == j else f"a false complaint of {j}: that pair opens and checks, or the key "
                               "sent is not this device's")
-            return named
+            return named, []
         survivors = set(self._survivors(s, r))
         if slot not in survivors:
             raise Conflict(f"this device's masked input was not taken in round {r.round}: it is not a survivor")
@@ -386,15 +384,6 @@ class SecureRounds:
         if got != asked or len(got) != len(msg.shares):
             raise Unprocessable(f"the unmask step asks this device for {sorted(asked.items())}; got "
                                 f"{sorted(got.items())}")
-        return None
-
-    def _forged_shares(self, s: Session, fm: FedModel, r: Round, slot: int, msg: SecAggUnmask) -> list[int]:
-        """The neighbours whose share in ``msg`` is not the one they committed to for this device."""
-        from pfl_edge.secagg.verify import matches
-
-        by_slot, edges, _ = self._layout(s, fm, r)
-        params = by_slot[slot]
-        dealt = {j: x for j, b in self._bodies(s, r, "shares", edges[slot]).items() for x in b["shares"]
-                 if x["index"] == slot}
-        return [x.about for x in msg.shares if not matches(params, x.kind, x.about, slot, bytes.fromhex(x.share),
-                                                           bytes.fromhex(dealt[x.about]["commits"]))]
+        bad = [x.about for x in msg.shares if not matches(params, x.kind, x.about, slot, bytes.fromhex(x.share),
+                                                          bytes.fromhex(dealt[x.about]["commits"]))]
+        return ({slot: f"its shares of {bad} are not the ones their dealers committed to"} if bad else {}), bad
