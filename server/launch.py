@@ -4,8 +4,10 @@ separate process, which can be killed for real)."""
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
+import fcntl
 import ipaddress
 import logging
 import os
@@ -14,6 +16,7 @@ import socket
 import struct
 import subprocess
 import sys
+import termios
 import threading
 import time
 from collections.abc import Callable
@@ -129,6 +132,19 @@ class _HeaderTimeout(H11Protocol):
         self._release()
         self.peers.prove(self)
         super().connection_lost(exc)
+
+    def unread(self) -> bool:
+        """Whether bytes of this connection wait in the kernel, not read yet (FIONREAD): a request the loop has
+        not come to, which ``PeerLimit`` does not take for a silent socket."""
+        sock = self.transport.get_extra_info("socket") if self.transport is not None else None
+        if sock is None:
+            return False
+        waiting = array.array("i", [0])
+        try:
+            fcntl.ioctl(sock.fileno(), termios.FIONREAD, waiting)
+        except (OSError, ValueError):  # closed meanwhile: nothing to spare
+            return False
+        return waiting[0] > 0
 
     def reset(self) -> None:
         """Evicted as the oldest connection without a request (``PeerLimit``): uncounted and reset now."""

@@ -51,6 +51,7 @@ class PeerLimit:
     unproven: OrderedDict[Any, str] = field(default_factory=OrderedDict)  # connection -> its key, oldest first
     unproven_of: dict[str, OrderedDict[Any, None]] = field(default_factory=dict)  # key -> its connections
     evicted: int = 0
+    scan: int = 16  # the most connections with bytes waiting passed over for one that has none (``_silent``)
     open: dict[str, int] = field(default_factory=dict)
     refused: int = 0  # connections reset at once since the start, for tests and the log
     log_every_s: float = 10.0
@@ -60,25 +61,29 @@ class PeerLimit:
     def admit(self, host: str) -> str | None:
         """The key ``host``'s new connection counts under (to ``release`` with), or None: over the cap. At the
         cap, the address's oldest connection without a whole request is reset to make room (a device behind a
-        NAT whose stranger holds silent sockets there gets in); only an address whose every connection has sent
-        a request is refused."""
+        NAT whose stranger holds silent sockets there gets in); an address none of whose connections is silent
+        (each has sent a request, or has bytes waiting) is refused."""
         key = peer_key(host, self.v6_prefix)
         n = self.open.get(key, 0)
         if 0 < self.cap <= n and not self.proxy(host):  # asked only at the cap: a proxy's many pay the parse
-            mine = self.unproven_of.get(key)
-            if not mine:
+            victim = self._silent(self.unproven_of.get(key))
+            if victim is None:
                 self.refused += 1
                 self._log(key)
                 return None
-            self._evict(next(iter(mine)))
+            self._evict(victim)
         self.open[key] = self.open.get(key, 0) + 1
         return key
 
     def hold(self, conn: Any, key: str) -> None:
-        """``conn`` (a new connection of ``key``, with ``reset()``) has sent no whole request yet; the oldest such
-        one of all is reset where that makes more than ``unproven_cap``."""
+        """``conn`` (a new connection of ``key``, with ``reset()`` and ``unread()``) has sent no whole request yet;
+        the oldest such one of all with no byte waiting unread is reset where that makes more than
+        ``unproven_cap``."""
         while 0 < self.unproven_cap <= len(self.unproven):
-            self._evict(next(iter(self.unproven)))
+            victim = self._silent(self.unproven)
+            if victim is None:  # each has bytes waiting: requests the loop reads next; over the bound till then
+                break
+            self._evict(victim)
         self.unproven[conn] = key
         self.unproven_of.setdefault(key, OrderedDict())[conn] = None
 
@@ -90,6 +95,22 @@ class PeerLimit:
             mine.pop(conn, None)
             if not mine:
                 del self.unproven_of[key]
+
+    def _silent(self, conns: OrderedDict[Any, Any] | None) -> Any:
+        """The oldest of ``conns`` (oldest first) with no byte waiting unread, or None. One with bytes waiting
+        (``unread()``) goes to the back: under a flood of new connections the loop accepts a whole batch of them
+        before it reads from any, and a client's request already in the kernel was reset as the oldest silent
+        connection (the 70 addresses' flood, reopened, reset the victim's probes). At most ``scan`` are looked
+        at: a batch of connections that each sent a byte costs an accept a few system calls, not one per
+        connection held."""
+        if not conns:
+            return None
+        for _ in range(min(self.scan, len(conns))):
+            conn = next(iter(conns))
+            if not conn.unread():
+                return conn
+            conns.move_to_end(conn)
+        return None
 
     def _evict(self, conn: Any) -> None:
         self.prove(conn)

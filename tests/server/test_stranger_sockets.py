@@ -6,7 +6,6 @@ is ended with its spool file gone."""
 from __future__ import annotations
 
 import asyncio
-import resource
 import select
 import socket
 import threading
@@ -19,6 +18,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 from server_testkit import FEDPER, Dev, closed, create, fed_state, perturbed, sha, wait_for
+from stranger_kit import Flood, connect_from, raise_nofile
 
 from pfl_edge.codec import encode
 from server.launch import BackgroundServer, start_background, start_subprocess, uvicorn_config
@@ -52,25 +52,6 @@ def _peers(srv: BackgroundServer) -> PeerLimit:
 def _addr(srv: BackgroundServer) -> tuple[str, int]:
     host, port = srv.url.split("://")[1].split(":")
     return host, int(port)
-
-
-def _connect_from(source: str, addr: tuple[str, int], first: bytes = b"", *, wait: bool = True) -> socket.socket:
-    """A TCP connection from ``source`` (any 127/8 address is this machine's loopback on Linux), non-blocking once
-    made; ``wait``: connected (and ``first`` sent) before it returns. A connection the server resets at once may
-    fail here already: it is returned all the same, and reads as closed."""
-    s = socket.socket()
-    s.bind((source, 0))
-    if wait:
-        s.settimeout(10)
-        try:
-            s.connect(addr)
-            s.sendall(first)
-        except (ConnectionResetError, BrokenPipeError):
-            pass
-    s.setblocking(False)
-    if not wait:
-        s.connect_ex(addr)
-    return s
 
 
 def _get_from(source: str, url: str) -> httpx.Response:
@@ -111,22 +92,60 @@ def test_the_cap_counts_each_address_and_spares_the_trusted_proxies() -> None:
     assert v6.open["2001:db8::/64"] == 1
 
 
+class _Conn:
+    """A connection as ``PeerLimit`` sees one: bytes waiting unread or not, reset or not."""
+
+    def __init__(self, waiting: bool = False) -> None:
+        self.waiting, self.was_reset = waiting, False
+
+    def unread(self) -> bool:
+        return self.waiting
+
+    def reset(self) -> None:
+        self.was_reset = True
+
+
+def test_a_connection_whose_request_waits_unread_is_not_taken_for_a_silent_one() -> None:
+    """Under a flood of new connections the loop accepts a batch before it reads any, and a client's request
+    already in the kernel was reset as the oldest silent connection (70 addresses' flood, reopened: the victim's
+    probes reset). The oldest connection with no byte waiting goes instead; where every one has bytes waiting,
+    the bound waits for the loop to read them, and the per-address cap refuses the new one."""
+    p = PeerLimit(cap=3, unproven_cap=2)
+    client, stranger = _Conn(waiting=True), _Conn()
+    for conn in (client, stranger):
+        p.hold(conn, p.admit("192.0.2.1") or "")
+    p.hold(newest := _Conn(), p.admit("192.0.2.2") or "")  # over the bound of 2: the stranger goes, not the client
+    assert stranger.was_reset and not client.was_reset and list(p.unproven) == [client, newest]
+    busy = PeerLimit(cap=3, unproven_cap=2)
+    waiting = [_Conn(waiting=True) for _ in range(3)]
+    for conn in waiting:
+        busy.hold(conn, busy.admit("192.0.2.3") or "")
+    assert not any(c.was_reset for c in waiting) and len(busy.unproven) == 3  # over the bound till they are read
+    assert busy.admit("192.0.2.3") is None and busy.refused == 1  # at the cap, none of them silent: refused
+    busy.prove(waiting[0])
+    waiting[1].waiting = False  # read, and still no whole request: silent now
+    assert busy.admit("192.0.2.3") == "192.0.2.3" and waiting[1].was_reset
+
+
 def test_one_address_holds_at_most_its_cap_and_others_are_served(srv: BackgroundServer) -> None:
     """40 sockets from 127.0.0.2, each with half a request header (which the 120 s header timeout would let live):
     8 are held, the other 32 are closed by the server (each new one at the cap resets the address's oldest that
-    sent no whole request: issue 49); /healthz from 127.0.0.1 answers 200 (without the cap, 40 open connections
-    against a limit of 16 answer it 503); once the 8 close, 127.0.0.2 is served again."""
+    sent no whole request, issue 49, or is refused while that one's bytes wait unread); /healthz from 127.0.0.1
+    answers 200 (without the cap, 40 open connections against a limit of 16 answer it 503); once the 8 close,
+    127.0.0.2 is served again."""
     peers, addr = _peers(srv), _addr(srv)
-    evicted_before = peers.evicted
+    closed_before = peers.evicted + peers.refused
     socks = []
     try:
         for _ in range(40):
             # half a header: no first-byte timeout, and no answer
-            socks.append(_connect_from("127.0.0.2", addr, b"GET /healthz HTTP/1.1\r\n"))
+            socks.append(connect_from("127.0.0.2", addr, b"GET /healthz HTTP/1.1\r\n"))
         wait_for(lambda: sum(closed(s) for s in socks) >= 40 - CAP, timeout=30, what="the server closing 32")
         assert sum(closed(s) for s in socks) == 40 - CAP  # and the 8 it holds are still open
         assert peers.open.get("127.0.0.2") == CAP
-        assert peers.evicted - evicted_before == 40 - CAP
+        # each new one at the cap reset the address's oldest that has sent no whole request, or was refused where
+        # the held ones' bytes were still waiting unread (a batch accepted before the loop read any)
+        assert peers.evicted + peers.refused - closed_before == 40 - CAP
         r = httpx.get(f"{srv.url}/healthz", timeout=30)
         assert r.status_code == 200, r.text
     finally:
@@ -141,8 +160,8 @@ def test_a_socket_that_sends_nothing_is_closed_after_the_first_byte_timeout(srv:
     """One socket sends nothing, another half a header: the silent one is reset (1 s here) while the other,
     under the 120 s header timeout, is still open."""
     addr = _addr(srv)
-    silent = _connect_from("127.0.0.3", addr)
-    talking = _connect_from("127.0.0.3", addr, b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+    silent = connect_from("127.0.0.3", addr)
+    talking = connect_from("127.0.0.3", addr, b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
     try:
         # select: woken by the close itself; 30 s, a generous bound that is still well short of the header timeout
         ready, _, _ = select.select([silent], [], [], 30)
@@ -163,7 +182,7 @@ def test_a_websocket_upgrade_leaves_nothing_counted(srv: BackgroundServer) -> No
     slots for ever, and CAP upgrades lock the address out)."""
     peers, addr = _peers(srv), _addr(srv)
     for _ in range(CAP + 2):
-        s = _connect_from("127.0.0.4", addr, b"GET /x HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+        s = connect_from("127.0.0.4", addr, b"GET /x HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
                           b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
                           b"Sec-WebSocket-Version: 13\r\n\r\n")
         s.setblocking(True)
@@ -228,49 +247,6 @@ def test_spool_body_ends_a_stalled_body_and_keeps_a_flowing_one(tmp_path: Path) 
 # ------------------------------------------------------------------------------------------- the issue's flood
 
 
-class _Flood:
-    """``n`` idle sockets from ``source``; with ``reopen``, each is reopened as soon as the server closes it (as
-    the issue's attacker did), in a thread until closed."""
-
-    def __init__(self, source: str, addr: tuple[str, int], n: int, *, reopen: bool) -> None:
-        self.source, self.addr, self.n, self.reopen = source, addr, n, reopen
-        self.opened = self.seen_closed = 0
-        self.open_s = 0.0
-        self.socks: dict[int, socket.socket] = {}
-        self.stop = threading.Event()
-        self.poll = select.poll()
-        self.thread = threading.Thread(target=self._run, name="flood", daemon=True)
-
-    def _open(self) -> None:
-        s = _connect_from(self.source, self.addr, wait=False)
-        self.socks[s.fileno()] = s
-        self.poll.register(s, select.POLLIN | select.POLLHUP | select.POLLERR)
-        self.opened += 1
-
-    def start(self) -> None:
-        t0 = time.monotonic()
-        for _ in range(self.n):
-            self._open()
-        self.open_s = time.monotonic() - t0
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self.stop.is_set():
-            for fd, _ev in self.poll.poll(100):  # readable or hung up: the server closed it (idle: nothing sent)
-                s = self.socks.pop(fd)
-                self.poll.unregister(fd)
-                s.close()
-                self.seen_closed += 1
-                if self.reopen and not self.stop.is_set():
-                    self._open()
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(30)
-        for s in self.socks.values():
-            s.close()
-
-
 def _probe(url: str, dev: Dev, seconds: float) -> list[tuple[int, int, float]]:
     """/healthz and the device's task call, each probe on a fresh connection (as the issue's), for ``seconds``:
     (status, status, seconds the two took)."""
@@ -289,29 +265,24 @@ def _probe(url: str, dev: Dev, seconds: float) -> list[tuple[int, int, float]]:
 def test_4200_idle_sockets_of_one_address_leave_the_api_answering(tmp_path: Path, broker_url: str) -> None:
     """The issue's case at the default settings (before: 25 of 29 probes and every task call 503 over 40 s).
     4,200 idle sockets from 127.0.0.2: every /healthz and enrolled device's task call from 127.0.0.1 is 200 while
-    they stand, and the server closes all of them (the 64 it holds after the first-byte timeout). Then the same
+    they stand, and the server closes all of them (the 256 it holds after the first-byte timeout). Then the same
     reopened as the server closes them, for 15 s: still every probe 200 (slower: each reopen costs the event
     loop an accept; latencies printed)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = 4200 + 1000
-    if soft < want:
-        if hard != resource.RLIM_INFINITY and hard < want:
-            pytest.skip(f"the descriptor limit {hard} is too low for 4,200 client sockets")
-        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    raise_nofile(4200 + 1000)
     srv = start_subprocess({"PFL_ADMIN_TOKEN": ADMIN, "PFL_DATA_DIR": str(tmp_path / "data"),
                             "PFL_BROKER_URL": broker_url, "PFL_TICK_S": "0.1"}, log=tmp_path / "server.log")
     host, port = srv.url.split("://")[1].split(":")
-    floods: list[_Flood] = []
+    floods: list[Flood] = []
     try:
         with httpx.Client(base_url=srv.url, timeout=30) as c:
             create(c, ADMIN, "fl", {**FEDPER, "clients": 2, "rounds": 1})
             dev, _other = Dev(c, "fl", index=0), Dev(c, "fl", index=1)  # two of two: round 1 opens
             wait_for(lambda: fed_state(c, ADMIN, "fl")[0] == 1, what="round 1")
-        floods.append(flood := _Flood("127.0.0.2", (host, int(port)), 4200, reopen=False))
+        floods.append(flood := Flood(["127.0.0.2"], (host, int(port)), 4200, reopen=False))
         flood.start()
-        held = _probe(srv.url, dev, 8)  # past the 5 s first-byte timeout of the 64 the server holds
+        held = _probe(srv.url, dev, 8)  # past the 5 s first-byte timeout of the 256 the server holds
         wait_for(lambda: flood.seen_closed == 4200, timeout=60, what="the server closing all 4,200")
-        floods.append(churn := _Flood("127.0.0.2", (host, int(port)), 4200, reopen=True))
+        floods.append(churn := Flood(["127.0.0.2"], (host, int(port)), 4200, reopen=True))
         churn.start()
         churning = _probe(srv.url, dev, 15)
         churn.close()
@@ -341,7 +312,7 @@ def test_a_fleet_behind_one_address_is_served_while_a_stranger_shares_it(tmp_pat
     stranger: list[socket.socket] = []
     try:
         addr, peers = _addr(s), _peers(s)
-        stranger = [_connect_from("127.0.5.1", addr, b"GET /healthz HTTP/1.1\r\n") for _ in range(8)]
+        stranger = [connect_from("127.0.5.1", addr, b"GET /healthz HTTP/1.1\r\n") for _ in range(8)]
         wait_for(lambda: peers.open.get("127.0.5.1") == 8, timeout=30, what="the stranger at the cap")
         got: list[int] = []
         together = threading.Barrier(8, timeout=60)  # every device holds its connection until all are answered
@@ -386,7 +357,7 @@ def test_silent_sockets_from_many_addresses_leave_the_server_answering(tmp_path:
     try:
         addr = _addr(s)
         for a in range(6):
-            held += [_connect_from(f"127.0.{a + 2}.1", addr) for _ in range(8)]
+            held += [connect_from(f"127.0.{a + 2}.1", addr) for _ in range(8)]
         peers = _peers(s)
         wait_for(lambda: sum(peers.open.values()) + peers.evicted >= 48, timeout=30, what="the silent sockets")
         got = [_get_from("127.0.0.1", s.url).status_code for _ in range(10)]
