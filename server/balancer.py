@@ -7,9 +7,12 @@ two failures take a replica out, one success puts it back), round robin. A reque
 fails (a replica that has just died) is sent to another (``retry-on conn-failure`` with ``option redispatch``);
 one that fails after its body was sent is the device's to retry, as against a single server (every write of the
 protocol is idempotent: docs/protocol.md). HAProxy adds the device's address (``option forwardfor``), which a
-replica believes only from the balancer (``forwarded_allow_ips``). A broker that asks the replicas' HTTP hook
-(RabbitMQ) reaches it on a listener of its own, ``hook_bind``, which serves nothing else; the devices' listener
-then refuses the hook's paths, so the hook's token is no use from the devices' network."""
+replica believes only from the balancer (``forwarded_allow_ips``); a replica never caps the balancer's
+connections, so the devices' port limits each source address itself (``SourceLimits``: a stick-table of
+connections open and requests without a token, set so that a fleet behind one NAT address passes). A broker
+that asks the replicas' HTTP hook (RabbitMQ) reaches it on a listener of its own, ``hook_bind``, which serves
+nothing else; the devices' listener then refuses the hook's paths, so the hook's token is no use from the
+devices' network."""
 
 from __future__ import annotations
 
@@ -29,14 +32,46 @@ from pfl_edge.errors import ConfigError
 from .broker import free_port
 from .launch import SubprocessServer, start_subprocess
 
-__all__ = ["Haproxy", "Replicas", "haproxy_config", "start_haproxy", "start_replicas"]
+__all__ = ["Haproxy", "Replicas", "SourceLimits", "haproxy_config", "start_haproxy", "start_replicas"]
 
 HAPROXY = shutil.which("haproxy") or ("/usr/sbin/haproxy" if Path("/usr/sbin/haproxy").exists() else None)
 
 
+@dataclass(frozen=True)
+class SourceLimits:
+    """What one source address may do at the devices' port (an IPv6 one counted by its /64, as a replica counts
+    its peers: one client holds a /64). ``connections``: open at once, silent ones included (more are refused at
+    accept, before a byte is read); HAProxy cannot tell a device's new connection from a stranger's silent one
+    before its request, so the bound is high enough for a fleet behind one NAT address to pass (issue 49: 100
+    devices fetching at once) and low enough that a few sources cannot fill ``maxconn``. ``unsigned_per_10s``:
+    requests without an ``Authorization`` header (enrolment, ``/healthz``, strangers') in 10 s, more answered
+    429 by HAProxy; a request with one is never refused for its source's count."""
+
+    connections: int = 1000
+    unsigned_per_10s: int = 300
+
+    def lines(self) -> list[str]:
+        signed = "{ req.hdr(authorization) -m found }"
+        return [
+            "    # per source address, an IPv6 one by its /64: connections open, opened in 10 s, requests in 10 s,",
+            "    # requests without Authorization in 10 s (gpc0)",
+            "    stick-table type ipv6 size 100k expire 30s store conn_cur,conn_rate(10s),http_req_rate(10s),"
+            "gpc0_rate(10s)",
+            "    tcp-request connection track-sc0 src,ipmask(32,64)",
+            f"    # more than {self.connections} open from one source: refused at accept (a stranger's silent sockets"
+            " bounded,",
+            f"    # a fleet behind one NAT address passes while it holds {self.connections} or fewer)",
+            f"    tcp-request connection reject if {{ sc_conn_cur(0) gt {self.connections} }}",
+            f"    # requests without a token past {self.unsigned_per_10s} in 10 s from one source: 429 here; signed"
+            " ones never refused for it",
+            f"    http-request sc-inc-gpc0(0) unless {signed}",
+            f"    http-request deny deny_status 429 if !{signed} {{ sc_gpc0_rate(0) gt {self.unsigned_per_10s} }}",
+        ]
+
+
 def haproxy_config(bind: str, servers: Sequence[str], *, max_body_s: int = 300,
                    mode: Literal["http", "tcp"] = "http", dns: str | None = None, hook_bind: str | None = None,
-                   maxconn: int = 4096) -> str:
+                   maxconn: int = 4096, per_source: SourceLimits | None = SourceLimits()) -> str:
     """HAProxy's configuration: listen on ``bind`` (``host:port``), balance over ``servers`` (``host:port``
     each). ``max_body_s``: the longest a request or response may take (a large model's upload on a slow link).
     ``mode="tcp"``: connections balanced as they are (MQTT over a broker cluster's nodes; each connection stays
@@ -45,7 +80,8 @@ def haproxy_config(bind: str, servers: Sequence[str], *, max_body_s: int = 300,
     Docker's ``127.0.0.11``, podman's network gateway). ``hook_bind``: the broker
     hook's own listener (only ``/v1/broker/hook/``; ``bind`` then answers those paths 404, percent-encoded ones
     too, as the replicas decode them). ``maxconn``: connections held at once (more wait in HAProxy's queue, and
-    time out there; each takes two of its open files)."""
+    time out there; each takes two of its open files). ``per_source``: the devices' port's limits per source
+    address (None: none, for tests and benchmarks whose every device is 127.0.0.1)."""
     if not servers:
         raise ConfigError("a load balancer needs at least one server")
     if mode == "tcp":
@@ -71,6 +107,7 @@ def haproxy_config(bind: str, servers: Sequence[str], *, max_body_s: int = 300,
         "",
         "frontend pfl",
         f"    bind {bind}",
+        *(per_source.lines() if per_source is not None else []),
     ]
     hook = "{ path,url_dec -m beg /v1/broker/hook/ }"
     if hook_bind:
@@ -112,14 +149,16 @@ class Haproxy:
 
 
 def start_haproxy(folder: Path, port: int, servers: Sequence[str], *, timeout_s: float = 15.0,
-                  mode: Literal["http", "tcp"] = "http", maxconn: int = 4096) -> Haproxy:
-    """A private HAProxy on 127.0.0.1:``port`` in front of ``servers``; returns once it accepts connections.
-    ConfigError where HAProxy is not installed (Debian: ``apt-get install haproxy``)."""
+                  mode: Literal["http", "tcp"] = "http", maxconn: int = 4096,
+                  per_source: SourceLimits | None = SourceLimits()) -> Haproxy:
+    """A private HAProxy on 127.0.0.1:``port`` in front of ``servers`` (``haproxy_config``'s, the shipped limits
+    per source unless ``per_source`` says otherwise); returns once it accepts connections. ConfigError where
+    HAProxy is not installed (Debian: ``apt-get install haproxy``)."""
     if HAPROXY is None:
         raise ConfigError("haproxy is not installed (Debian: apt-get install haproxy)")
     folder.mkdir(parents=True, exist_ok=True)
     cfg = folder / "haproxy.cfg"
-    cfg.write_text(haproxy_config(f"127.0.0.1:{port}", servers, mode=mode, maxconn=maxconn))
+    cfg.write_text(haproxy_config(f"127.0.0.1:{port}", servers, mode=mode, maxconn=maxconn, per_source=per_source))
     log = open(folder / "haproxy.log", "ab")  # noqa: SIM115  (the child owns it)
     proc = subprocess.Popen([HAPROXY, "-db", "-f", str(cfg)], stdout=log, stderr=subprocess.STDOUT)
     log.close()
@@ -212,7 +251,8 @@ def start_replicas(folder: Path, n: int, env: dict[str, str], *, timeout_s: floa
     try:
         for i in range(n):
             reps.start(i, timeout_s)
-        reps.balancer = start_haproxy(folder / "haproxy", lb, [f"127.0.0.1:{p}" for p in ports])
+        # every device of a test or benchmark is 127.0.0.1: one source, thousands of devices
+        reps.balancer = start_haproxy(folder / "haproxy", lb, [f"127.0.0.1:{p}" for p in ports], per_source=None)
     except BaseException:
         reps.stop()
         raise
