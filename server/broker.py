@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from .broker_core import Authenticator, BrokerCore
+from .broker_door import Door
 
 __all__ = ["EmbeddedBroker", "free_port", "listening", "loopback"]
 
@@ -65,14 +66,17 @@ class EmbeddedBroker:
     """``start()`` returns the broker's URL as this process reaches it (``mqtt://`` or, with a certificate,
     ``mqtts://``); ``stop()`` shuts the broker and its thread down. ``authenticate`` decides who may connect and
     what each may read and write (``server.broker_core``); None admits everyone to every topic (tests only).
-    ``max_per_address``: connections one client address may hold open (0: no cap; loopback has none)."""
+    ``max_per_address``: connections one client address (an IPv6 one: its ``v6_prefix`` network) may hold open
+    before they log in, loopback too; ``max_unauthenticated``: all addresses together (0: no bound; at a bound
+    the oldest without a whole CONNECT is reset: ``server.broker_door``). Logged-in sessions count in neither."""
 
     def __init__(self, host: str = "127.0.0.1", port: int | None = None, *,
                  authenticate: Authenticator | None = None, tls_cert: Path | None = None,
-                 tls_key: Path | None = None, max_per_address: int = 64) -> None:
+                 tls_key: Path | None = None, max_per_address: int = 256, max_unauthenticated: int = 1024,
+                 v6_prefix: int = 64) -> None:
         self.host = host
         self.port = port
-        self.core = BrokerCore(authenticate, max_per_address=max_per_address)
+        self.core = BrokerCore(authenticate, door=Door(max_per_address, max_unauthenticated, v6_prefix=v6_prefix))
         self._ssl = self._ssl_context(tls_cert, tls_key)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.Server | None = None

@@ -1,19 +1,19 @@
 """The embedded broker's MQTT 3.1.1 logic in asyncio: sessions, subscriptions, retained messages, wills, client-id
 takeover, keepalive, and identities with topic access rules. ``server.broker`` runs it in its own thread.
 
-What it implements (what pfl-edge's server and devices use): QoS 0 and 1, and QoS 2 inbound (a QoS 2 publish or
-will is routed once, on arrival, and answered PUBREC; its PUBREL gets PUBCOMP; a resent duplicate of a packet id
-still awaiting its PUBREL is not routed again) with delivery downgraded to QoS 1 (QoS 2 subscriptions are granted
-QoS 1, as MQTT 3.1.1 section 3.8.4 allows: subscribers see each message at least once); retained messages
-delivered by topic filter only, last wills, persistent sessions (clean_session False) whose QoS 1 messages wait
-while the client is away and are sent again on reconnect, client-id takeover (a second connection with a client
-id closes the first, without its will, and gets the session), keepalive (a connection silent for 1.5 x its
-keepalive is closed and its will published; keepalive 0 gets ``idle_s``), and bounded memory (connections, in all
-and per address, refused on accept; packet size, CONNECT's a few KB; per-session queue; write buffer: a client
-that stops reading is disconnected, except the server's own link, which loses QoS 0 messages instead; CONNECT
-within ``connect_timeout_s``). A client with write rules (a device) publishes at most ``device_payload`` bytes a
-message, ``device_rate`` a second after a burst of ``device_burst``; the rest are acknowledged and dropped. Log
-lines a client can cause are counted in ``noted`` and pass one :class:`~.broker_wire.LogGate`.
+What it implements (what pfl-edge's server and devices use): QoS 0 and 1, and QoS 2 inbound (a QoS 2 publish or will
+is routed once, on arrival, and answered PUBREC; its PUBREL gets PUBCOMP; a resent duplicate of a packet id still
+awaiting its PUBREL is not routed again) with delivery downgraded to QoS 1 (QoS 2 subscriptions are granted QoS 1,
+as MQTT 3.1.1 section 3.8.4 allows: subscribers see each message at least once); retained messages delivered by
+topic filter only, last wills, persistent sessions (clean_session False) whose QoS 1 messages wait while the client
+is away and are sent again on reconnect, client-id takeover (a second connection with a client id closes the first,
+without its will, and gets the session), keepalive (a connection silent for 1.5 x its keepalive is closed and its
+will published; keepalive 0 gets ``idle_s``), and bounded memory (connections: ``server.broker_door``; packet size,
+CONNECT's a few KB; per-session queue; write buffer: a client that stops reading is disconnected, except the
+server's own link, which loses QoS 0 messages instead; CONNECT within ``connect_timeout_s``). A client with write
+rules (a device) publishes at most ``device_payload`` bytes a message, ``device_rate`` a second after a burst of
+``device_burst``; the rest are acknowledged and dropped. Log lines a client can cause are counted in ``noted`` and
+pass one :class:`~.broker_wire.LogGate`.
 
 Access: ``authenticate(client_id, username, password)`` (called in a worker thread: it may query a database)
 answers an :class:`Identity` or None (refused). An identity reads (subscribes to, receives, gets retained) only
@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from . import broker_wire as w
+from .broker_door import Door
 from .broker_wire import ANYONE, Authenticator, Identity
 
 __all__ = ["ANYONE", "MAX_CONNECT", "MAX_DEVICE_PAYLOAD", "MAX_PACKET", "Authenticator", "BrokerCore", "Identity"]
@@ -85,18 +86,15 @@ MAX_DEVICE_PAYLOAD = 1024
 class BrokerCore:
     def __init__(self, authenticate: Authenticator | None = None, *, max_packet: int = MAX_PACKET,
                  max_queue: int = 1000, max_inflight: int = 100, max_buffer: int = 4 << 20,
-                 connect_timeout_s: float = 10.0, idle_s: float = 600.0, max_connections: int = 20_000,
-                 max_per_address: int = 64, max_connect: int = MAX_CONNECT, device_payload: int = MAX_DEVICE_PAYLOAD,
+                 connect_timeout_s: float = 10.0, idle_s: float = 600.0, door: Door | None = None,
+                 max_connect: int = MAX_CONNECT, device_payload: int = MAX_DEVICE_PAYLOAD,
                  device_rate: float = 1.0, device_burst: int = 10, clock: Callable[[], float] = time.monotonic) -> None:
-        self.authenticate = authenticate
-        self.max_connections, self._open = max_connections, 0
-        self.max_per_address, self._by_address = max_per_address, Counter[str]()  # 0: no cap (w.crowded)
+        self.authenticate, self.door = authenticate, door if door is not None else Door()  # who may connect
         self.max_connect, self.device_payload, self.device_rate, self.device_burst, self.clock = \
             max_connect, device_payload, device_rate, device_burst, clock
         self.log_gate, self.noted = w.LogGate(clock=clock), Counter[str]()  # noted: refusals and losses by kind
-        self.max_packet, self.max_queue, self.max_inflight, self.max_buffer = max_packet, max_queue, max_inflight, \
-            max_buffer
-        self.connect_timeout_s, self.idle_s = connect_timeout_s, idle_s
+        self.max_packet, self.max_queue, self.max_inflight, self.max_buffer, self.connect_timeout_s, self.idle_s = \
+            max_packet, max_queue, max_inflight, max_buffer, connect_timeout_s, idle_s
         self.sessions: dict[str, _Session] = {}
         self.retained: dict[str, w.Publish] = {}
         self._subs: dict[str, dict[str, int]] = {}  # filter -> {client id: QoS}
@@ -115,22 +113,23 @@ class BrokerCore:
         """One client connection, from CONNECT to its end."""
         conn: _Conn | None = None
         host = w.peer_host(writer)
-        why = w.crowded(self._by_address, host, self.max_per_address)
-        if self._open >= self.max_connections or why:
-            self._note("accept", logging.WARNING, "MQTT connection from %s refused: %s", w.shown(host),
-                       why or f"{self._open} connections open")
+        guest = self.door.admit(host, writer.transport, lambda: self._reset(host, writer))
+        if isinstance(guest, str):
+            self._note("accept", logging.WARNING, "MQTT connection from %s refused: %s", w.shown(host), guest)
             writer.transport.abort()
             return
-        self._open, self._by_address[host] = self._open + 1, self._by_address[host] + 1
         try:
             kind, _flags, body = await asyncio.wait_for(w.read_packet(reader, self.max_connect),
                                                         self.connect_timeout_s)
+            if not self.door.whole(guest):  # reset for a newcomer while its CONNECT came in: no answer
+                return
             if kind != w.CONNECT:
                 raise w.WireError("the first packet is not CONNECT")
             c = w.parse_connect(body)
             conn = await self._connect(c, writer)
             if conn is None:
                 return
+            self.door.settle(guest)  # logged in: no longer counted against its address
             idle = c.keepalive * 1.5 if c.keepalive else self.idle_s
             while not conn.dead:
                 kind, flags, body = await asyncio.wait_for(w.read_packet(reader, self.max_packet), idle)
@@ -144,19 +143,20 @@ class BrokerCore:
                        w.shown(conn.session.client_id if conn else "?"))
         except (w.WireError, UnicodeError) as e:
             self._note("malformed", logging.WARNING, "MQTT connection from %s closed: %s", w.shown(host), e)
-        except (asyncio.IncompleteReadError, ConnectionError, OSError):
-            pass
-        except asyncio.CancelledError:  # the broker stops: end quietly (asyncio's stream callback would log it)
-            pass
+        except (asyncio.IncompleteReadError, OSError, asyncio.CancelledError):  # gone, or reset; or the broker
+            pass  # stops: end quietly (asyncio's stream callback would log a cancellation)
         finally:
-            self._open -= 1
-            w.leave(self._by_address, host)
+            self.door.leave(guest)
             if conn is not None:
                 self._drop(conn, will=True)
                 if conn.refused.total() > 1:  # the gate may have held its lines back: one line of them all
                     self._note("summary", logging.WARNING, "MQTT client %s refused or lost in its connection: %s",
                                w.shown(conn.session.client_id), dict(conn.refused))
             writer.close()
+
+    def _reset(self, host: str, writer: asyncio.StreamWriter) -> None:  # the door's, for a newcomer
+        self._note("evicted", logging.INFO, "MQTT connection from %s without a CONNECT reset", w.shown(host))
+        writer.transport.abort()
 
     async def _connect(self, c: w.Connect, writer: asyncio.StreamWriter) -> _Conn | None:
         """The client's connection once CONNACK accepted it; None after a refusal (CONNACK sent)."""

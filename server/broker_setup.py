@@ -85,7 +85,9 @@ def start_mqtt(settings: Settings, authenticate: Authenticator) -> MqttSetup:
     port = settings.embedded_broker_port or _recorded_port(port_file)
     broker = EmbeddedBroker(settings.embedded_broker_host, port, authenticate=authenticate,
                             tls_cert=settings.broker_tls_cert, tls_key=settings.broker_tls_key,
-                            max_per_address=settings.embedded_broker_max_per_address)
+                            max_per_address=settings.embedded_broker_max_per_address,
+                            max_unauthenticated=settings.embedded_broker_max_unauthenticated,
+                            v6_prefix=settings.http_ipv6_prefix)
     _device_url(settings, None, broker)  # refuses a loopback address before anything listens
     try:
         url = broker.start()

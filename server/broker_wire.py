@@ -12,7 +12,7 @@ import asyncio
 import logging
 import struct
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = [
@@ -39,8 +39,6 @@ __all__ = [
     "Publish",
     "WireError",
     "connack",
-    "crowded",
-    "leave",
     "matches",
     "parse_connect",
     "parse_publish",
@@ -98,27 +96,6 @@ def shown(value: object, limit: int = 120) -> str:
 def peer_host(writer: asyncio.StreamWriter) -> str:
     peer = writer.get_extra_info("peername")
     return str(peer[0]) if isinstance(peer, tuple) and peer else "?"
-
-
-# exempt from the per-address cap: the server's own link comes from loopback (and so does every device behind a
-# TCP proxy on this host)
-_LOOPBACK = frozenset({"127.0.0.1", "::1", "::ffff:127.0.0.1"})
-
-
-def crowded(open_by_address: Mapping[str, int], host: str, cap: int) -> str:
-    """Why a new connection from ``host`` is refused ("" if it is not): ``cap`` connections already open from that
-    address (0: no cap; loopback has none)."""
-    n = open_by_address.get(host, 0)
-    return f"{n} connections open from that address" if cap and n >= cap and host not in _LOOPBACK else ""
-
-
-def leave(open_by_address: dict[str, int], host: str) -> None:
-    """A connection from ``host`` ended (an address with none open is forgotten)."""
-    n = open_by_address[host] - 1
-    if n > 0:
-        open_by_address[host] = n
-    else:
-        del open_by_address[host]
 
 
 class Bucket:

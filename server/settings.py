@@ -69,9 +69,12 @@ class Settings(BaseSettings):
     broker_token_audience: str = Field(default="pfl", pattern=r"^[A-Za-z0-9_-]{1,64}$")
     embedded_broker_host: str = "127.0.0.1"  # where the embedded broker listens; 0.0.0.0 for devices elsewhere
     embedded_broker_port: int | None = Field(default=None, ge=1, le=65535)  # None: last run's port, else free one
-    # connections one client address may hold open on the embedded broker, refused on accept (0: no cap; loopback
-    # has none); devices behind one NAT share an address: raise it for them
-    embedded_broker_max_per_address: int = Field(default=64, ge=0, le=1_000_000)
+    # connections one client address (an IPv6 one: its http_ipv6_prefix network) may hold open on the embedded
+    # broker before they log in, loopback too, and all addresses together (0: no bound); at a bound the oldest
+    # without a whole CONNECT is reset for the newcomer (server.broker_door). Logged-in sessions count in neither:
+    # a fleet behind one NAT logs in whole (issue 49: 64 of 100 could)
+    embedded_broker_max_per_address: int = Field(default=256, ge=0, le=1_000_000)
+    embedded_broker_max_unauthenticated: int = Field(default=1024, ge=0, le=1_000_000)
     # who may tell the server a client's address (X-Forwarded-For): the load balancer's addresses or networks,
     # comma-separated (uvicorn's forwarded_allow_ips); "" trusts nobody: the connection's own address counts
     forwarded_allow_ips: str = ""

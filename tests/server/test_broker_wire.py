@@ -113,7 +113,7 @@ def test_an_authentication_error_answers_server_unavailable() -> None:
 
 def test_connections_beyond_the_limit_are_closed_at_once() -> None:
     with EmbeddedBroker() as b:
-        b.core.max_connections = 1
+        b.core.door.max_connections = 1
         addr = parse_broker_url(b.url)
         with socket.create_connection(addr, timeout=5) as first:
             first.sendall(_connect("first"))
