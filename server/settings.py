@@ -149,6 +149,12 @@ class Settings(BaseSettings):
                                  "broker, not broker_dynsec): set broker_url to that broker, or unset the token")
             if len(token) < 16:
                 raise ValueError("broker_hook_token must be at least 16 characters (it is the hook's only secret)")
+            # the hook lets the server's user name in on this password alone, never throttled (a throttle locked
+            # the servers out, issue 49): its length is what keeps guessing hopeless (BrokerAccess._server_login)
+            password = self.mqtt_password.get_secret_value() if self.mqtt_password else ""
+            if self.mqtt_username and password and len(password) < 16:
+                raise ValueError("mqtt_password must be at least 16 characters where the broker hook checks it (the "
+                                 "hook answers guesses at HTTP speed): draw it at random, e.g. openssl rand -hex 32")
         if self.broker_tokens and (self.broker_url == "embedded" or self.broker_dynsec):
             raise ValueError("broker_tokens is for an external broker that checks tokens (RabbitMQ's oauth2 "
                              "backend), not the embedded broker nor broker_dynsec")
