@@ -194,7 +194,7 @@ class Fleet:
         if nodes:  # --mqtt-direct: the devices spread over the nodes by index, as DNS round-robin would
             host, _, p = nodes.split(",")[enr.index % len(nodes.split(","))].rpartition(":")
             port = int(p)
-        m = MqttSession(host, port, mqtt_client_id(enr.device_id), enr.mqtt_username,
+        m = MqttSession(host, port, enr.mqtt_client_id or mqtt_client_id(enr.device_id), enr.mqtt_username,
                         enr.mqtt_password, will=(status_topic(FED, enr.device_id), status),
                         local_host=f"127.0.0.{2 + enr.index % 16}" if host.startswith("127.") else None)
         t0 = time.perf_counter()
@@ -451,8 +451,10 @@ async def run_fleet(url: str, admin_token: str, args: argparse.Namespace, calls:
     drawn = {t: algo.sampled(t) for t in range(1, args.rounds + 1)}  # the server's draw, the same code
     admin = {"Authorization": f"Bearer {admin_token}"}
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(120)) as client:
+        agg = {} if args.norm_multiple is None else {"aggregation": {"norm_multiple": args.norm_multiple}}
         r = await client.post(f"{API_PREFIX}/federations", headers=admin, json={
-            "id": FED, "enrol_secret": ENROL_SECRET, "config": cfg, "quorum": 1.0, "deadline_s": args.deadline_s})
+            "id": FED, "enrol_secret": ENROL_SECRET, "config": cfg, "quorum": 1.0, "deadline_s": args.deadline_s,
+            **agg})
         r.raise_for_status()
         ctx = multiprocessing.get_context("spawn")
         q = ctx.Queue()
@@ -664,6 +666,8 @@ def main() -> None:
     ap.add_argument("--kill-follower", type=int, default=0, metavar="N",
                     help="SIGKILL a replica that does not lead in rounds 1..N while uploads stream in, restart it")
     ap.add_argument("--partial-sums", action="store_true", help="the servers fold partial sums (PFL_PARTIAL_SUMS)")
+    ap.add_argument("--norm-multiple", type=float, default=None,
+                    help="the federation's aggregation norm_multiple (unset: the server's default)")
     ap.add_argument("--kill-delay-s", type=float, default=3.0, help="how long into a round's collecting")
     ap.add_argument("--replicas", type=int, default=0,
                     help="N >= 1: N server processes behind HAProxy (PostgreSQL); 0: one server, no balancer")

@@ -244,12 +244,13 @@ Android phone
 
 # --------------------------------------------------------------------------------------------------- requirements
 # What a device process imports (pfl-edge client and its import chain: the agent, its HTTP client and MQTT control,
-# its own images, torch training); the runtimes come by profile (device_packages).
-AGENT_PACKAGES = ("numpy", "torch", "safetensors", "pydantic", "httpx", "paho-mqtt", "pillow", "tqdm")
+# its own images, torch training; cryptography: its key (pfl_edge.device_key) and secure rounds); the runtimes come
+# by profile (device_packages).
+AGENT_PACKAGES = ("numpy", "torch", "safetensors", "pydantic", "httpx", "paho-mqtt", "pillow", "tqdm", "cryptography")
 # A device without torch (pfl-edge client --arrays numpy): the agent's own imports and ONNX Runtime (training
 # through the ONNX program, and evaluation); pillow only for a device's own images (--data-dir), with --own-images;
 # ExecuTorch's numpy-only runtime only when it trains with the ExecuTorch program (Python >= 3.12)
-TORCH_FREE_PACKAGES = ("numpy", "safetensors", "pydantic", "httpx", "paho-mqtt", "onnxruntime")
+TORCH_FREE_PACKAGES = ("numpy", "safetensors", "pydantic", "httpx", "paho-mqtt", "onnxruntime", "cryptography")
 # pinned here where it cannot be installed (it has wheels for Python >= 3.12 only): the runtime the programs were
 # checked on (bench/train_step_torchfree.py, tests/integration/test_bundle.py)
 PINNED_ELSEWHERE = {"executorch-numpy-runtime": "1.4.0"}
@@ -272,6 +273,9 @@ RUNTIME_DEPS: dict[str, tuple[str, ...]] = {
     "torch": ("typing-extensions", "sympy"),
     "onnxruntime": ("numpy",),
     "executorch-numpy-runtime": ("numpy",),
+    # cryptography's Rust bindings load cffi's compiled _cffi_backend; pycparser is cffi's for building only
+    "cryptography": ("cffi",),
+    "cffi": (),
     "executorch": ("torch", "numpy", "typing-extensions", "sympy", "ruamel.yaml", "flatbuffers", "tabulate",
                    "filelock", "networkx"),
 }

@@ -56,8 +56,9 @@ class Control:
         self._http, self._rediscover_after_s, self._keepalive = http, rediscover_after_s, keepalive
         self._failing_since: float | None = None
         self._asking = threading.Lock()
-        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=mqtt_client_id(enr.device_id),
-                        clean_session=False, protocol=mqtt.MQTTv311)
+        client_id = enr.mqtt_client_id or mqtt_client_id(enr.device_id)  # absent: a server of an earlier release
+        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=False,
+                        protocol=mqtt.MQTTv311)
         if url.scheme in _TLS:
             c.tls_set(ca_certs=ca_file, cert_reqs=ssl.CERT_REQUIRED, tls_version=ssl.PROTOCOL_TLS_CLIENT)
         self._user, self._password = enr.mqtt_username, enr.mqtt_password

@@ -10,6 +10,7 @@ import logging
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -91,11 +92,14 @@ class Http:
         self._next_try = 0.0
         self._enrolled = ""  # the tag of the enrolment the token descends from
         self.chain_ended = False  # a rotation was refused (401): the device must enrol again (``Agent``)
+        # each rotation's body: the device's signed proof (edge_runtime.enrol.DeviceKey); None: no body
+        self.rotation_body: Callable[[], Any] | None = None
 
     def call(self, method: str, path: str, *, json_body: Any = None, content: bytes | None = None,
              max_bytes: int = MAX_JSON_BYTES) -> httpx.Response:
         """The answer, its body read to at most ``max_bytes`` (more is refused before it is all read: a JSON
-        answer, a payload, a program each have their bound)."""
+        answer, a payload, a program each have their bound). ``json_body`` may be a function, called for each
+        attempt (a signed body is signed afresh for a retry)."""
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         if content is not None:
             headers["Content-Type"] = "application/octet-stream"
@@ -129,7 +133,8 @@ class Http:
 
     def _request(self, method: str, path: str, json_body: Any, content: bytes | None, headers: dict[str, str],
                  max_bytes: int) -> httpx.Response:
-        req = self.client.build_request(method, path, json=json_body, content=content, headers=headers)
+        body = json_body() if callable(json_body) else json_body
+        req = self.client.build_request(method, path, json=body, content=content, headers=headers)
         r = self.client.send(req, stream=True)
         try:
             declared = r.headers.get("content-length", "")
@@ -174,7 +179,7 @@ class Http:
             return False
         self._next_try = now + 60.0
         try:
-            got = self.call("POST", ROTATE_PATH).json()
+            got = self.call("POST", ROTATE_PATH, json_body=self.rotation_body).json()
         except (ServerError, ServerUnavailable) as e:
             if isinstance(e, ServerError) and e.status == 401:  # expired, or past its chain's absolute lifetime
                 self.chain_ended = True

@@ -40,9 +40,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from .config_bounds import bounded_config, config_field
 from .device_info import Platform
+from .device_key import KeyProof, TokenRotation
 
 __all__ = [
     "API_PREFIX",
+    "DEFAULT_NORM_MULTIPLE",
     "DIGEST_RE",
     "MAX_CLIENTS",
     "MAX_DEADLINE_S",
@@ -60,6 +62,7 @@ __all__ = [
     "ErrorBody",
     "FederationCreate",
     "FederationInfo",
+    "KeyProof",
     "MetricsReport",
     "MetricsStored",
     "Neighbour",
@@ -68,6 +71,7 @@ __all__ = [
     "RoundState",
     "Task",
     "TokenIssued",
+    "TokenRotation",
     "UpdateAccepted",
     "UpdateRequest",
     "ValidationIssue",
@@ -105,7 +109,8 @@ def quorum_updates(quorum: float, active: int) -> int:
 
 
 def mqtt_client_id(device: str) -> str:
-    """A device's MQTT client id: its broker identity may connect with no other (``pfl-<device id>``)."""
+    """A device's MQTT client id where its enrolment names none (``Enrolment.mqtt_client_id``: a server of an
+    earlier release): ``pfl-<device id>``."""
     return f"pfl-{device}"
 
 
@@ -119,6 +124,8 @@ MAX_DEADLINE_S = 7 * 86_400  # a round's deadline
 MAX_SECONDS = 1e9  # a duration a device measured (train_s), or a unix time (deadlines): finite and sane
 _MAX_KP = 1_000  # personal blocks
 _NAME = 256  # a label, profile, algorithm or credential
+#: ``AggregationSettings``' and ``pfl_edge.aggregate.AggregationRule``'s (the simulator's) default: 3 before issue 49
+DEFAULT_NORM_MULTIPLE = 1.0
 
 
 _MAX_FLOAT = sys.float_info.max  # "finite": a bound NaN and Infinity fail, in pydantic and in JSON Schema
@@ -138,17 +145,17 @@ class _Msg(BaseModel):
 class AggregationSettings(_Msg):
     """How the server bounds and combines a round's updates (``pfl_edge.aggregate.AggregationRule``): each
     update's difference from the round's start model is clipped to ``max_update_norm`` (absolute) or, unset, to
-    ``norm_multiple`` times the round's median update norm (both null: unclipped); then ``rule``. A device's
-    sample count (the mean's weight) is clamped to what it declared at enrolment, to the share the server dealt its
-    slot and to ``max_samples``; where devices bring their own data, to ``max_samples`` or else the config's
-    ``samples_per_client``, and with neither every update counts 1 (server/services/updates.py)."""
+    ``norm_multiple`` times the low median of the round's other updates' norms (both null: unclipped); then
+    ``rule``. A device's sample count (the mean's weight) is clamped to what it declared at enrolment, to the share
+    the server dealt its slot and to ``max_samples``; where devices bring their own data, to ``max_samples`` or
+    else the config's ``samples_per_client``, and with neither every update counts 1 (server/services/updates.py)."""
 
     rule: Literal["mean", "clipped-mean", "median", "trimmed-mean"] = Field(default="mean", description=(
         "mean: weighted by counted samples; clipped-mean: equal weights; median, trimmed-mean: per coordinate"))
     max_update_norm: float | None = Field(default=None, gt=0, le=1e12,
                                           description="absolute L2 bound of an update's difference; null: relative")
-    norm_multiple: float | None = Field(default=3.0, ge=1, le=1e6,
-                                        description="bound = this times the round's median update norm")
+    norm_multiple: float | None = Field(default=DEFAULT_NORM_MULTIPLE, ge=1, le=1e6, description=(
+        "bound = this times the low median of the round's other updates' norms"))
     trim: float = Field(default=0.2, ge=0, lt=0.5, description="trimmed-mean: fraction dropped from each end")
     max_samples: int | None = Field(default=None, ge=1, le=2**31 - 1, description="cap of one update's weight")
 
@@ -173,7 +180,7 @@ class FederationCreate(_Msg):
     profile_capacity: bool = Field(default=False, description=(
         "density and K_P from each device's profile instead of the config"))
     aggregation: AggregationSettings | None = Field(default=None, description=(
-        "null: the weighted mean, each update clipped to 3x the round's median norm"))
+        f"null: the weighted mean, each update clipped to {DEFAULT_NORM_MULTIPLE:g}x the others' low median norm"))
 
     _config = field_validator("config")(bounded_config(MAX_CLIENTS))
 
@@ -218,6 +225,15 @@ class EnrolRequest(_Msg):
         "its training samples (a JSON integer: not \"100\", 1.0 or true); an update's weight counts as at most this"))
     platform: Platform | None = Field(default=None, description=(
         "what the device says it is (reported, not verified; devices of earlier releases send none)"))
+    public_key: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$", description=(
+        "its Ed25519 public key (raw, hex; with nonce and proof): once kept, re-enrolling needs a proof by it"))
+    proof: KeyProof | None = Field(default=None, description="signature of device_key.enrol_message by the key")
+
+    @model_validator(mode="after")
+    def _key_whole(self) -> EnrolRequest:
+        if (self.public_key is None) != (self.proof is None) or (self.public_key is not None and self.nonce is None):
+            raise ValueError("public_key, proof and nonce go together: a key is proved, and names a nonce's device")
+        return self
 
 
 class Enrolment(_Msg):
@@ -237,6 +253,8 @@ class Enrolment(_Msg):
         "the federation's round now; a device enrolling in round r > 0 takes part from round r + 1"))
     init_digest: Digest = Field(description=(
         "sha256 of the initial model (FedPer: the base for its kp; DisPFL: the dense init)"))
+    mqtt_client_id: str | None = Field(default=None, pattern=r"^pfl-[0-9a-f]{32}$", description=(
+        "its MQTT client id, which no other device can guess (absent: mqtt_client_id(device_id))"))
     init_model: Digest | None = Field(default=None, description=(
         "sha256 of the federation's whole initial model: every tensor, its personal blocks' seeded initial values "
         "included (the same for every device, not personal yet); a device that cannot build the model itself "

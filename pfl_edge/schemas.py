@@ -33,7 +33,8 @@ DIALECT = "https://json-schema.org/draft/2020-12/schema"
 #: every message that travels, by schema name (the model's class name)
 MESSAGES: tuple[type[BaseModel], ...] = (
     protocol.FederationCreate, protocol.FederationInfo, protocol.AggregationSettings,
-    protocol.EnrolRequest, protocol.Platform, protocol.Enrolment, protocol.TokenIssued, protocol.BrokerInfo,
+    protocol.EnrolRequest, protocol.Platform, protocol.KeyProof, protocol.Enrolment, protocol.TokenRotation,
+    protocol.TokenIssued, protocol.BrokerInfo,
     protocol.Task, protocol.Neighbour, protocol.RoundAnnouncement, protocol.DeviceStatus,
     protocol.BlobStored, protocol.UpdateRequest, protocol.UpdateAccepted,
     protocol.MetricsReport, protocol.MetricsStored, protocol.ErrorBody, protocol.ValidationIssue,

@@ -132,6 +132,12 @@ class Device(Base):
     refused_updates: Mapped[int] = mapped_column(Integer, default=0)  # uploads the server refused (Updates.submit)
     # what it said it is at enrolment (protocol.Platform as JSON; reported, never verified; None: it said nothing)
     platform: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    # its Ed25519 public key (hex) and the last counter it signed with (pfl_edge.device_key): enrolling again under
+    # its nonce and rotating its token must be signed, with a larger counter (None: it enrolled without a key)
+    public_key: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    key_counter: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    # its MQTT client id (None: enrolled before schema 15, ``pfl-<id>``), derived from its MQTT password
+    mqtt_client: Mapped[str | None] = mapped_column(String(40), nullable=True)
 
 
 class Round(Base):

@@ -11,6 +11,7 @@ device fetches its task over HTTP whenever it (re)connects (``edge_runtime.agent
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -102,11 +103,12 @@ class RabbitCluster:
         out = self._eval("rabbit_nodes:all_running().")
         return sorted(n for n in self.names if n in out)
 
-    def nodes_that_accepted(self, client_prefix: str) -> list[str]:
-        """The nodes whose log records an MQTT connection accepted from a client id starting ``client_prefix``
-        since they started: every connection counts, however short (a sample of the cluster's client list, each
-        question seconds long under load, missed those of a federation over in seconds)."""
-        mark = f"client id: {client_prefix}"
+    def nodes_that_accepted(self, client_id: str) -> list[str]:
+        """The nodes whose log records an MQTT connection accepted from a client id matching the regular
+        expression ``client_id`` since they started: every connection counts, however short (a sample of the
+        cluster's client list, each question seconds long under load, missed those of a federation over in
+        seconds)."""
+        mark = re.compile(f"client id: {client_id}")
         found = []
         for i, name in enumerate(self.names):
             log = self.folder / f"node-{i}" / "log" / f"{name}.log"
@@ -114,7 +116,7 @@ class RabbitCluster:
                 text = log.read_text(errors="replace")
             except OSError:
                 continue
-            if any("accepting MQTT connection" in line and mark in line for line in text.splitlines()):
+            if any("accepting MQTT connection" in line and mark.search(line) for line in text.splitlines()):
                 found.append(name)
         return sorted(found)
 

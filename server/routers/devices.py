@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from pfl_edge.protocol import BrokerInfo, Enrolment, EnrolRequest, TokenIssued
+from pfl_edge.protocol import BrokerInfo, Enrolment, EnrolRequest, TokenIssued, TokenRotation
 
 from ..deps import DeviceAuth, Enrol
 
@@ -14,7 +14,8 @@ __all__ = ["TokenIssued", "router"]
 router = APIRouter(prefix="/devices", tags=["devices"])
 
 
-@router.post("", response_model=Enrolment, status_code=201)
+# absent fields stay absent: a device of an earlier release refuses a field it does not know, even a null one
+@router.post("", response_model=Enrolment, status_code=201, response_model_exclude_none=True)
 async def enrol(body: EnrolRequest, enrol: Enrol, request: Request) -> Enrolment:
     """Rate-limited per client address and per federation (429 with Retry-After); a wrong secret and an unknown
     federation get the same 403. ``async``: the secret's scrypt runs on the enrolment gate's own threads and the
@@ -23,11 +24,12 @@ async def enrol(body: EnrolRequest, enrol: Enrol, request: Request) -> Enrolment
 
 
 @router.post("/me/token", response_model=TokenIssued)
-def rotate_own_token(dev: DeviceAuth, enrol: Enrol) -> TokenIssued:
+def rotate_own_token(dev: DeviceAuth, enrol: Enrol, body: TokenRotation | None = None) -> TokenIssued:
     """A fresh token for the calling device; its current one is dead once this answers. The device saves the
     new one before it uses it (a device that lost it enrols again with its nonce). Rotations never reach past
-    ``device_token_max_lifetime_s`` after the device last enrolled with the secret: then 401 (it must enrol again)."""
-    token, expires = enrol.rotate_token(dev.id, own=True)
+    ``device_token_max_lifetime_s`` after the device last enrolled with the secret: then 401 (it must enrol again).
+    A device that enrolled with a key sends its proof (``TokenRotation``); without it, 401."""
+    token, expires = enrol.rotate_token(dev.id, own=True, proof=None if body is None else body.proof)
     return TokenIssued(device_id=dev.id, token=token, expires=expires)
 
 

@@ -1,7 +1,7 @@
 """Who may use the MQTT broker and for what: every device its own credentials and topics, the server its own
 identity.
 
-A device's MQTT username is its device id and its client id ``pfl-<device id>``; its password has 256 bits of
+A device's MQTT username is its device id and its client id :func:`device_client_id`; its password has 256 bits of
 entropy and only its sha256 is kept (``Device.mqtt_hash``). Without a nonce it is random; a device that enrols with
 a nonce gets one derived from the nonce, its enrol secret and a per-federation key (:func:`device_password`), so
 that its retried enrolment, answered by two replicas at once, tells it, the database and the broker the same
@@ -57,8 +57,8 @@ from ..errors import ApiError
 from .broker_tokens import BrokerTokens, mqtt_queues
 from .store import Store
 
-__all__ = ["DYNSEC_TOPIC", "BrokerAccess", "BrokerUnavailable", "Mode", "device_identity", "device_password",
-           "mqtt_hash"]
+__all__ = ["DYNSEC_TOPIC", "BrokerAccess", "BrokerUnavailable", "Mode", "device_client_id", "device_identity",
+           "device_password", "mqtt_hash"]
 
 log = logging.getLogger(__name__)
 
@@ -97,11 +97,21 @@ def device_password(key: str, nonce: str, enrol_secret: str) -> str:
     return base64.urlsafe_b64encode(hmac.new(bytes.fromhex(key), msg, hashlib.sha256).digest()).rstrip(b"=").decode()
 
 
-def device_identity(fed_id: str, device_id: str) -> Identity:
+def device_client_id(password: str, device_id: str) -> str:
+    """A device's MQTT client id, from its MQTT password (the same for each enrolment of a device with a nonce,
+    and so the same on every replica that answers one): no other device can guess it, so none can connect under
+    it and have the broker drop the device's session (a takeover; RabbitMQ disconnects the holder even when the
+    newcomer is then refused). Device ids are no secret: DisPFL tasks name neighbours."""
+    mac = hmac.new(password.encode(), b"pfl-client\0" + device_id.encode(), hashlib.sha256).hexdigest()
+    return f"pfl-{mac[:32]}"
+
+
+def device_identity(fed_id: str, device_id: str, client_id: str | None = None) -> Identity:
     """The one definition of what a device may do on the broker (the embedded broker's rules and Mosquitto's
-    role are both built from it)."""
+    role are both built from it); ``client_id``: its ``Device.mqtt_client`` (None: enrolled before it had one)."""
     return Identity(device_id, read=frozenset({round_topic(fed_id), task_topic(fed_id, device_id)}),
-                    write=frozenset({status_topic(fed_id, device_id)}), client_id=mqtt_client_id(device_id))
+                    write=frozenset({status_topic(fed_id, device_id)}),
+                    client_id=client_id or mqtt_client_id(device_id))
 
 
 class BrokerAccess:
@@ -136,13 +146,13 @@ class BrokerAccess:
         password = secrets.token_urlsafe(32) if derive is None else device_password(*derive)
         return password, mqtt_hash(password)
 
-    def provision(self, fed_id: str, device_id: str, password: str) -> None:
+    def provision(self, fed_id: str, device_id: str, password: str, client_id: str | None = None) -> None:
         """Tell a broker that keeps its own accounts (``dynsec``) about a device that has just enrolled with
-        ``password`` (replacing any earlier one) and its federation's topics; the embedded broker and the HTTP
-        hook read the database instead."""
+        ``password`` and ``client_id`` (replacing any earlier ones) and its federation's topics; the embedded
+        broker and the HTTP hook read the database instead."""
         if self.mode != "dynsec":
             return
-        ident = device_identity(fed_id, device_id)
+        ident = device_identity(fed_id, device_id, client_id)
         role = f"pfl-{device_id}"
         acls = [{"acltype": kind, "topic": t, "allow": True}
                 for t in sorted(ident.read or ()) for kind in ("subscribePattern", "publishClientReceive")]
@@ -179,7 +189,7 @@ class BrokerAccess:
                 return None
             if not hmac.compare_digest(mqtt_hash(password), dev.mqtt_hash):
                 return None
-            return device_identity(dev.federation, dev.id)
+            return device_identity(dev.federation, dev.id, dev.mqtt_client)
 
     # ------------------------------------------------------------------------------------- broker tokens
     def device_token(self, device_id: str) -> str | None:
@@ -206,7 +216,7 @@ class BrokerAccess:
             dev = s.get(Device, username)
             if dev is None or dev.revoked_at is not None or not dev.mqtt_hash:
                 return None
-            return device_identity(dev.federation, dev.id)
+            return device_identity(dev.federation, dev.id, dev.mqtt_client)
 
     def hook_user(self, username: str, password: str, client_id: str | None = None) -> bool:
         """A CONNECT: the password is the user's, and the client id (where the broker tells it) its own. For the

@@ -16,10 +16,11 @@ from starlette.concurrency import run_in_threadpool
 
 from device_profiles import Profile, get_profile, list_profiles
 from pfl_edge.codec import encode
+from pfl_edge.device_key import enrol_message, rotate_message, verify
 from pfl_edge.errors import InternalError, PflEdgeError, UnknownNameError
 from pfl_edge.federation import device_capacity
 from pfl_edge.privacy import new_key, secret_draw
-from pfl_edge.protocol import Enrolment, EnrolRequest, FederationCreate, FederationInfo
+from pfl_edge.protocol import Enrolment, EnrolRequest, FederationCreate, FederationInfo, KeyProof
 
 from ..db import SERVER, Device, Federation, hash_secret, hash_token, now
 from ..enrol_gate import EnrolGate
@@ -28,6 +29,7 @@ from ..fedmodel import fed_model
 from ..ratelimit import Buckets
 from ..states import ENROLMENT_ROUND, RoundState
 from .blob_access import BlobAccess
+from .broker_access import device_client_id
 from .store import Store
 
 __all__ = ["EnrolmentService"]
@@ -47,6 +49,7 @@ class _Enrolled:
     round: int
     init_digest: str
     config: dict[str, object]
+    client_id: str | None
 
 
 class EnrolmentService:
@@ -67,7 +70,7 @@ class EnrolmentService:
         # keeps accounts of its own; the coordinator sets them from BrokerAccess
         self.mqtt_password: Callable[[tuple[str, str, str] | None], tuple[str, str | None]] = (
             lambda derive: (device_mqtt_password, None))
-        self.provision: Callable[[str, str, str], None] = lambda fed_id, dev_id, password: None
+        self.provision: Callable[[str, str, str, str | None], None] = lambda fed_id, dev_id, password, client: None
         self.mqtt_token: Callable[[str], str | None] | None = None  # jwt mode: a device's broker token now
         self.on_enrolled = on_enrolled  # wakes the round worker: enrolment may open round 1
         self.on_created = on_created  # announces a new federation
@@ -161,22 +164,23 @@ class EnrolmentService:
             # with a nonce, the same password for every enrolment of this device (broker_access's docstring)
             password, keep = self.mqtt_password(None if req.nonce is None else
                                                 (self._mqtt_key(fed), req.nonce, req.enrol_secret))
-            got = self._again(s, fed, req, token, keep)
+            got = self._again(s, fed, req, token, keep, password)
             again = got is not None
             if got is None:
-                got = self._new(s, fed, req, token, profile, keep)
+                got = self._new(s, fed, req, token, profile, keep, password)
         if again:
             log.info("federation %s: device %s enrolled again (same nonce)", req.federation, got.device_id)
         else:
             self.on_enrolled()
             log.info("federation %s: device %s enrolled in slot %d (%s)", req.federation, got.device_id, got.slot,
                      profile.name)
-        self.provision(req.federation, got.device_id, password)
+        self.provision(req.federation, got.device_id, password, got.client_id)
         password = (self.mqtt_token(got.device_id) if self.mqtt_token is not None else None) or password
         fm = fed_model(got.config)
         return Enrolment(device_id=got.device_id, token=token, index=got.slot, federation=req.federation,
                          config=got.config, density=got.density, kp=got.kp, broker_url=self.device_broker_url,
                          mqtt_username=got.device_id, mqtt_password=password, round=got.round,
+                         mqtt_client_id=got.client_id,
                          init_digest=self.blobs.base_for(req.federation, fm, got.init_digest, got.kp),
                          init_model=got.init_digest)
 
@@ -196,9 +200,11 @@ class EnrolmentService:
             raise Unprocessable(f"unknown device profile {req.profile!r}; valid profiles: "
                                 f"{', '.join(list_profiles())}") from None
 
-    def _again(self, s: Session, fed: Federation, req: EnrolRequest, token: str, mqtt: str | None
+    def _again(self, s: Session, fed: Federation, req: EnrolRequest, token: str, mqtt: str | None, password: str
                ) -> _Enrolled | None:
-        """The same device asking again with its nonce (its first answer was lost): same slot, a fresh token."""
+        """The same device asking again with its nonce (its first answer was lost, or its token chain ended): same
+        slot, a fresh token. A device that enrolled with a key must prove it holds it (``proven``); one that
+        enrolled without gets the key it shows now (an agent upgraded since: trust on its first key)."""
         again = None if req.nonce is None else s.scalar(
             select(Device).where(Device.federation == fed.id, Device.enrol_nonce == req.nonce))
         if again is None:
@@ -206,6 +212,12 @@ class EnrolmentService:
             return None
         if again.revoked_at is not None:
             raise Forbidden(f"device {again.id} was revoked by the operator; it cannot enrol again")
+        if again.public_key is not None and req.public_key != again.public_key:
+            raise Forbidden("the device of this nonce enrolled with a key: enrolling again must be signed by it "
+                            "(a device that lost its key is revoked by the operator and enrols afresh)")
+        self._take_proof(again, req)
+        client = self._client_id(req, password, again.id)
+        again.mqtt_client = client
         at = now()  # it showed the secret: a new token chain
         again.token_hash, again.token_expires, again.token_origin = hash_token(token), self._expiry(at, at), at
         if mqtt is not None:
@@ -213,7 +225,7 @@ class EnrolmentService:
         if req.platform is not None:  # it may have been upgraded since (a new runtime, another Python)
             again.platform = req.platform.model_dump()
         return _Enrolled(again.id, again.slot, again.density, again.kp, again.joined_round, fed.init_digest,
-                         fed.config)
+                         fed.config, client)
 
     @staticmethod
     def _mqtt_key(fed: Federation) -> str:
@@ -228,7 +240,7 @@ class EnrolmentService:
             raise Conflict(f"federation {fed.id!r} has finished its {fed_model(fed.config).cfg.rounds} rounds")
 
     def _new(self, s: Session, fed: Federation, req: EnrolRequest, token: str, profile: Profile,
-             mqtt: str | None) -> _Enrolled:
+             mqtt: str | None, password: str) -> _Enrolled:
         slot = self._slot(s, fed, req.index)
         fm = self.store.model(fed)
         density, kp = device_capacity(fm.cfg, slot,
@@ -244,12 +256,35 @@ class EnrolmentService:
             raise Unprocessable(f"profile {profile.name!r} keeps {kp} personal blocks; this federation is private "
                                 f"and its devices share one base (K_P {device_capacity(fm.cfg, slot)[1]})")
         dev_id, at = "dev-" + secrets.token_hex(8), now()
-        s.add(Device(id=dev_id, federation=fed.id, token_hash=hash_token(token), profile=profile.name,
+        client = self._client_id(req, password, dev_id)
+        dev = Device(id=dev_id, federation=fed.id, token_hash=hash_token(token), profile=profile.name,
                      name=req.name, slot=slot, density=density, kp=kp, online=False, joined_round=fed.round,
                      enrol_nonce=req.nonce, declared_samples=req.n_samples, mqtt_hash=mqtt,
-                     token_expires=self._expiry(at, at), token_origin=at,
-                     platform=None if req.platform is None else req.platform.model_dump()))
-        return _Enrolled(dev_id, slot, density, kp, fed.round, fed.init_digest, fed.config)
+                     token_expires=self._expiry(at, at), token_origin=at, mqtt_client=client,
+                     platform=None if req.platform is None else req.platform.model_dump())
+        self._take_proof(dev, req)
+        s.add(dev)
+        return _Enrolled(dev_id, slot, density, kp, fed.round, fed.init_digest, fed.config, client)
+
+    @staticmethod
+    def _client_id(req: EnrolRequest, password: str, dev_id: str) -> str | None:
+        """The device's MQTT client id (broker_access.device_client_id), told to a device that enrols with a key,
+        which this release's devices all do; None for one without (of an earlier release: it connects as
+        ``pfl-<device id>`` and refuses an Enrolment with a field it does not know)."""
+        return None if req.public_key is None else device_client_id(password, dev_id)
+
+    @staticmethod
+    def _take_proof(dev: Device, req: EnrolRequest) -> None:
+        """Keep the key ``req`` proves it holds (its signature of device_key.enrol_message, with a counter above
+        the last one this device signed with); nothing without a key."""
+        if req.public_key is None or req.proof is None or req.nonce is None:
+            return
+        last = dev.key_counter or 0
+        msg = enrol_message(req.federation, req.nonce, req.public_key, req.proof.counter)
+        if req.proof.counter <= last or not verify(req.public_key, msg, req.proof.signature):
+            raise Forbidden(f"the enrolment's proof does not verify: a signature by its public key of "
+                            f"device_key.enrol_message with a counter above {last} is expected")
+        dev.public_key, dev.key_counter = req.public_key, req.proof.counter
 
     def _slot(self, s: Session, fed: Federation, asked: int | None) -> int:
         """The slot asked for if it is free, else the lowest free one (in SQL, on the (federation, slot) index:
@@ -286,17 +321,25 @@ class EnrolmentService:
         """When a token issued at ``at`` in a chain that began at ``origin`` expires."""
         return min(at + self.token_ttl_s, origin + self.token_max_lifetime_s)
 
-    def rotate_token(self, dev_id: str, *, own: bool = False) -> tuple[str, float]:
+    def rotate_token(self, dev_id: str, *, own: bool = False, proof: KeyProof | None = None) -> tuple[str, float]:
         """A fresh token for the device (the old one is dead at once) and when it expires. ``own``: the device
         rotates its own token, in its chain: the new one expires no later than ``token_max_lifetime_s`` after
         the chain began (its last enrolment with the secret, or the admin's last rotation), and past that the
         rotation is refused (401; the device enrols again with its secret and nonce), so a stolen token cannot
-        be kept alive by rotating it. The admin's rotation (not ``own``) starts a new chain."""
+        be kept alive by rotating it. A device that enrolled with a key signs its own rotation (``proof``: 401
+        without one, so a stolen token dies at its expiry). The admin's rotation (not ``own``) starts a new chain."""
         token, at = secrets.token_urlsafe(32), now()
         with self.store.write() as s:
             dev = s.get(Device, dev_id, with_for_update=True)
             if dev is None or dev.revoked_at is not None:
                 raise Unauthorized(f"device {dev_id} is unknown or revoked")
+            if own and dev.public_key is not None:
+                last = dev.key_counter or 0
+                if proof is None or proof.counter <= last or not verify(
+                        dev.public_key, rotate_message(dev_id, proof.counter), proof.signature):
+                    raise Unauthorized(f"device {dev_id} enrolled with a key: its rotation must carry a proof, a "
+                                       f"signature of device_key.rotate_message with a counter above {last}")
+                dev.key_counter = proof.counter
             # a row from before schema 9 has no origin: its chain starts at this rotation
             origin = dev.token_origin if own and dev.token_origin is not None else at
             if at - origin >= self.token_max_lifetime_s:

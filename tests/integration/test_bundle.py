@@ -81,7 +81,7 @@ def _requirements(out: Path, executorch: bool) -> None:
     for name, version in pins.items():
         assert version == metadata.version(name).split("+")[0], name
     for name in ("torch", "numpy", "safetensors", "pydantic", "pydantic-core", "httpx", "httpcore", "h11", "anyio",
-                 "certifi", "idna", "paho-mqtt", "pillow", "onnxruntime", "sympy"):
+                 "certifi", "idna", "paho-mqtt", "pillow", "onnxruntime", "sympy", "cryptography"):
         assert name in pins, name
     assert ("executorch" in pins) == executorch and ("flatbuffers" in pins) == executorch
     assert not set(pins) & set(SERVER_ONLY + BUILD_ONLY), sorted(set(pins) & set(SERVER_ONLY + BUILD_ONLY))
@@ -241,7 +241,7 @@ def test_the_requirements_are_what_a_device_imports(inference: str, training: st
     assert all(v == metadata.version(n).split("+")[0] for n, v in pins.items()), pins
     agent = {"torch", "typing-extensions", "sympy", "mpmath", "numpy", "safetensors", "pydantic", "pydantic-core",
              "annotated-types", "typing-inspection", "httpx", "httpcore", "h11", "anyio", "certifi", "idna",
-             "paho-mqtt", "pillow", "tqdm"}
+             "paho-mqtt", "pillow", "tqdm", "cryptography", "cffi"}
     et = {"executorch", "flatbuffers", "ruamel-yaml", "tabulate", "filelock", "networkx"}
     want = agent | ({"onnxruntime"} if inference == "onnxruntime" else set()) | (et if "executorch" in (
         inference, training) else set())

@@ -37,6 +37,8 @@ GOOD: dict[str, dict[str, Any]] = {
                   "density": 0.5, "kp": 2, "broker_url": "mqtt://h:1883", "mqtt_username": "dev-1",
                   "mqtt_password": "p", "round": 0, "init_digest": D1},
     "TokenIssued": {"device_id": "dev-1", "token": "t", "expires": 1.8e9},
+    "KeyProof": {"counter": 3, "signature": "ab" * 64},
+    "TokenRotation": {"proof": {"counter": 4, "signature": "cd" * 64}},
     "BrokerInfo": {"broker_url": "mqtts://h:8883"},
     "Task": {"federation": "f1", "round": 2, "algorithm": "dispfl", "base": None, "deadline": 1.8e9,
              "neighbours": [{"index": 1, "device_id": "dev-2", "digest": D2}], "final": False},
@@ -68,6 +70,10 @@ GOOD: dict[str, dict[str, Any]] = {
 # (message, change) pairs that both pydantic and the schema must refuse
 BAD: list[tuple[str, dict[str, Any]]] = [
     ("UpdateRequest", {"personal": {"w": 1}}),  # an extra field
+    ("KeyProof", {"counter": 0}),  # counters start at 1 and grow
+    ("KeyProof", {"counter": 2**53}),  # past what every JSON reader holds exactly
+    ("KeyProof", {"signature": "ab" * 63}),  # an Ed25519 signature is 64 bytes
+    ("TokenRotation", {"proof": {"counter": 1}}),  # a proof without its signature
     ("FederationCreate", {"enrol_secret": "x" * 15}),  # a new federation's secret is 16 characters or more
     ("SecAggKeys", {"c_public": "AB" * 32}),  # upper-case hex
     ("SecAggSealed", {"box": "01" * 167}),  # a sealed pair is 168 bytes exactly

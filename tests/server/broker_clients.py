@@ -77,15 +77,18 @@ class Raw:
         self.c.loop_stop()
 
 
-def enrolment(url: str, dev: str = "dev-a", fed: str = "f", user: str = "", password: str = "") -> Enrolment:
+def enrolment(url: str, dev: str = "dev-a", fed: str = "f", user: str = "", password: str = "",
+              client_id: str | None = None) -> Enrolment:
     return Enrolment(device_id=dev, token="t", index=0, federation=fed, config={}, density=1.0, kp=0, broker_url=url,
-                     mqtt_username=user, mqtt_password=password, round=0, init_digest=DIGEST)
+                     mqtt_username=user, mqtt_password=password, round=0, init_digest=DIGEST,
+                     mqtt_client_id=client_id)
 
 
 def control(url: str, dev: str = "dev-a", fed: str = "f", **kw: Any) -> tuple[Control, queue.Queue[tuple[str, bytes]]]:
+    """``client_id``: the enrolment's (None: ``pfl-<dev>``, as a server of an earlier release told none)."""
     inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
-    user, password = kw.pop("user", ""), kw.pop("password", "")
-    return Control(enrolment(url, dev, fed, user, password), inbox, **kw), inbox
+    user, password, cid = kw.pop("user", ""), kw.pop("password", ""), kw.pop("client_id", None)
+    return Control(enrolment(url, dev, fed, user, password, cid), inbox, **kw), inbox
 
 
 def next_msg(inbox: queue.Queue[tuple[str, bytes]], topic: str, pred: Any = lambda m: True,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import secrets
 import socket
 import struct
 import time
@@ -21,7 +22,9 @@ from sqlalchemy import Engine, MetaData, select
 from edge_runtime.data import LocalData
 from pfl_edge.algorithms import Clients, Trainer, central, dispfl, one_row
 from pfl_edge.codec import Decoded, decode, encode
+from pfl_edge.device_key import enrol_message, new_key, public_of, rotate_message, sign
 from pfl_edge.federation import FederationConfig, Stream, model_id, stream
+from pfl_edge.protocol import mqtt_client_id
 from pfl_edge.split import Split
 from pfl_edge.train import train, unstack
 from server.db import Base
@@ -63,13 +66,23 @@ class Dev:
     """A device as the server sees it: enrolment, blobs, updates, over HTTP."""
 
     def __init__(self, c: httpx.Client | Any, fed: str, profile: str = "phone-mid", index: int | None = None,
-                 platform: dict[str, Any] | None = None, nonce: str | None = None) -> None:
+                 platform: dict[str, Any] | None = None, nonce: str | None = None, keyed: bool = True) -> None:
+        """``keyed``: enrol as this release's devices do, with a nonce (``nonce``, else a random one) and a key
+        (pfl_edge.device_key); not ``keyed``: as a device of an earlier release, with ``nonce`` if given."""
         self.c = c
         body: dict[str, Any] = {"federation": fed, "enrol_secret": SECRET, "profile": profile}
         if index is not None:
             body["index"] = index
         if platform is not None:
             body["platform"] = platform
+        self.key: str | None = None
+        self.counter = 1
+        if keyed:
+            nonce = nonce or secrets.token_hex(16)
+            self.key = new_key()
+            public = public_of(self.key)
+            body.update(public_key=public, proof={"counter": 1, "signature": sign(
+                self.key, enrol_message(fed, nonce, public, 1))})
         if nonce is not None:
             body["nonce"] = nonce
         r = c.post("/v1/devices", json=body)
@@ -79,6 +92,15 @@ class Dev:
         self.index: int = self.e["index"]
         self.h = bearer(self.e["token"])
         self.fm: FedModel = fed_model(self.e["config"])
+        # its MQTT client id: one no other device can guess where it enrolled with a key
+        self.client_id: str = self.e.get("mqtt_client_id") or mqtt_client_id(self.id)
+
+    def rotation(self) -> dict[str, Any] | None:
+        """The body of its own token rotation: a signed proof with its next counter (None without a key)."""
+        if self.key is None:
+            return None
+        self.counter += 1
+        return {"proof": {"counter": self.counter, "signature": sign(self.key, rotate_message(self.id, self.counter))}}
 
     def get(self, digest: str) -> Decoded:
         r = self.c.get(f"/v1/blobs/{digest}", headers=self.h)

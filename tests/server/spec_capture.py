@@ -28,6 +28,7 @@ from server_testkit import FEDPER, SECRET, Mqtt, bearer, wait_for
 from edge_runtime.data import load_local_data
 from pfl_edge.algorithms import central, one_row
 from pfl_edge.codec import decode, encode
+from pfl_edge.device_key import enrol_message, new_key, public_of, rotate_message, sign
 from pfl_edge.federation import FederationConfig, Stream, init_state, model_id, stream
 from pfl_edge.split import split_keys
 from pfl_edge.train import evaluate, train, unstack
@@ -84,8 +85,11 @@ class Device:
     def __init__(self, cap: Capture, index: int) -> None:
         self.cap = cap
         self.nonce = secrets.token_hex(16)
+        self.key, self.counter = new_key(), 1  # its own key: it signs its enrolment and its token rotations
+        public = public_of(self.key)
+        proof = {"counter": 1, "signature": sign(self.key, enrol_message(FED, self.nonce, public, 1))}
         body = {"federation": FED, "enrol_secret": SECRET, "profile": "phone-mid", "name": f"dev{index}",
-                "index": index, "nonce": self.nonce, "n_samples": 48}
+                "index": index, "nonce": self.nonce, "n_samples": 48, "public_key": public, "proof": proof}
         self.e = cap.call("enrol", "POST", "/v1/devices", body=body, req="EnrolRequest", resp="Enrolment").json()
         self.id, self.token = self.e["device_id"], self.e["token"]
         cap.log[-1].device, cap.who[self.token] = self.id, self.id
@@ -100,7 +104,7 @@ class Device:
         self.stats: dict[int, dict[str, Any]] = {}
         self.heard = 0
         self.mq = Mqtt(self.e["broker_url"], [f"pfl/{FED}/round", f"pfl/{FED}/device/{self.id}/task"],
-                       client_id=f"pfl-{self.id}", clean=False, username=self.e["mqtt_username"],
+                       client_id=self.e["mqtt_client_id"], clean=False, username=self.e["mqtt_username"],
                        password=self.e["mqtt_password"],
                        will=(f"pfl/{FED}/device/{self.id}/status",
                              json.dumps({"device_id": self.id, "state": "offline"}).encode()))
@@ -200,7 +204,10 @@ def run(srv: BackgroundServer) -> list[Exchange]:
         a = devs[0]
         cap.call("info", "GET", f"/v1/federations/{FED}", token=a.token, resp="FederationInfo")
         cap.call("broker", "GET", "/v1/devices/me/broker", token=a.token, resp="BrokerInfo")
-        r = cap.call("token", "POST", "/v1/devices/me/token", token=a.token, resp="TokenIssued")
+        a.counter += 1
+        rotation = {"proof": {"counter": a.counter, "signature": sign(a.key, rotate_message(a.id, a.counter))}}
+        r = cap.call("token", "POST", "/v1/devices/me/token", token=a.token, body=rotation, req="TokenRotation",
+                     resp="TokenIssued")
         a.token = r.json()["token"]
         cap.who[a.token] = a.id
         _errors(cap, a)

@@ -36,7 +36,7 @@ class Fleet:
         wait_for(lambda: fed_state(self.c, TOKEN, "f") == (1, "collecting"), timeout=60, what="round 1 collecting")
 
     def login(self, dev: Dev, **kw: Any) -> Raw:
-        return Raw(self.url, mqtt_client_id(dev.id), user=dev.e["mqtt_username"], password=dev.e["mqtt_password"],
+        return Raw(self.url, dev.client_id, user=dev.e["mqtt_username"], password=dev.e["mqtt_password"],
                    **kw)
 
     def observer(self) -> Raw:
@@ -82,10 +82,31 @@ def test_strangers_and_wrong_passwords_are_refused(fleet: Fleet) -> None:
     a = fleet.devs[0]
     assert Raw(fleet.url, "stranger", clean=True).rc not in (None, 0)
     assert Raw(fleet.url, "stranger", clean=True, user="nobody", password="x" * 40).rc not in (None, 0)
-    assert Raw(fleet.url, mqtt_client_id(a.id), user=a.id, password=a.e["mqtt_password"][:-1] + "?").rc not in (None, 0)
+    assert Raw(fleet.url, a.client_id, user=a.id, password=a.e["mqtt_password"][:-1] + "?").rc not in (None, 0)
     # its own password but another device's client id: it could take that device's session over
-    other = Raw(fleet.url, mqtt_client_id(fleet.devs[1].id), user=a.id, password=a.e["mqtt_password"])
+    other = Raw(fleet.url, fleet.devs[1].client_id, user=a.id, password=a.e["mqtt_password"])
     assert other.rc not in (None, 0)
+
+
+def test_no_device_can_drop_another_devices_session(fleet: Fleet) -> None:
+    """Issue 49: a device connecting with its own credentials under another's client id had the broker drop the
+    other's session (RabbitMQ did, though it then refused the newcomer). Client ids are derived from each
+    device's MQTT password now: all A knows of B is its device id (DisPFL tasks name neighbours), and under the
+    id that gives (``pfl-<device id>``, the old scheme) or a guess A is refused while B's session lives on."""
+    a, b = fleet.devs[0], fleet.devs[1]
+    assert b.client_id != mqtt_client_id(b.id)
+    obs = fleet.observer()
+    held = fleet.login(b, subs=(task_topic("f", b.id),))
+    assert held.rc == 0 and held.subscribed.wait(10)
+    near = b.client_id[:-1] + ("0" if b.client_id[-1] != "0" else "1")  # one character off its real id
+    for guess in (mqtt_client_id(b.id), near):
+        assert Raw(fleet.url, guess, user=a.id, password=a.e["mqtt_password"]).rc not in (None, 0)
+    obs.publish(task_topic("f", b.id), {"ping": 1}, retain=False)
+    wait_for(lambda: any(t == task_topic("f", b.id) and not r for t, _, r in held.got), timeout=20,
+             what="B, still connected, getting a message")
+    assert not held.gone.is_set()
+    held.close()
+    obs.close()
 
 
 def test_a_device_reads_and_writes_only_its_own_topics(fleet: Fleet) -> None:
@@ -139,7 +160,7 @@ def test_enrolling_again_by_nonce_gives_the_same_password_whatever_lands_last(fl
     assert fleet.srv.app_state is not None
     access = fleet.srv.app_state.coordinator.broker_access
     access.provision("g", first["device_id"], first["mqtt_password"])
-    cid = mqtt_client_id(first["device_id"])
+    cid = mqtt_client_id(first["device_id"])  # a device without a key (an earlier release): the old id
     new = Raw(fleet.url, cid, user=first["device_id"], password=again["mqtt_password"])
     assert new.rc == 0
     new.close()

@@ -15,7 +15,6 @@ import pytest
 from pydantic import SecretStr, ValidationError
 from server_testkit import FEDPER, Dev, create
 
-from pfl_edge.protocol import mqtt_client_id
 from server.launch import BackgroundServer, start_background
 from server.settings import Settings
 
@@ -52,14 +51,14 @@ def test_the_hook_answers_by_the_embedded_brokers_rules(srv: BackgroundServer) -
     assert _ask(c, "user", username=a.id, password=b.e["mqtt_password"]) == "deny"
     assert _ask(c, "user", username="nobody", password=pw) == "deny"
     assert _ask(c, "user", username="", password="") == "deny"
-    assert _ask(c, "user", username=a.id, password=pw, client_id=mqtt_client_id(a.id)) == "allow"
-    assert _ask(c, "user", username=a.id, password=pw, client_id=mqtt_client_id(b.id)) == "deny"  # B's session
+    assert _ask(c, "user", username=a.id, password=pw, client_id=a.client_id) == "allow"
+    assert _ask(c, "user", username=a.id, password=pw, client_id=b.client_id) == "deny"  # B's session
     assert _ask(c, "user", username=SERVER[0], password=SERVER[1]) == "allow"
     assert _ask(c, "vhost", username=a.id, vhost="/") == "allow"
     assert _ask(c, "vhost", username=a.id, vhost="other") == "deny"
     # what: its own subscription queues and the MQTT exchange; the topic question decides the topics
-    own_q = f"mqtt-subscription-{mqtt_client_id(a.id)}qos1"
-    other_q = f"mqtt-subscription-{mqtt_client_id(b.id)}qos1"
+    own_q = f"mqtt-subscription-{a.client_id}qos1"
+    other_q = f"mqtt-subscription-{b.client_id}qos1"
     res = {"username": a.id, "vhost": "/"}
     assert _ask(c, "resource", **res, resource="queue", name=own_q, permission="configure") == "allow"
     assert _ask(c, "resource", **res, resource="queue", name=other_q, permission="read") == "deny"

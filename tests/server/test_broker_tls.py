@@ -57,14 +57,14 @@ def test_devices_reach_the_broker_over_verified_tls(tls_server: BackgroundServer
     assert enr.broker_url.startswith("mqtts://127.0.0.1:")
     assert tls_server.app_state is not None and tls_server.app_state.link.connected  # the server verified it too
     ctl, inbox = control(enr.broker_url, enr.device_id, "f", user=enr.mqtt_username, password=enr.mqtt_password,
-                         ca_file=str(pki.ca))
+                         client_id=enr.mqtt_client_id, ca_file=str(pki.ca))
     assert ctl.connected.wait(10)
     assert next_msg(inbox, task_topic("f", enr.device_id), timeout=15)["round"] == 1
     ctl.close()
     caplog.set_level(logging.WARNING, logger="pfl_edge.client")
     t0 = time.monotonic()
     wrong, _ = control(enr.broker_url, enr.device_id, "f", user=enr.mqtt_username, password=enr.mqtt_password,
-                       ca_file=str(pki.other_ca))
+                       client_id=enr.mqtt_client_id, ca_file=str(pki.other_ca))
     while time.monotonic() - t0 < 5 and not any("cannot use the MQTT broker" in r.message for r in caplog.records):
         time.sleep(0.05)
     warned = [r.message for r in caplog.records if "cannot use the MQTT broker" in r.message]

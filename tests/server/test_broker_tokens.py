@@ -142,7 +142,7 @@ class _Store:
 
 
 def test_a_revoked_or_unknown_device_gets_no_token(tmp_path: Path) -> None:
-    dev = SimpleNamespace(id="dev-a", federation="f", mqtt_hash="x", revoked_at=None)
+    dev = SimpleNamespace(id="dev-a", federation="f", mqtt_hash="x", revoked_at=None, mqtt_client=None)
     access = BrokerAccess(_Store({"dev-a": dev}), "jwt", server_username="pfl-server",  # type: ignore[arg-type]
                           tokens=BrokerTokens(tmp_path / "keys"))
     got = access.device_token("dev-a")

@@ -14,6 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 from server_testkit import FEDPER, SECRET, Dev, create, fed_state, snapshot, wait_for
 
+from pfl_edge.device_key import enrol_message, public_of, sign
 from server.app import create_app
 from server.services.metrics import STEP_RATIO, median_without, platform_flags
 from server.settings import Settings
@@ -80,8 +81,11 @@ def test_the_listing_shows_what_each_device_says_and_flags_what_disagrees(client
     assert devs[1]["step_ms"] == pytest.approx(4.2)
     assert devs[1]["flags"][1] == "steps take 4.2 ms, 0.1x the 42.0 ms of the other 2 raspberry-pi-4 device(s)"
     # the device enrolling again with its nonce (its token chain ended; upgraded since) replaces what it said
+    assert pc.key is not None
+    public = public_of(pc.key)  # signed by its key, as the device enrols again
     again = {"federation": "f", "enrol_secret": SECRET, "profile": "raspberry-pi-4", "nonce": "a" * 32,
-             "platform": {**PI, "runtime": "onnxruntime 1.23.0"}}
+             "platform": {**PI, "runtime": "onnxruntime 1.23.0"}, "public_key": public,
+             "proof": {"counter": 2, "signature": sign(pc.key, enrol_message("f", "a" * 32, public, 2))}}
     r = client.post("/v1/devices", json=again)
     assert r.status_code == 201 and r.json()["device_id"] == pc.id, r.text
     assert listing(client)[1]["platform"]["runtime"] == "onnxruntime 1.23.0"

@@ -64,31 +64,31 @@ def test_the_cluster_lets_in_only_what_the_server_says(rabbit: tuple[RabbitClust
         assert Raw(node1, "stranger", clean=True).rc not in (None, 0)
         assert Raw(node1, "stranger", clean=True, user="nobody", password="x" * 40).rc not in (None, 0)
         pw = a.e["mqtt_password"]
-        assert Raw(node0, mqtt_client_id(a.id), user=a.id, password=pw[:-1] + "?").rc not in (None, 0)
+        assert Raw(node0, a.client_id, user=a.id, password=pw[:-1] + "?").rc not in (None, 0)
         # its own password but another device's client id: it could take that device's session over
-        assert Raw(node0, mqtt_client_id(b.id), user=a.id, password=pw).rc not in (None, 0)
+        assert Raw(node0, b.client_id, user=a.id, password=pw).rc not in (None, 0)
         # its own credentials on either node: in, its own task and the round topic granted
         obs = Raw(node0, "observer", clean=True, subs=("pfl/#",), user=SERVER[0], password=SERVER[1])
         assert obs.rc == 0 and obs.subscribed.wait(10)
-        dev = Raw(node1, mqtt_client_id(a.id), user=a.id, password=pw,
+        dev = Raw(node1, a.client_id, user=a.id, password=pw,
                   subs=(task_topic("f", a.id), round_topic("f")))
         assert dev.rc == 0 and dev.subscribed.wait(10) and all(g in (0, 1) for g in dev.granted), dev.granted
         dev.publish(status_topic("f", a.id), {"device_id": a.id, "state": "online"})  # its own: let through
         wait_for(lambda: status_topic("f", a.id) in obs.topics(), timeout=20, what="its own status, across nodes")
         dev.close()
         # another device's task: refused (RabbitMQ closes a connection that asks for what it may not have)
-        spy = Raw(node1, mqtt_client_id(a.id), user=a.id, password=pw, subs=(task_topic("f", b.id),))
+        spy = Raw(node1, a.client_id, user=a.id, password=pw, subs=(task_topic("f", b.id),))
         assert spy.rc == 0
         assert spy.gone.wait(20) or spy.granted == [0x80], spy.granted
         assert not any(t == task_topic("f", b.id) for t, _, _ in spy.got)
         spy.close()
         # another device's status: the publish is refused and the connection closed; the observer never sees it
-        forger = Raw(node0, mqtt_client_id(a.id), user=a.id, password=pw)
+        forger = Raw(node0, a.client_id, user=a.id, password=pw)
         assert forger.rc == 0
         forger.c.publish(status_topic("f", b.id), json.dumps({"device_id": b.id, "state": "offline"}), qos=1)
         assert forger.gone.wait(20), "RabbitMQ kept a connection that published where it may not"
         forger.close()
-        probe = Raw(node0, mqtt_client_id(b.id), user=b.id, password=b.e["mqtt_password"])  # a later publish of B
+        probe = Raw(node0, b.client_id, user=b.id, password=b.e["mqtt_password"])  # a later publish of B
         probe.publish(status_topic("f", b.id), {"device_id": b.id, "state": "online"})
         wait_for(lambda: status_topic("f", b.id) in obs.topics(), timeout=20, what="B's own status")
         assert all(json.loads(p)["state"] == "online" for t, p, _ in obs.got if t == status_topic("f", b.id))
@@ -97,8 +97,39 @@ def test_the_cluster_lets_in_only_what_the_server_says(rabbit: tuple[RabbitClust
         c.post(f"/v1/federations/f/devices/{a.id}/revoke", headers={"Authorization": f"Bearer {TOKEN}"}
                ).raise_for_status()
         for node in (node0, node1):
-            assert Raw(node, mqtt_client_id(a.id), user=a.id, password=pw).rc not in (None, 0)
+            assert Raw(node, a.client_id, user=a.id, password=pw).rc not in (None, 0)
         obs.close()
+        c.close()
+    finally:
+        srv.stop()
+
+
+def test_no_device_can_drop_another_devices_session_on_the_cluster(rabbit: tuple[RabbitCluster, int],
+                                                                   tmp_path: Path) -> None:
+    """Issue 49: on RabbitMQ 3.10 a device connecting with its own valid credentials under another device's client
+    id (``pfl-<device id>``, which DisPFL tasks reveal) was refused, but the other device was disconnected first.
+    Client ids are derived from each device's MQTT password now: under the id A can know, on either node, A is
+    refused and B, connected on one node, keeps its session (a message published after reaches it)."""
+    cluster, port = rabbit
+    srv = start_background(_settings(tmp_path, cluster.mqtt_urls[0]), port=port)
+    try:
+        c = httpx.Client(base_url=srv.url, timeout=30)
+        create(c, TOKEN, "f", FEDPER)
+        a, b, _ = Dev(c, "f"), Dev(c, "f"), Dev(c, "f")
+        node0, node1 = cluster.mqtt_urls
+        obs = Raw(node0, "observer", clean=True, user=SERVER[0], password=SERVER[1])
+        assert obs.rc == 0
+        held = Raw(node1, b.client_id, user=b.id, password=b.e["mqtt_password"], subs=(task_topic("f", b.id),))
+        assert held.rc == 0 and held.subscribed.wait(20)
+        for node in (node0, node1):
+            for guess in (mqtt_client_id(b.id), b.client_id[:-1] + ("0" if b.client_id[-1] != "0" else "1")):
+                assert Raw(node, guess, user=a.id, password=a.e["mqtt_password"]).rc not in (None, 0)
+        obs.publish(task_topic("f", b.id), {"ping": 1}, retain=False)
+        wait_for(lambda: any(t == task_topic("f", b.id) and not r for t, _, r in held.got), timeout=30,
+                 what="B, still connected, getting a message")
+        assert not held.gone.is_set()
+        for x in (held, obs):
+            x.close()
         c.close()
     finally:
         srv.stop()
@@ -124,7 +155,7 @@ def test_a_caching_node_answers_a_devices_second_session_without_the_hook(
         assert obs.rc == 0 and obs.subscribed.wait(10)
 
         def session(n: int) -> None:
-            dev = Raw(node, mqtt_client_id(a.id), user=a.id, password=a.e["mqtt_password"],
+            dev = Raw(node, a.client_id, user=a.id, password=a.e["mqtt_password"],
                       subs=(task_topic("f", a.id), round_topic("f")))
             assert dev.rc == 0 and dev.subscribed.wait(10) and all(g in (0, 1) for g in dev.granted), dev.granted
             dev.publish(status_topic("f", a.id), {"device_id": a.id, "state": "online", "n": n})
@@ -142,7 +173,7 @@ def test_a_caching_node_answers_a_devices_second_session_without_the_hook(
         assert asked() == set(), f"the cache let {sorted(asked())} through to the hook"
         c.post(f"/v1/federations/f/devices/{a.id}/revoke", headers={"Authorization": f"Bearer {TOKEN}"}
                ).raise_for_status()
-        late = Raw(node, mqtt_client_id(a.id), user=a.id, password=a.e["mqtt_password"])
+        late = Raw(node, a.client_id, user=a.id, password=a.e["mqtt_password"])
         assert late.rc == 0  # the cache's price: its cached login stands until it expires
         late.close()
         obs.close()
@@ -182,7 +213,7 @@ def test_a_federation_runs_on_the_cluster_with_devices_on_both_nodes(rabbit: tup
         assert all(p.returncode == 0 for p in fed.devices)
         # devices on both nodes: every connection the nodes accepted counts (a 3-round federation can be over in
         # seconds, and a sampled client list missed the second node's under load)
-        spread = cluster.nodes_that_accepted(mqtt_client_id("dev-"))
+        spread = cluster.nodes_that_accepted("pfl-[0-9a-f]{32}")
         assert spread == sorted(cluster.names), spread
         rounds = fed.get(f"/v1/federations/{fed.fed}/metrics")["rounds"]
         assert len(rounds) >= 3

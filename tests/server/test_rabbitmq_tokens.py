@@ -20,7 +20,7 @@ from server_testkit import FEDPER, Dev, create, wait_for
 
 from edge_runtime.control import token_expiry
 from edge_runtime.fleet import Federation
-from pfl_edge.protocol import mqtt_client_id, round_topic, status_topic, task_topic
+from pfl_edge.protocol import round_topic, status_topic, task_topic
 from server.balancer import HAPROXY, start_haproxy
 from server.broker import free_port
 from server.broker_wire import Identity
@@ -85,7 +85,7 @@ def test_the_cluster_checks_tokens_alone(rabbit: tuple[RabbitCluster, int, Path]
         before = len(calls)
         # its own token on either node: in, its own task and its federation's round topic granted
         for node in (node0, node1):
-            dev = Raw(node, mqtt_client_id(a.id), user=a.id, password=fresh(a),
+            dev = Raw(node, a.client_id, user=a.id, password=fresh(a),
                       subs=(task_topic("f", a.id), round_topic("f")))
             assert dev.rc == 0 and dev.subscribed.wait(10) and all(g in (0, 1) for g in dev.granted), dev.granted
             dev.publish(status_topic("f", a.id), {"device_id": a.id, "state": "online"})
@@ -95,23 +95,23 @@ def test_the_cluster_checks_tokens_alone(rabbit: tuple[RabbitCluster, int, Path]
         # a stranger; a token one character off; an expired one; one signed with another key under our kid
         assert Raw(node1, "stranger", clean=True).rc not in (None, 0)
         tok = fresh(a)
-        assert Raw(node0, mqtt_client_id(a.id), user=a.id, password=tok[:-2] + ("AA" if tok[-2:] != "AA" else "BB")
+        assert Raw(node0, a.client_id, user=a.id, password=tok[:-2] + ("AA" if tok[-2:] != "AA" else "BB")
                    ).rc not in (None, 0)
         expired, _ = tokens.issue(device_identity("f", a.id), ttl_s=-30)
-        assert Raw(node1, mqtt_client_id(a.id), user=a.id, password=expired).rc not in (None, 0)
+        assert Raw(node1, a.client_id, user=a.id, password=expired).rc not in (None, 0)
         other = BrokerTokens(tmp_path / "other-keys")
         other.kid = tokens.kid
         forged, _ = other.issue(device_identity("f", a.id))
-        assert Raw(node0, mqtt_client_id(a.id), user=a.id, password=forged).rc not in (None, 0)
+        assert Raw(node0, a.client_id, user=a.id, password=forged).rc not in (None, 0)
         # another device's task, another federation's round: RabbitMQ closes the connection that asks
         for topic in (task_topic("f", b.id), round_topic("g")):
-            spy = Raw(node1, mqtt_client_id(a.id), user=a.id, password=fresh(a), subs=(topic,))
+            spy = Raw(node1, a.client_id, user=a.id, password=fresh(a), subs=(topic,))
             assert spy.rc == 0
             assert spy.gone.wait(20) or spy.granted == [0x80], (topic, spy.granted)
             assert not any(t == topic for t, _, _ in spy.got)
             spy.close()
         # another device's status: refused, the connection closed, the observer never sees it
-        forger = Raw(node0, mqtt_client_id(a.id), user=a.id, password=fresh(a))
+        forger = Raw(node0, a.client_id, user=a.id, password=fresh(a))
         assert forger.rc == 0
         forger.c.publish(status_topic("f", b.id), b'{"device_id": "%s", "state": "offline"}' % b.id.encode(), qos=1)
         assert forger.gone.wait(20), "RabbitMQ kept a connection that published where it may not"
@@ -126,7 +126,7 @@ def test_the_cluster_checks_tokens_alone(rabbit: tuple[RabbitCluster, int, Path]
         assert exp is not None and exp - time.time() <= TTL + 1
         time.sleep(max(0.0, exp - time.time() + 1.5))
         for node in (node0, node1):
-            assert Raw(node, mqtt_client_id(a.id), user=a.id, password=last).rc not in (None, 0)
+            assert Raw(node, a.client_id, user=a.id, password=last).rc not in (None, 0)
         obs.close()
         c.close()
     finally:

@@ -34,7 +34,7 @@ from pfl_edge.aggregate import weighted_average
 from pfl_edge.algorithms import get_algorithm
 from pfl_edge.codec import encode
 from pfl_edge.federation import FederationConfig
-from pfl_edge.protocol import mqtt_client_id, round_topic, status_topic, task_topic
+from pfl_edge.protocol import round_topic, status_topic, task_topic
 from pfl_edge.split import take
 from pfl_edge.topology import neighbours
 from server.db import Round
@@ -272,7 +272,7 @@ def test_default_embedded_broker_end_to_end(tmp_path: Path) -> None:
         assert devs[0].e["broker_url"] == srv.broker_url
         wait_for(lambda: fed_state(c, ADMIN, "e") == (1, "collecting"), what="round 1")
         agent = Mqtt(devs[1].e["broker_url"], [task_topic("e", devs[1].id), round_topic("e")],
-                     client_id=mqtt_client_id(devs[1].id), clean=False, username=devs[1].e["mqtt_username"],
+                     client_id=devs[1].client_id, clean=False, username=devs[1].e["mqtt_username"],
                      password=devs[1].e["mqtt_password"])
         task = agent.wait(task_topic("e", devs[1].id))
         assert (task["round"], task["base"], task["final"]) == (1, devs[1].e["init_digest"], False)

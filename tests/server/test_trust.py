@@ -52,7 +52,7 @@ def devices_call(c: TestClient, d: Dev | dict[str, str]) -> int:
 def test_a_device_rotates_its_token_and_the_old_one_dies_at_once(client: TestClient) -> None:
     create(client, ADMIN, "f", FEDPER)
     a = Dev(client, "f")
-    r = client.post("/v1/devices/me/token", headers=a.h)
+    r = client.post("/v1/devices/me/token", headers=a.h, json=a.rotation())
     assert r.status_code == 200, r.text
     new = r.json()
     assert new["device_id"] == a.id and new["token"] != a.e["token"]
@@ -75,7 +75,7 @@ def test_an_expired_token_is_refused(client: TestClient) -> None:
         s.get(Device, a.id).token_expires = time.time() - 1
     r = client.get("/v1/federations/f", headers=a.h)
     assert r.status_code == 401 and "expired" in r.json()["detail"]
-    assert client.post("/v1/devices/me/token", headers=a.h).status_code == 401  # too late to rotate
+    assert client.post("/v1/devices/me/token", headers=a.h, json=a.rotation()).status_code == 401  # too late
 
 
 def test_revocation_cuts_http_broker_and_rounds(tmp_path: Path) -> None:

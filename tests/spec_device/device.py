@@ -119,7 +119,8 @@ class Doorbell:
         self.topics = (f"pfl/{fed}/round", f"pfl/{fed}/device/{dev}/task")
         self.status_topic = f"pfl/{fed}/device/{dev}/status"
         url = urlsplit(enr["broker_url"])
-        self.client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"pfl-{dev}",
+        cid = enr.get("mqtt_client_id") or f"pfl-{dev}"  # absent: a server of an earlier release
+        self.client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=cid,
                                   protocol=mqtt.MQTTv311, clean_session=False)
         self.client.username_pw_set(enr["mqtt_username"], enr["mqtt_password"])
         offline = json.dumps({"device_id": dev, "state": "offline"})

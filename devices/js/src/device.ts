@@ -123,7 +123,7 @@ export class Device {
     const c = this.cfg;
     return {
       federation: c.federation, enrolSecret: c.enrolSecret, profile: c.profile, name: c.name, index: c.partitionId, nSamples: null,
-      platform: this.platform.describe ? this.platform.describe(c.threads) : null,
+      platform: this.platform.describe ? this.platform.describe(c.threads) : null, subtle: this.subtle,
     };
   }
 
@@ -143,7 +143,7 @@ export class Device {
 
   async setup(): Promise<void> {
     this.enr = await enrol(this.store, this.http, this.enrolConfig, (n) => this.platform.random(n));
-    this.tokens = new Tokens(this.store, this.http, (m) => this.log('info', m));
+    this.tokens = new Tokens(this.store, this.http, (m) => this.log('info', m), this.subtle);
     await this.tokens.load(this.enr);
     await this.renewing(() => this.rotateIfDue());
     const enr = this.enr;
@@ -342,7 +342,8 @@ export class Device {
     }
     const enr = this.enr;
     this.bell = new Bell({
-      federation: enr.federation, deviceId: enr.device_id, brokerUrl: enr.broker_url, username: enr.mqtt_username,
+      federation: enr.federation, deviceId: enr.device_id, clientId: enr.mqtt_client_id ?? `pfl-${enr.device_id}`,
+      brokerUrl: enr.broker_url, username: enr.mqtt_username,
       password: enr.mqtt_password, connect: this.platform.mqttConnect,
       onBell: (hint, ann) => this.onBell(hint, ann),
       isStale: (t) => this.isStale(t),

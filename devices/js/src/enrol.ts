@@ -11,6 +11,8 @@
  *
  * Platform-neutral.
  */
+import type { webcrypto } from 'node:crypto';
+import { DeviceKey, enrolMessage, rotateMessage } from './devicekey.js';
 import { Http, HttpError } from './http.js';
 import { type Enrolment, parseEnrolment, parseTokenIssued } from './messages.js';
 import type { StateStore, TokenRecord } from './state.js';
@@ -26,7 +28,12 @@ export interface EnrolConfig {
   nSamples: number | null;
   /** what it says it is (pfl_edge.protocol.Platform; null: say nothing) */
   platform?: PlatformInfo | null;
+  /** WebCrypto, for the device's own key (devicekey.ts); absent: it enrols without one, as an earlier release */
+  subtle?: webcrypto.SubtleCrypto;
 }
+
+/** fields a server of an earlier release refuses (422): the device enrols again, once, without them */
+const NEW_FIELDS = ['platform', 'public_key', 'proof'];
 
 /** What a device says it is at enrolment (docs/protocol.md, "Enrolment"): reported, never verified. */
 export interface PlatformInfo {
@@ -56,12 +63,18 @@ async function ask(store: StateStore, http: Http, cfg: EnrolConfig, random: (n: 
     index: cfg.index, nonce, n_samples: cfg.nSamples,
   };
   if (cfg.platform) request['platform'] = cfg.platform;
+  const key = cfg.subtle ? await DeviceKey.load(store, cfg.subtle) : null;
+  // each attempt signed afresh: the server takes a counter once only
+  const signed = async (): Promise<unknown> => key === null ? request : {
+    ...request, public_key: key.publicKey,
+    proof: await key.prove((c) => enrolMessage(cfg.federation, nonce, key.publicKey, c)),
+  };
   try {
     try {
-      body = await http.postJson('/v1/devices', request, { auth: false });
+      body = (await http.call('POST', '/v1/devices', { jsonEach: signed, auth: false })).json();
     } catch (e) {
-      // a server of an earlier release knows no `platform` and refuses the field: enrol without saying it
-      if (!(e instanceof HttpError && e.status === 422 && 'platform' in request && e.detail.includes('platform'))) throw e;
+      // a server of an earlier release knows none of the newer fields and refuses them: enrol without them
+      if (!(e instanceof HttpError && e.status === 422 && NEW_FIELDS.some((f) => e.detail.includes(f)))) throw e;
       delete request['platform'];
       body = await http.postJson('/v1/devices', request, { auth: false });
     }
@@ -108,6 +121,8 @@ export class Tokens {
     readonly store: StateStore,
     readonly http: Http,
     private log: (msg: string) => void = () => undefined,
+    /** WebCrypto: rotations are signed by the device's key (a device enrolled with one must sign them) */
+    private subtle?: webcrypto.SubtleCrypto,
   ) {}
 
   /** Takes the saved token (or the enrolment's) into the HTTP client. */
@@ -126,7 +141,9 @@ export class Tokens {
 
   /** `POST /v1/devices/me/token`; the new token saved before it is used. A 401 is thrown (the caller renews). */
   async rotate(deviceId: string): Promise<TokenRecord> {
-    const issued = parseTokenIssued(await this.http.postJson('/v1/devices/me/token', undefined, { retry: false }));
+    const key = this.subtle ? await DeviceKey.load(this.store, this.subtle) : null;
+    const body = key === null ? undefined : { proof: await key.prove((c) => rotateMessage(deviceId, c)) };
+    const issued = parseTokenIssued(await this.http.postJson('/v1/devices/me/token', body, { retry: false }));
     if (issued.device_id !== deviceId) throw new Error(`the server rotated the token of ${issued.device_id}, not ${deviceId}`);
     const t: TokenRecord = { token: issued.token, expires: issued.expires, issued: now() };
     await this.store.saveToken(t);

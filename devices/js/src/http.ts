@@ -37,8 +37,9 @@ export interface HttpAnswer {
 }
 
 export interface CallOptions {
-  /** a JSON body */
+  /** a JSON body, or a function that makes one for each attempt (a signed body is signed afresh for a retry) */
   json?: unknown;
+  jsonEach?: () => Promise<unknown>;
   /** a bytes body (`application/octet-stream`) */
   body?: Uint8Array;
   /** send the bearer token (default true) */
@@ -166,9 +167,9 @@ export class Http {
       if (signal?.aborted) throw new Stopped('stopped');
       const headers: Record<string, string> = { accept: 'application/json' };
       let body: Uint8Array | string | undefined;
-      if (o.json !== undefined) {
+      if (o.json !== undefined || o.jsonEach !== undefined) {
         headers['content-type'] = 'application/json';
-        body = JSON.stringify(o.json);
+        body = JSON.stringify(o.jsonEach !== undefined ? await o.jsonEach() : o.json);
       } else if (o.body !== undefined) {
         headers['content-type'] = 'application/octet-stream';
         body = o.body;

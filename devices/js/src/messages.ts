@@ -104,6 +104,8 @@ export interface Enrolment {
   round: number;
   init_digest: string;
   init_model?: string | null;
+  /** its MQTT client id, which no other device can guess; absent (a server of an earlier release): `pfl-<device_id>` */
+  mqtt_client_id?: string | null;
 }
 
 export function parseEnrolment(v: unknown): Enrolment {
@@ -121,6 +123,7 @@ export function parseEnrolment(v: unknown): Enrolment {
     round: [isInt(0, 1_000_000), true],
     init_digest: [isStr(64, SHA), true],
     init_model: [orNull(isStr(64, SHA)), false],
+    mqtt_client_id: [orNull(isStr(36, /^pfl-[0-9a-f]{32}$/)), false],
   }, v);
 }
 

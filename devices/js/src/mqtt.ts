@@ -1,7 +1,7 @@
 /**
  * The control plane (docs/protocol.md, "Planes", "MQTT topics", "What a device checks on every MQTT message",
  * "A minimal device" step 2): the device logs in with its own credentials from the enrolment (username = its id,
- * client id `pfl-<id>`, a persistent session), leaves an `offline` will and publishes `online` on its status
+ * client id the enrolment gave, a persistent session), leaves an `offline` will and publishes `online` on its status
  * topic (QoS 1, retained), subscribes (QoS 1) to `pfl/<fed>/round` and its own task topic, and treats every
  * message as a doorbell only: a message that passes the checks (exact topic, size, schema, federation, not stale)
  * rings `onBell`, and the device then asks the server for its task over HTTP. A (re)connect rings too (a retained
@@ -110,6 +110,8 @@ export function refreshDelayMs(password: string, nowMs: number): number | null {
 export interface BellOptions {
   federation: string;
   deviceId: string;
+  /** its MQTT client id (the enrolment's `mqtt_client_id`, else `pfl-<device id>`) */
+  clientId: string;
   brokerUrl: string;
   username: string;
   password: string;
@@ -173,7 +175,7 @@ export class Bell {
   private open(): void {
     const o = this.o;
     const client = o.connect(this.url, {
-      clientId: `pfl-${o.deviceId}`,
+      clientId: o.clientId,
       username: o.username,
       password: this.password,
       clean: false,

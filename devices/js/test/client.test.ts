@@ -182,7 +182,7 @@ test('enrolment refusals stop the device', async () => {
 test('MQTT messages: only its own topics, valid, of its federation and not stale, ring the bell', () => {
   const rang: (Task | null)[] = [];
   const bell = new Bell({
-    federation: 'fed', deviceId: 'dev-1', brokerUrl: 'mqtt://x', username: 'dev-1', password: 'pw',
+    federation: 'fed', deviceId: 'dev-1', clientId: 'pfl-dev-1', brokerUrl: 'mqtt://x', username: 'dev-1', password: 'pw',
     connect: () => { throw new Error('not connected in this test'); },
     onBell: (hint, ann) => rang.push(hint ?? (ann ? null : null)),
     isStale: (t) => t.round < 3,

@@ -183,7 +183,7 @@ function fakeBell(password: string, server: { http: Http }, clock: FakeClock): {
   const clients: FakeClient[] = [];
   const logs: string[] = [];
   const bell = new Bell({
-    federation: 'fed', deviceId: 'dev-1', brokerUrl: 'mqtt://broker:1883', username: 'dev-1', password,
+    federation: 'fed', deviceId: 'dev-1', clientId: 'pfl-dev-1', brokerUrl: 'mqtt://broker:1883', username: 'dev-1', password,
     connect: (_url, opts) => {
       const c = new FakeClient({ ...opts });
       clients.push(c);
@@ -375,7 +375,7 @@ test('Bell with mqtt.js: refused with an expired token (CONNACK 5), it fetches a
   let connected!: () => void;
   const up = new Promise<void>((r) => { connected = r; });
   const bell = new Bell({
-    federation: 'fed', deviceId: 'dev-1', brokerUrl: `mqtt://127.0.0.1:${broker.port}`, username: 'dev-1', password: old,
+    federation: 'fed', deviceId: 'dev-1', clientId: 'pfl-dev-1', brokerUrl: `mqtt://127.0.0.1:${broker.port}`, username: 'dev-1', password: old,
     connect: (url, opts) => mqtt.connect(url, opts),
     onBell: () => { bells++; connected(); },
     isStale: () => false,
