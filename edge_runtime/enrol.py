@@ -15,7 +15,7 @@ from typing import Any
 
 from pfl_edge.device_key import enrol_message, new_key, public_of, rotate_message, sign
 from pfl_edge.errors import ConfigError
-from pfl_edge.protocol import API_PREFIX, Enrolment, EnrolRequest, KeyProof, Platform
+from pfl_edge.protocol import API_PREFIX, PROTOCOL_VERSIONS, Enrolment, EnrolRequest, KeyProof, Platform
 
 from .config import AgentConfig
 from .http import Http, ServerError
@@ -24,7 +24,8 @@ from .state import StateDir
 __all__ = ["DeviceKey", "enrol", "renew"]
 
 _KEY_FILE = "device-key.json"
-_NEW_FIELDS = ("platform", "public_key", "proof")  # a server of an earlier release refuses them (422): left out
+# a server of an earlier release refuses them (422): left out
+_NEW_FIELDS = ("platform", "public_key", "proof", "protocols")
 
 
 class DeviceKey:
@@ -78,7 +79,7 @@ def enrol(store: StateDir, http: Http, cfg: AgentConfig, platform: Platform | No
         proof = key.prove(lambda c: enrol_message(cfg.federation, nonce, key.public, c))
         req = EnrolRequest(federation=cfg.federation, enrol_secret=cfg.enrol_secret, profile=cfg.profile,
                            name=cfg.name, index=cfg.partition_id, nonce=nonce, platform=platform,
-                           public_key=key.public, proof=proof)
+                           public_key=key.public, proof=proof, protocols=list(PROTOCOL_VERSIONS))
         # the newer fields only where they say something: a device saying nothing sends an earlier release's request
         return {k: v for k, v in req.model_dump().items() if not (k in _NEW_FIELDS and v is None)}
 

@@ -1,34 +1,21 @@
 """The protocol between the server and its devices, defined once: HTTP paths, MQTT topics and every message.
 
-Both ``server/`` and ``edge_runtime/`` import this module and nothing of each other. Messages are pydantic
-models with ``extra="forbid"``: an unknown or mistyped field is an error, not silently dropped. Weights never
-travel over MQTT: control messages carry sha256 digests of blobs, which devices fetch over HTTP.
+Both ``server/`` and ``edge_runtime/`` import this module and nothing of each other. Weights never travel over
+MQTT: control messages carry sha256 digests of blobs, which devices fetch over HTTP. Topics (MQTT 3.1.1, QoS 1):
+``pfl/<fed>/round`` (retained :class:`RoundAnnouncement`), ``pfl/<fed>/device/<dev>/task`` (retained
+:class:`Task`), ``pfl/<fed>/device/<dev>/status`` (retained :class:`DeviceStatus`, ``online``; ``offline`` as the
+will). The HTTP routes and which message each takes and answers: docs/protocol.md, "HTTP API".
 
-Topics (MQTT 3.1.1, QoS 1; ``fed`` is the federation id, ``dev`` a device id):
-
-- ``pfl/<fed>/round`` (retained): :class:`RoundAnnouncement`, the federation's current round and state.
-- ``pfl/<fed>/device/<dev>/task`` (retained): :class:`Task`, what this device must do in the current round.
-- ``pfl/<fed>/device/<dev>/status`` (retained): :class:`DeviceStatus`, ``online`` from the device on connect,
-  ``offline`` as its last will.
-
-HTTP (JSON unless said; every call but enrolment and the health check carries ``Authorization: Bearer
-<token>``):
-
-- ``POST /v1/federations`` (admin token): :class:`FederationCreate` -> :class:`FederationInfo`
-- ``GET /v1/federations/{fed}``: :class:`FederationInfo`
-- ``POST /v1/devices``: :class:`EnrolRequest` -> :class:`Enrolment`
-- ``POST /v1/devices/me/token``: :class:`TokenIssued` (a device rotates its own token)
-- ``GET /v1/devices/me/broker``: :class:`BrokerInfo` (where the broker is now, for a device that cannot reach it)
-- ``GET /v1/rounds/current/task``: :class:`Task` (what a device acts on; MQTT only rings the bell)
-- ``PUT /v1/blobs/{sha256}`` (raw bytes) -> :class:`BlobStored`, and ``GET /v1/blobs/{sha256}``
-- ``POST /v1/rounds/{t}/updates``: :class:`UpdateRequest` -> :class:`UpdateAccepted`
-- ``POST /v1/rounds/{t}/metrics``: :class:`MetricsReport` -> :class:`MetricsStored`
-- ``GET /v1/federations/{fed}/metrics``: every round's metrics per device
+Versions (docs/protocol.md, "Versions"; every change: docs/protocol-changes.md): a device says at enrolment which
+versions it speaks (``EnrolRequest.protocols``; absent: 1) and the server answers in the highest both speak
+(:func:`negotiate`), or refuses naming both. What a device sends is checked strictly (``extra="forbid"``: an
+unknown or mistyped field is an error); what it is sent (an :class:`_Answer`) a device of version 2 or later
+reads tolerantly, ignoring fields it does not know, so that additive changes never break it; a device of version
+1 refuses unknown fields, so the server sends it none that version 1 did not have.
 
 Refusals are :class:`ErrorBody`. Every message's JSON Schema: ``pfl_edge.schemas`` (docs/schemas, and
 ``GET /v1/schemas``); docs/protocol.md says what each field means.
 """
-
 from __future__ import annotations
 
 import math
@@ -52,6 +39,7 @@ __all__ = [
     "MAX_ROUND",
     "MIN_ENROL_SECRET",
     "PROTOCOL_VERSION",
+    "PROTOCOL_VERSIONS",
     "AggregationSettings",
     "BlobStored",
     "BrokerInfo",
@@ -76,13 +64,15 @@ __all__ = [
     "UpdateRequest",
     "ValidationIssue",
     "mqtt_client_id",
+    "negotiate",
     "quorum_updates",
     "round_topic",
     "status_topic",
     "task_topic",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # the newest this release speaks
+PROTOCOL_VERSIONS = (1, 2)  # every version this release's server answers in (docs/protocol.md, "Versions")
 API_PREFIX = "/v1"
 DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
 _ID_RE = r"^[A-Za-z0-9_-]{1,64}$"
@@ -142,6 +132,18 @@ class _Msg(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
+class _Answer(_Msg):
+    # what the server sends a device: read tolerantly (fields added later are ignored, not refused)
+    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
+
+
+def negotiate(device: list[int] | None, server: tuple[int, ...] = PROTOCOL_VERSIONS) -> int | None:
+    """The version a device that speaks ``device`` (None: an earlier release, which speaks 1) and a server that
+    speaks ``server`` talk in: the highest both know; None if they share none."""
+    common = set(device or [1]) & set(server)
+    return max(common) if common else None
+
+
 class AggregationSettings(_Msg):
     """How the server bounds and combines a round's updates (``pfl_edge.aggregate.AggregationRule``): each
     update's difference from the round's start model is clipped to ``max_update_norm`` (absolute) or, unset, to
@@ -195,7 +197,7 @@ class FederationCreate(_Msg):
         return self
 
 
-class FederationInfo(_Msg):
+class FederationInfo(_Answer):
     """A federation as it is now (``GET /v1/federations/{fed}``); a device reads ``state`` to learn it ended."""
 
     id: str = Field(pattern=_ID_RE, description="federation id")
@@ -228,6 +230,9 @@ class EnrolRequest(_Msg):
     public_key: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$", description=(
         "its Ed25519 public key (raw, hex; with nonce and proof): once kept, re-enrolling needs a proof by it"))
     proof: KeyProof | None = Field(default=None, description="signature of device_key.enrol_message by the key")
+    protocols: list[Annotated[int, Field(ge=1, le=1000, strict=True)]] | None = Field(
+        default=None, min_length=1, max_length=16, description=(
+        "the protocol versions it speaks; null: 1 only (an earlier release)"))
 
     @model_validator(mode="after")
     def _key_whole(self) -> EnrolRequest:
@@ -236,7 +241,7 @@ class EnrolRequest(_Msg):
         return self
 
 
-class Enrolment(_Msg):
+class Enrolment(_Answer):
     """The answer to an enrolment (201): who the device is now and what it needs to take part."""
 
     device_id: str = Field(pattern=_ID_RE, description="its id, in topics and its MQTT username")
@@ -255,6 +260,8 @@ class Enrolment(_Msg):
         "sha256 of the initial model (FedPer: the base for its kp; DisPFL: the dense init)"))
     mqtt_client_id: str | None = Field(default=None, pattern=r"^pfl-[0-9a-f]{32}$", description=(
         "its MQTT client id, which no other device can guess (absent: mqtt_client_id(device_id))"))
+    protocol: int | None = Field(default=None, ge=1, le=1000, description=(
+        "the version the server answers this device in; absent: 1 (it said none)"))
     init_model: Digest | None = Field(default=None, description=(
         "sha256 of the federation's whole initial model: every tensor, its personal blocks' seeded initial values "
         "included (the same for every device, not personal yet); a device that cannot build the model itself "
@@ -263,7 +270,7 @@ class Enrolment(_Msg):
     _config = field_validator("config")(bounded_config(MAX_CLIENTS))
 
 
-class Neighbour(_Msg):
+class Neighbour(_Answer):
     """DisPFL: an in-neighbour of this round and its latest sparse model."""
 
     index: int = Field(ge=0, lt=MAX_CLIENTS, description="its slot")
@@ -271,7 +278,7 @@ class Neighbour(_Msg):
     digest: Digest = Field(description="sha256 of its latest sparse model (GET /v1/blobs/{digest})")
 
 
-class Task(_Msg):
+class Task(_Answer):
     """Round ``round`` for one device. FedPer: load ``base`` (the server's latest average), train, upload the
     base part. DisPFL: average ``neighbours``' latest sparse models with its own, train, prune and regrow,
     upload its sparse model. ``final``: no training; evaluate on ``base`` and report (FedPer's last step)."""
@@ -289,7 +296,7 @@ class Task(_Msg):
         "true: the federation's last step: no training, no update; evaluate on base, report round's metrics"))
 
 
-class RoundAnnouncement(_Msg):
+class RoundAnnouncement(_Answer):
     """The federation's round and state (retained on ``pfl/<fed>/round``): a doorbell, never an instruction."""
 
     federation: str = Field(pattern=_ID_RE, description="federation id")
@@ -303,7 +310,7 @@ class RoundAnnouncement(_Msg):
         "unix time the current round may close at; null before round 1"))
 
 
-class BrokerInfo(_Msg):
+class BrokerInfo(_Answer):
     """The MQTT broker as devices reach it now (the operator may have moved it), and fresh credentials for it."""
 
     broker_url: str = Field(max_length=2_048, description="mqtt://host:port or mqtts://host:port")
@@ -331,7 +338,7 @@ class UpdateRequest(_Msg):
     bytes_down: int = Field(default=0, ge=0, le=MAX_COUNT, description="bytes it downloaded for this round")
 
 
-class UpdateAccepted(_Msg):
+class UpdateAccepted(_Answer):
     """The answer to an update."""
 
     round: int = Field(ge=0, le=MAX_ROUND, description="the update's round")
@@ -354,7 +361,7 @@ class MetricsReport(_Msg):
                                 "left out of its average in round t (non-finite, or past neighbour_bound x its own)")
 
 
-class TokenIssued(_Msg):
+class TokenIssued(_Answer):
     """A device's new token (the one it held before is refused from now on) and when it expires."""
 
     device_id: str = Field(pattern=_ID_RE, description="the device the token is for")
@@ -362,14 +369,14 @@ class TokenIssued(_Msg):
     expires: float = Field(ge=0, le=1e11, description="unix time (seconds, UTC) the token stops working")
 
 
-class MetricsStored(_Msg):
+class MetricsStored(_Answer):
     """The answer to a metrics report (an upsert: a second report of the round replaces the first)."""
 
     round: int = Field(ge=0, le=MAX_ROUND, description="the round the metrics were stored for")
     device_id: str = Field(pattern=_ID_RE, description="the reporting device")
 
 
-class BlobStored(_Msg):
+class BlobStored(_Answer):
     """The answer to ``PUT /v1/blobs/{sha256}``: 201 if new for this device, 200 if it had sent these bytes."""
 
     digest: Digest = Field(description="sha256 of the stored bytes (the path's)")
@@ -377,7 +384,7 @@ class BlobStored(_Msg):
     created: bool = Field(description="false: this device had already sent these bytes")
 
 
-class ValidationIssue(_Msg):
+class ValidationIssue(_Answer):
     """One reason a request was refused by validation (at most 16 are listed, then one of type 'truncated')."""
 
     loc: list[str | int] = Field(max_length=8, description="where: e.g. ['body', 'n_samples'], ['path', 't']")
@@ -385,7 +392,7 @@ class ValidationIssue(_Msg):
     type: str = Field(max_length=200, description="pydantic's error type, e.g. 'less_than_equal'")
 
 
-class ErrorBody(_Msg):
+class ErrorBody(_Answer):
     """Every refusal's body (4xx, 5xx): one message, or (422 from validation) a list of issues."""
 
     detail: str | list[ValidationIssue] = Field(description="what was wrong and what is valid")

@@ -138,6 +138,8 @@ class Device(Base):
     key_counter: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     # its MQTT client id (None: enrolled before schema 15, ``pfl-<id>``), derived from its MQTT password
     mqtt_client: Mapped[str | None] = mapped_column(String(40), nullable=True)
+    # the protocol version the server answers it in (negotiated at its last enrolment; None: before schema 15, 1)
+    protocol: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class Round(Base):

@@ -10,8 +10,17 @@ from typing import ClassVar
 
 from pfl_edge.errors import PflEdgeError
 
-__all__ = ["ApiError", "Conflict", "Forbidden", "NotFound", "TooLarge", "TooManyRequests", "Unauthorized",
-           "Unprocessable"]
+__all__ = [
+    "ApiError",
+    "Conflict",
+    "Forbidden",
+    "NotFound",
+    "TooLarge",
+    "TooManyRequests",
+    "Unauthorized",
+    "Unprocessable",
+    "Unspoken",
+]
 
 
 class ApiError(PflEdgeError):
@@ -76,3 +85,10 @@ class Unprocessable(ApiError):
     """Well-formed HTTP whose content is refused (a payload that does not decode, a slot out of range)."""
 
     status = HTTPStatus.UNPROCESSABLE_ENTITY
+
+
+class Unspoken(ApiError):
+    """A device that speaks no protocol version this server answers in (docs/protocol.md, "Versions"): 426, the
+    detail naming both sides' versions; the device (or the server) must be updated, no retry helps."""
+
+    status = HTTPStatus.UPGRADE_REQUIRED

@@ -87,6 +87,7 @@ def _device_keys(conn: Connection) -> None:
     _add_column("pfl_devices", "public_key", "VARCHAR(64)")(conn)
     _add_column("pfl_devices", "key_counter", "BIGINT")(conn)
     _add_column("pfl_devices", "mqtt_client", "VARCHAR(40)")(conn)
+    _add_column("pfl_devices", "protocol", "INTEGER")(conn)
 
 
 #: every upgrade since version 1, in order; the types are frozen here (the models may change later)
@@ -117,8 +118,8 @@ STEPS: tuple[Step, ...] = (
          _add_column("pfl_federations", "sampling_key", "VARCHAR(64)")),
     Step(14, "pfl_rounds.released: the updates in what a round published (a distributed-mode round's achieved "
              "epsilon is figured from it)", _add_column("pfl_rounds", "released", "INTEGER")),
-    Step(15, "pfl_devices.public_key, key_counter and mqtt_client: a device's own key and its unguessable MQTT "
-             "client id", _device_keys),
+    Step(15, "pfl_devices.public_key, key_counter, mqtt_client and protocol: a device's own key, its unguessable "
+             "MQTT client id and the protocol version it speaks", _device_keys),
 )
 SCHEMA_VERSION = STEPS[-1].version
 

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel
 from sqlalchemy import Engine, text
 
-from pfl_edge.protocol import PROTOCOL_VERSION
+from pfl_edge.protocol import PROTOCOL_VERSION, PROTOCOL_VERSIONS
 
 __all__ = ["DB_TIMEOUT_S", "Health", "router"]
 
@@ -25,7 +25,8 @@ _probe = ThreadPoolExecutor(2, thread_name_prefix="pfl-healthz")
 
 class Health(BaseModel):
     status: str
-    protocol: int
+    protocol: int  # the newest protocol version it speaks
+    protocols: list[int]  # every version it answers devices in (docs/protocol.md, "Versions")
     database: bool
     mqtt: bool
 
@@ -46,5 +47,6 @@ async def healthz(request: Request) -> Health:
         db_ok = await asyncio.wait_for(asyncio.wrap_future(_probe.submit(_db_ok, st.engine)), DB_TIMEOUT_S)
     except TimeoutError:
         db_ok = False
-    return Health(status="ok" if db_ok else "degraded", protocol=PROTOCOL_VERSION, database=db_ok,
+    return Health(status="ok" if db_ok else "degraded", protocol=PROTOCOL_VERSION,
+                  protocols=list(PROTOCOL_VERSIONS), database=db_ok,
                   mqtt=st.link.connected)

@@ -16,11 +16,17 @@ from starlette.concurrency import run_in_threadpool
 
 from device_profiles import Profile, get_profile, list_profiles
 from pfl_edge.codec import encode
-from pfl_edge.device_key import enrol_message, rotate_message, verify
 from pfl_edge.errors import InternalError, PflEdgeError, UnknownNameError
 from pfl_edge.federation import device_capacity
 from pfl_edge.privacy import new_key, secret_draw
-from pfl_edge.protocol import Enrolment, EnrolRequest, FederationCreate, FederationInfo, KeyProof
+from pfl_edge.protocol import (
+    PROTOCOL_VERSIONS,
+    Enrolment,
+    EnrolRequest,
+    FederationCreate,
+    FederationInfo,
+    KeyProof,
+)
 
 from ..db import SERVER, Device, Federation, hash_secret, hash_token, now
 from ..enrol_gate import EnrolGate
@@ -28,8 +34,8 @@ from ..errors import Conflict, Forbidden, NotFound, Unauthorized, Unprocessable
 from ..fedmodel import fed_model
 from ..ratelimit import Buckets
 from ..states import ENROLMENT_ROUND, RoundState
+from . import identity
 from .blob_access import BlobAccess
-from .broker_access import device_client_id
 from .store import Store
 
 __all__ = ["EnrolmentService"]
@@ -56,8 +62,9 @@ class EnrolmentService:
     def __init__(self, store: Store, blobs: BlobAccess, *, device_broker_url: str, device_mqtt_password: str,
                  on_enrolled: Callable[[], None], on_created: Callable[[str], None], token_ttl_s: float = 30 * 86400.0,
                  gate: EnrolGate | None = None, on_revoked: Callable[[str], None] | None = None,
-                 token_max_lifetime_s: float = 30 * 86400.0) -> None:
+                 token_max_lifetime_s: float = 30 * 86400.0, speaks: tuple[int, ...] = PROTOCOL_VERSIONS) -> None:
         self.store = store
+        self.speaks = speaks  # the protocol versions it answers devices in (docs/protocol.md, "Versions")
         self.token_ttl_s = token_ttl_s  # a device token's lifetime; the agent rotates its own before the end
         self.token_max_lifetime_s = token_max_lifetime_s  # a token chain's (rotate_token)
         self.rng: random.Random = random.SystemRandom()  # draws sampled federations' slots (tests seed their own)
@@ -146,17 +153,19 @@ class EnrolmentService:
 
     def enrol(self, req: EnrolRequest, address: str = "") -> Enrolment:
         """Enrol a device (``address``: the client's, for the rate limit), from a thread of the caller's."""
+        version = identity.version(req, self.speaks)
         self.gate.check(req.federation, req.enrol_secret, self._secret_hash(req.federation), address)
-        return self._enrol_admitted(req, self._profile(req))
+        return self._enrol_admitted(req, self._profile(req), version)
 
     async def enrol_async(self, req: EnrolRequest, address: str = "") -> Enrolment:
         """:meth:`enrol` for the event loop: the database work in the threadpool, the secret's KDF awaited on the
         gate's own pool, so guesses (a scrypt each) never hold the request threads that device calls need."""
+        version = identity.version(req, self.speaks)
         stored = await run_in_threadpool(self._secret_hash, req.federation)
         await self.gate.acheck(req.federation, req.enrol_secret, stored, address)
-        return await run_in_threadpool(self._enrol_admitted, req, self._profile(req))
+        return await run_in_threadpool(self._enrol_admitted, req, self._profile(req), version)
 
-    def _enrol_admitted(self, req: EnrolRequest, profile: Profile) -> Enrolment:
+    def _enrol_admitted(self, req: EnrolRequest, profile: Profile, version: int = 1) -> Enrolment:
         """Enrol a device whose secret the gate passed: one write transaction, on the federation's locked row."""
         token = secrets.token_urlsafe(32)
         with self.store.write() as s:
@@ -164,10 +173,10 @@ class EnrolmentService:
             # with a nonce, the same password for every enrolment of this device (broker_access's docstring)
             password, keep = self.mqtt_password(None if req.nonce is None else
                                                 (self._mqtt_key(fed), req.nonce, req.enrol_secret))
-            got = self._again(s, fed, req, token, keep, password)
+            got = self._again(s, fed, req, token, keep, password, version)
             again = got is not None
             if got is None:
-                got = self._new(s, fed, req, token, profile, keep, password)
+                got = self._new(s, fed, req, token, profile, keep, password, version)
         if again:
             log.info("federation %s: device %s enrolled again (same nonce)", req.federation, got.device_id)
         else:
@@ -180,7 +189,7 @@ class EnrolmentService:
         return Enrolment(device_id=got.device_id, token=token, index=got.slot, federation=req.federation,
                          config=got.config, density=got.density, kp=got.kp, broker_url=self.device_broker_url,
                          mqtt_username=got.device_id, mqtt_password=password, round=got.round,
-                         mqtt_client_id=got.client_id,
+                         mqtt_client_id=got.client_id, protocol=version if req.protocols else None,
                          init_digest=self.blobs.base_for(req.federation, fm, got.init_digest, got.kp),
                          init_model=got.init_digest)
 
@@ -200,8 +209,8 @@ class EnrolmentService:
             raise Unprocessable(f"unknown device profile {req.profile!r}; valid profiles: "
                                 f"{', '.join(list_profiles())}") from None
 
-    def _again(self, s: Session, fed: Federation, req: EnrolRequest, token: str, mqtt: str | None, password: str
-               ) -> _Enrolled | None:
+    def _again(self, s: Session, fed: Federation, req: EnrolRequest, token: str, mqtt: str | None, password: str,
+               version: int) -> _Enrolled | None:
         """The same device asking again with its nonce (its first answer was lost, or its token chain ended): same
         slot, a fresh token. A device that enrolled with a key must prove it holds it (``proven``); one that
         enrolled without gets the key it shows now (an agent upgraded since: trust on its first key)."""
@@ -212,12 +221,9 @@ class EnrolmentService:
             return None
         if again.revoked_at is not None:
             raise Forbidden(f"device {again.id} was revoked by the operator; it cannot enrol again")
-        if again.public_key is not None and req.public_key != again.public_key:
-            raise Forbidden("the device of this nonce enrolled with a key: enrolling again must be signed by it "
-                            "(a device that lost its key is revoked by the operator and enrols afresh)")
-        self._take_proof(again, req)
-        client = self._client_id(req, password, again.id)
-        again.mqtt_client = client
+        identity.take_enrol_proof(again, req)
+        client = identity.client_id(version, password, again.id)
+        again.mqtt_client, again.protocol = client, version
         at = now()  # it showed the secret: a new token chain
         again.token_hash, again.token_expires, again.token_origin = hash_token(token), self._expiry(at, at), at
         if mqtt is not None:
@@ -240,7 +246,7 @@ class EnrolmentService:
             raise Conflict(f"federation {fed.id!r} has finished its {fed_model(fed.config).cfg.rounds} rounds")
 
     def _new(self, s: Session, fed: Federation, req: EnrolRequest, token: str, profile: Profile,
-             mqtt: str | None, password: str) -> _Enrolled:
+             mqtt: str | None, password: str, version: int) -> _Enrolled:
         slot = self._slot(s, fed, req.index)
         fm = self.store.model(fed)
         density, kp = device_capacity(fm.cfg, slot,
@@ -256,35 +262,15 @@ class EnrolmentService:
             raise Unprocessable(f"profile {profile.name!r} keeps {kp} personal blocks; this federation is private "
                                 f"and its devices share one base (K_P {device_capacity(fm.cfg, slot)[1]})")
         dev_id, at = "dev-" + secrets.token_hex(8), now()
-        client = self._client_id(req, password, dev_id)
+        client = identity.client_id(version, password, dev_id)
         dev = Device(id=dev_id, federation=fed.id, token_hash=hash_token(token), profile=profile.name,
                      name=req.name, slot=slot, density=density, kp=kp, online=False, joined_round=fed.round,
                      enrol_nonce=req.nonce, declared_samples=req.n_samples, mqtt_hash=mqtt,
-                     token_expires=self._expiry(at, at), token_origin=at, mqtt_client=client,
+                     token_expires=self._expiry(at, at), token_origin=at, mqtt_client=client, protocol=version,
                      platform=None if req.platform is None else req.platform.model_dump())
-        self._take_proof(dev, req)
+        identity.take_enrol_proof(dev, req)
         s.add(dev)
         return _Enrolled(dev_id, slot, density, kp, fed.round, fed.init_digest, fed.config, client)
-
-    @staticmethod
-    def _client_id(req: EnrolRequest, password: str, dev_id: str) -> str | None:
-        """The device's MQTT client id (broker_access.device_client_id), told to a device that enrols with a key,
-        which this release's devices all do; None for one without (of an earlier release: it connects as
-        ``pfl-<device id>`` and refuses an Enrolment with a field it does not know)."""
-        return None if req.public_key is None else device_client_id(password, dev_id)
-
-    @staticmethod
-    def _take_proof(dev: Device, req: EnrolRequest) -> None:
-        """Keep the key ``req`` proves it holds (its signature of device_key.enrol_message, with a counter above
-        the last one this device signed with); nothing without a key."""
-        if req.public_key is None or req.proof is None or req.nonce is None:
-            return
-        last = dev.key_counter or 0
-        msg = enrol_message(req.federation, req.nonce, req.public_key, req.proof.counter)
-        if req.proof.counter <= last or not verify(req.public_key, msg, req.proof.signature):
-            raise Forbidden(f"the enrolment's proof does not verify: a signature by its public key of "
-                            f"device_key.enrol_message with a counter above {last} is expected")
-        dev.public_key, dev.key_counter = req.public_key, req.proof.counter
 
     def _slot(self, s: Session, fed: Federation, asked: int | None) -> int:
         """The slot asked for if it is free, else the lowest free one (in SQL, on the (federation, slot) index:
@@ -333,13 +319,8 @@ class EnrolmentService:
             dev = s.get(Device, dev_id, with_for_update=True)
             if dev is None or dev.revoked_at is not None:
                 raise Unauthorized(f"device {dev_id} is unknown or revoked")
-            if own and dev.public_key is not None:
-                last = dev.key_counter or 0
-                if proof is None or proof.counter <= last or not verify(
-                        dev.public_key, rotate_message(dev_id, proof.counter), proof.signature):
-                    raise Unauthorized(f"device {dev_id} enrolled with a key: its rotation must carry a proof, a "
-                                       f"signature of device_key.rotate_message with a counter above {last}")
-                dev.key_counter = proof.counter
+            if own:
+                identity.take_rotation_proof(dev, proof)
             # a row from before schema 9 has no origin: its chain starts at this rotation
             origin = dev.token_origin if own and dev.token_origin is not None else at
             if at - origin >= self.token_max_lifetime_s:

@@ -65,7 +65,7 @@ def test_an_earlier_server_that_refuses_the_field_gets_the_request_without_it(tm
     enr = enrol(StateDir(tmp_path, arrays="numpy"), http, _cfg(tmp_path), describe("onnxruntime", 1))  # type: ignore[arg-type]
     assert enr.device_id == "dev-1"
     assert "platform" in http.bodies[0] and "platform" not in http.bodies[1]
-    newer = ("platform", "public_key", "proof")  # an earlier server knows none of them: all left out
+    newer = ("platform", "public_key", "proof", "protocols")  # an earlier server knows none: all left out
     assert {k: v for k, v in http.bodies[0].items() if k not in newer} == http.bodies[1]  # the same nonce
     EnrolRequest.model_validate(http.bodies[0])
 

@@ -89,7 +89,8 @@ class Device:
         public = public_of(self.key)
         proof = {"counter": 1, "signature": sign(self.key, enrol_message(FED, self.nonce, public, 1))}
         body = {"federation": FED, "enrol_secret": SECRET, "profile": "phone-mid", "name": f"dev{index}",
-                "index": index, "nonce": self.nonce, "n_samples": 48, "public_key": public, "proof": proof}
+                "index": index, "nonce": self.nonce, "n_samples": 48, "public_key": public, "proof": proof,
+                "protocols": [1, 2]}
         self.e = cap.call("enrol", "POST", "/v1/devices", body=body, req="EnrolRequest", resp="Enrolment").json()
         self.id, self.token = self.e["device_id"], self.e["token"]
         cap.log[-1].device, cap.who[self.token] = self.id, self.id

@@ -47,7 +47,7 @@ class Key:
             self.counter += 1
             counter = self.counter
         proof = {"counter": counter, "signature": sign(self.private, enrol_message(fed, nonce, self.public, counter))}
-        return {**_plain(nonce, fed), "public_key": self.public, "proof": proof}
+        return {**_plain(nonce, fed), "public_key": self.public, "proof": proof, "protocols": [1, 2]}
 
     def rotation(self, device_id: str) -> dict[str, Any]:
         self.counter += 1

@@ -14,7 +14,7 @@
 import type { webcrypto } from 'node:crypto';
 import { DeviceKey, enrolMessage, rotateMessage } from './devicekey.js';
 import { Http, HttpError } from './http.js';
-import { type Enrolment, parseEnrolment, parseTokenIssued } from './messages.js';
+import { type Enrolment, PROTOCOLS, parseEnrolment, parseTokenIssued } from './messages.js';
 import type { StateStore, TokenRecord } from './state.js';
 
 export interface EnrolConfig {
@@ -33,7 +33,7 @@ export interface EnrolConfig {
 }
 
 /** fields a server of an earlier release refuses (422): the device enrols again, once, without them */
-const NEW_FIELDS = ['platform', 'public_key', 'proof'];
+const NEW_FIELDS = ['platform', 'public_key', 'proof', 'protocols'];
 
 /** What a device says it is at enrolment (docs/protocol.md, "Enrolment"): reported, never verified. */
 export interface PlatformInfo {
@@ -60,7 +60,7 @@ async function ask(store: StateStore, http: Http, cfg: EnrolConfig, random: (n: 
   let body: unknown;
   const request: Record<string, unknown> = {
     federation: cfg.federation, enrol_secret: cfg.enrolSecret, profile: cfg.profile, name: cfg.name.slice(0, 64),
-    index: cfg.index, nonce, n_samples: cfg.nSamples,
+    index: cfg.index, nonce, n_samples: cfg.nSamples, protocols: PROTOCOLS,
   };
   if (cfg.platform) request['platform'] = cfg.platform;
   const key = cfg.subtle ? await DeviceKey.load(store, cfg.subtle) : null;
@@ -76,6 +76,7 @@ async function ask(store: StateStore, http: Http, cfg: EnrolConfig, random: (n: 
       // a server of an earlier release knows none of the newer fields and refuses them: enrol without them
       if (!(e instanceof HttpError && e.status === 422 && NEW_FIELDS.some((f) => e.detail.includes(f)))) throw e;
       delete request['platform'];
+      delete request['protocols'];
       body = await http.postJson('/v1/devices', request, { auth: false });
     }
   } catch (e) {

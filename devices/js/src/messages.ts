@@ -1,7 +1,9 @@
 /**
  * The protocol's messages a device reads (docs/schemas/*.json), checked as their schemas say: every field's type
- * and bounds, required fields present, unknown fields refused (`additionalProperties: false`). A message that
- * fails is a `MessageError` (from MQTT: dropped; from the server: a protocol error). Platform-neutral.
+ * and bounds, required fields present; a field it does not know is left out, not refused (docs/protocol.md,
+ * "Versions": a device of protocol version 2 reads what the server sends tolerantly, so additive changes never
+ * break it). A message that fails is a `MessageError` (from MQTT: dropped; from the server: a protocol error).
+ * Platform-neutral.
  */
 
 export class MessageError extends Error {
@@ -21,17 +23,21 @@ const isBool: Check = (v) => typeof v === 'boolean';
 const orNull = (c: Check): Check => (v) => v === null || c(v);
 const isObj = (v: unknown): v is Record<string, unknown> => typeof v === 'object' && v !== null && !Array.isArray(v);
 
+/** The protocol versions this device speaks (docs/protocol.md, "Versions"), said at enrolment. */
+export const PROTOCOLS = [1, 2];
+
 function check<T>(name: string, spec: Spec, v: unknown): T {
   if (!isObj(v)) throw new MessageError(`${name}: not a JSON object`);
-  for (const k of Object.keys(v)) if (!(k in spec)) throw new MessageError(`${name}: unknown field ${JSON.stringify(k)}`);
+  const out: Record<string, unknown> = {}; // only the fields it knows: one added since is ignored
   for (const [k, [ok, required]] of Object.entries(spec)) {
-    if (!(k in v)) {
+    if (!Object.prototype.hasOwnProperty.call(v, k)) {
       if (required) throw new MessageError(`${name}: ${k} is missing`);
       continue;
     }
     if (!ok(v[k])) throw new MessageError(`${name}: ${k} is not valid: ${JSON.stringify(v[k])?.slice(0, 100)}`);
+    out[k] = v[k];
   }
-  return v as T;
+  return out as T;
 }
 
 export interface Neighbour {
@@ -106,6 +112,8 @@ export interface Enrolment {
   init_model?: string | null;
   /** its MQTT client id, which no other device can guess; absent (a server of an earlier release): `pfl-<device_id>` */
   mqtt_client_id?: string | null;
+  /** the protocol version the server answers it in; absent: 1 */
+  protocol?: number | null;
 }
 
 export function parseEnrolment(v: unknown): Enrolment {
@@ -124,6 +132,7 @@ export function parseEnrolment(v: unknown): Enrolment {
     init_digest: [isStr(64, SHA), true],
     init_model: [orNull(isStr(64, SHA)), false],
     mqtt_client_id: [orNull(isStr(36, /^pfl-[0-9a-f]{32}$/)), false],
+    protocol: [orNull(isInt(1, 1000)), false],
   }, v);
 }
 
