@@ -103,7 +103,10 @@ class Federation:
         if r.status_code >= 400:
             raise ConfigError(f"the server refused the federation: {r.status_code} {r.text}")
 
-    def start_device(self, i: int, profile: str, *, threads: int = 1, extra: list[str] | None = None) -> None:
+    def start_device(self, i: int, profile: str, *, threads: int = 1, extra: list[str] | None = None,
+                     source: Path | None = None) -> None:
+        """``pfl-edge client`` for slot ``i``; ``source``: run the agent of that source tree (a checkout of another
+        release: its directory is the child's working directory and PYTHONPATH) instead of this one's."""
         state = self.root / "devices" / f"device-{i:02d}"
         log = open(self.root / "devices" / f"device-{i:02d}.log", "ab")  # noqa: SIM115 (the child owns it)
         state.mkdir(parents=True, exist_ok=True)
@@ -111,7 +114,8 @@ class Federation:
                f"--enrol-secret={self.secret}", "--profile", profile, "--state-dir", str(state),
                "--partition-id", str(i), "--threads", str(threads), "--name", f"device-{i:02d}", "-v",
                *(extra or [])]
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_child_env())
+        env = _child_env() if source is None else {**_child_env(), "PYTHONPATH": str(source)}
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=source)
         if i < len(self.devices):
             self.devices[i] = proc  # a restart of device i (its state dir carries on)
         else:
