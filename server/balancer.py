@@ -77,11 +77,10 @@ def haproxy_config(bind: str, servers: Sequence[str], *, max_body_s: int = 300,
     ``mode="tcp"``: connections balanced as they are (MQTT over a broker cluster's nodes; each connection stays
     on its node for its life). ``dns``: a name server (``host:port``) that HAProxy asks again at run time, where
     replicas are names whose addresses change; ``"resolv.conf"``: the ones /etc/resolv.conf names (a container's:
-    Docker's ``127.0.0.11``, podman's network gateway). ``hook_bind``: the broker
-    hook's own listener (only ``/v1/broker/hook/``; ``bind`` then answers those paths 404, percent-encoded ones
-    too, as the replicas decode them). ``maxconn``: connections held at once (more wait in HAProxy's queue, and
-    time out there; each takes two of its open files). ``per_source``: the devices' port's limits per source
-    address (None: none, for tests and benchmarks whose every device is 127.0.0.1)."""
+    Docker's ``127.0.0.11``, podman's network gateway). ``hook_bind``: the broker hook's own listener (only
+    ``/v1/broker/hook/``; ``bind`` then answers those paths 404, percent-encoded ones too, as the replicas decode
+    them). ``maxconn``: connections held at once (more wait in HAProxy's queue, and time out there; each takes two
+    open files). ``per_source``: the devices' port's limits per source address (None: none)."""
     if not servers:
         raise ConfigError("a load balancer needs at least one server")
     if mode == "tcp":
@@ -91,8 +90,7 @@ def haproxy_config(bind: str, servers: Sequence[str], *, max_body_s: int = 300,
         lines += [f"    server n{i} {addr} check inter 1s fall 2 rise 1" for i, addr in enumerate(servers)]
         return "\n".join(lines) + "\n"
     lines = [
-        "global",
-        f"    maxconn {maxconn}",  # each needs two descriptors (client and server side)
+        "global", f"    maxconn {maxconn}",  # each needs two descriptors (client and server side)
         "",
         "defaults",
         "    mode http",
