@@ -89,12 +89,20 @@ async def admin_principal(request: Request, tok: Token) -> Admin | None:
 MaybeAdmin = Annotated[Admin | None, Depends(admin_principal)]
 
 
-async def require_admin(tok: Token, admin: MaybeAdmin) -> Admin:
+def require_admin(tok: Token, admin: MaybeAdmin, enrol: Enrol) -> Admin:
+    """The admin; 401 without a token or with one nobody holds, 403 with a device's own token: a device reads a 401
+    as its token having expired and enrols again (docs/protocol.md, "Errors"), so a device that asks the admin's
+    routes (the metrics, the devices listing, which were a device's to read before version 2) is told it may not,
+    not sent round a re-enrolment loop."""
     if tok is None:
         raise Unauthorized("missing bearer token: this call (creating a federation, revoking a device, rotating "
                            "a token or secret) needs the admin token")
     if admin is None:
-        raise Unauthorized("this call needs the admin token (PFL_ADMIN_TOKEN)")
+        try:
+            enrol.authenticate(tok.credentials)
+        except Unauthorized:
+            raise Unauthorized("this call needs the admin token (PFL_ADMIN_TOKEN)") from None
+        raise Forbidden("this call is the admin's (PFL_ADMIN_TOKEN); a device token may not make it")
     return admin
 
 

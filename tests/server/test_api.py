@@ -106,9 +106,12 @@ def test_enrolment(client: TestClient) -> None:
     # the third enrolment starts round 1
     wait_for(lambda: fed_state(client, ADMIN, "f") == (1, "collecting"), what="round 1")
     refused(client, lambda: client.post("/v1/devices", json=ok), 409, "full")
-    # a device reads nothing of its peers (their names, profiles, traffic, accuracy): the listing is the admin's
-    assert client.get("/v1/federations/f/devices", headers=a.h).status_code == 401
-    assert client.get("/v1/federations/f/metrics", headers=a.h).status_code == 401
+    # a device reads nothing of its peers (their names, profiles, traffic, accuracy): the listing is the admin's;
+    # 403, not 401: a device reads 401 as an expired token and would enrol again (issue 50)
+    for path in ("/v1/federations/f/devices", "/v1/federations/f/metrics"):
+        r = client.get(path, headers=a.h)
+        assert r.status_code == 403 and "the admin's" in r.json()["detail"], r.text
+        assert client.get(path, headers={"Authorization": "Bearer not-a-token"}).status_code == 401
     devs = client.get("/v1/federations/f/devices", headers={"Authorization": f"Bearer {ADMIN}"}).json()
     assert [d["index"] for d in devs] == [0, 1, 2]
     assert {d["profile"] for d in devs} == {"phone-mid"}

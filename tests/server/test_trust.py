@@ -99,7 +99,7 @@ def _revocation(client: TestClient) -> None:
     e = client.post("/v1/devices", json=body).json()
     h = bearer(e["token"])
     other = Dev(client, "f")
-    assert client.post(f"/v1/federations/f/devices/{e['device_id']}/revoke", headers=h).status_code == 401
+    assert client.post(f"/v1/federations/f/devices/{e['device_id']}/revoke", headers=h).status_code == 403
     r = client.post(f"/v1/federations/f/devices/{e['device_id']}/revoke", headers=bearer(ADMIN))
     assert r.status_code == 200 and r.json()["device_id"] == e["device_id"]
     assert removed == [e["device_id"]]
