@@ -6,24 +6,21 @@ MQTT: control messages carry sha256 digests of blobs, which devices fetch over H
 :class:`Task`), ``pfl/<fed>/device/<dev>/status`` (retained :class:`DeviceStatus`, ``online``; ``offline`` as the
 will). The HTTP routes and which message each takes and answers: docs/protocol.md, "HTTP API".
 
-Versions (docs/protocol.md, "Versions"; every change: docs/protocol-changes.md): a device says at enrolment which
-versions it speaks (``EnrolRequest.protocols``; absent: 1) and the server answers in the highest both speak
-(:func:`negotiate`), or refuses naming both. What a device sends is checked strictly (``extra="forbid"``: an
-unknown or mistyped field is an error); what it is sent (an :class:`_Answer`) a device of version 2 or later
-reads tolerantly, ignoring fields it does not know, so that additive changes never break it; a device of version
-1 refuses unknown fields, so the server sends it none that version 1 did not have.
-
-Refusals are :class:`ErrorBody`. Every message's JSON Schema: ``pfl_edge.schemas`` (docs/schemas, and
-``GET /v1/schemas``); docs/protocol.md says what each field means.
+Versions (docs/protocol.md, "Versions"; every change: docs/protocol-changes.md): a device says which it speaks
+(``EnrolRequest.protocols``; absent: 1), the server answers in the highest both speak (:func:`negotiate`). What a
+device sends is strict (``extra="forbid"``); what it is sent (an :class:`_Answer`) a device of version 2 reads
+tolerantly; a device of version 1 refuses unknown fields, so it is sent none that version 1 did not have.
+Refusals are :class:`ErrorBody`; JSON Schemas: ``pfl_edge.schemas`` (docs/schemas, ``GET /v1/schemas``).
 """
 from __future__ import annotations
 
 import math
 import re
 import sys
-from typing import Annotated, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic_core.core_schema import SerializerFunctionWrapHandler
 
 from .config_bounds import bounded_config, config_field
 from .device_info import Platform
@@ -99,8 +96,7 @@ def quorum_updates(quorum: float, active: int) -> int:
 
 
 def mqtt_client_id(device: str) -> str:
-    """A device's MQTT client id where its enrolment names none (``Enrolment.mqtt_client_id``: a server of an
-    earlier release): ``pfl-<device id>``."""
+    """A device's MQTT client id where its enrolment names none (``Enrolment.mqtt_client_id``): ``pfl-<id>``."""
     return f"pfl-{device}"
 
 
@@ -116,16 +112,11 @@ _MAX_KP = 1_000  # personal blocks
 _NAME = 256  # a label, profile, algorithm or credential
 #: ``AggregationSettings``' and ``pfl_edge.aggregate.AggregationRule``'s (the simulator's) default: 3 before issue 49
 DEFAULT_NORM_MULTIPLE = 1.0
-
-
 _MAX_FLOAT = sys.float_info.max  # "finite": a bound NaN and Infinity fail, in pydantic and in JSON Schema
-
 Digest = Annotated[str, Field(pattern=DIGEST_RE.pattern, description="sha256, 64 lowercase hex characters")]
-
-
-#: the shortest enrolment secret a new federation (or a rotation) takes: 8 characters a person chose fell to
-#: guessing from 100 addresses in 160 s (issue 49); older federations keep theirs, with a warning
+#: a new federation's (or rotation's) shortest enrolment secret: 8 characters fell to guessing in 160 s (issue 49)
 MIN_ENROL_SECRET = 16
+
 
 class _Msg(BaseModel):
     # NaN/Inf are refused in every message: a metric or loss must be a number a database can keep
@@ -133,8 +124,14 @@ class _Msg(BaseModel):
 
 
 class _Answer(_Msg):
-    # what the server sends a device: read tolerantly (fields added later are ignored, not refused)
+    # sent to a device: read tolerantly (fields added later ignored); ``_since_v2``: fields a version-1 device does
+    # not know, left off the wire while unset (it refuses them, even as null)
     model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
+    _since_v2: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _wire(self, nxt: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in nxt(self).items() if v is not None or k not in self._since_v2}
 
 
 def negotiate(device: list[int] | None, server: tuple[int, ...] = PROTOCOL_VERSIONS) -> int | None:
@@ -262,6 +259,7 @@ class Enrolment(_Answer):
         "its MQTT client id, which no other device can guess (absent: mqtt_client_id(device_id))"))
     protocol: int | None = Field(default=None, ge=1, le=1000, description=(
         "the version the server answers this device in; absent: 1 (it said none)"))
+    _since_v2 = ("mqtt_client_id", "protocol")
     init_model: Digest | None = Field(default=None, description=(
         "sha256 of the federation's whole initial model: every tensor, its personal blocks' seeded initial values "
         "included (the same for every device, not personal yet); a device that cannot build the model itself "
@@ -294,6 +292,8 @@ class Task(_Answer):
     deadline: float = Field(ge=0, le=1e11, description="unix time (seconds, UTC) the round may close at")
     final: bool = Field(default=False, description=(
         "true: the federation's last step: no training, no update; evaluate on base, report round's metrics"))
+    protocol: int | None = Field(default=None, ge=1, le=1000, description="the version it is sent in (absent: 1)")
+    _since_v2 = ("protocol",)
 
 
 class RoundAnnouncement(_Answer):

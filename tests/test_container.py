@@ -342,8 +342,9 @@ def test_the_image_command_is_healthy_with_compose_environment(
         assert r.status_code == 201, r.text
         e = r.json()
         assert e["broker_url"] == compose_mosquitto
-        assert _mqtt_connects(compose_mosquitto, e["mqtt_client_id"], e["mqtt_username"], e["mqtt_password"]) == 0
-        assert _mqtt_connects(compose_mosquitto, e["mqtt_client_id"], e["mqtt_username"], "wrong") not in (0, None)
+        cid = e.get("mqtt_client_id") or f"pfl-{e['device_id']}"  # a keyless device of version 1: the old id
+        assert _mqtt_connects(compose_mosquitto, cid, e["mqtt_username"], e["mqtt_password"]) == 0
+        assert _mqtt_connects(compose_mosquitto, cid, e["mqtt_username"], "wrong") not in (0, None)
         # compose's Mosquitto healthcheck, on this broker's port
         test = compose()["services"]["mosquitto"]["healthcheck"]["test"]
         assert test[0] == "CMD-SHELL"

@@ -113,10 +113,11 @@ class Planner:
             whole = r.base_digest if final else r.start_digest
             if whole is None:
                 raise InternalError(f"federation {fed_id!r} round {t} has no {'result' if final else 'start'} model")
-            kps = [(d.id, d.kp) for d in devs]
+            kps = [(d.id, d.kp, _sent_in(d)) for d in devs]
         return [(dev_id, Task(federation=fed_id, round=t, algorithm=fm.cfg.algorithm,
-                              base=self.blobs.base_for(fed_id, fm, whole, kp), deadline=r.deadline, final=final))
-                for dev_id, kp in kps]
+                              base=self.blobs.base_for(fed_id, fm, whole, kp), deadline=r.deadline, final=final,
+                              protocol=version))
+                for dev_id, kp, version in kps]
 
     def _neighbour_tasks(self, s: Session, fm: FedModel, r: Round, devs: list[Device],
                          graph: list[list[int]]) -> list[tuple[str, Task]]:
@@ -128,7 +129,7 @@ class Planner:
             ns = [Neighbour(index=j, device_id=by_slot[j].id, digest=latest[by_slot[j].id])
                   for j in graph[d.slot] if j in by_slot and by_slot[j].id in latest]
             out.append((d.id, Task(federation=r.federation, round=r.round, algorithm=fm.cfg.algorithm,
-                                   neighbours=ns, deadline=r.deadline)))
+                                   neighbours=ns, deadline=r.deadline, protocol=_sent_in(d))))
         return out
 
     @staticmethod
@@ -141,3 +142,9 @@ class Planner:
             if dev not in best or rnd > best[dev][0]:
                 best[dev] = (rnd, digest)
         return {d: v[1] for d, v in best.items()}
+
+
+def _sent_in(dev: Device) -> int | None:
+    """The protocol version a task names for ``dev``: its own from version 2 on; none for a device of version 1,
+    which refuses a field it does not know (docs/protocol.md, "Versions")."""
+    return dev.protocol if dev.protocol is not None and dev.protocol >= 2 else None

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from server_testkit import FEDPER, SECRET, create, snapshot
+from server_testkit import FEDPER, SECRET, Dev, create, fed_state, snapshot, wait_for
 from sqlalchemy import select
 
 from pfl_edge.protocol import PROTOCOL_VERSIONS, Enrolment, Task, UpdateRequest, negotiate
@@ -56,6 +56,18 @@ def test_each_device_is_answered_in_its_version(client: TestClient) -> None:
     assert _row(client, old.json()["device_id"]).protocol == 1
     one = client.post("/v1/devices", json=_body(protocols=[1]))
     assert one.json()["protocol"] == 1 and "mqtt_client_id" not in one.json()
+
+
+def test_a_task_names_its_version_for_a_device_of_version_2_only(client: TestClient) -> None:
+    new = Dev(client, "f")  # this release's device: versions 1 and 2
+    old = Dev(client, "f", keyed=False)  # an earlier release's
+    Dev(client, "f", keyed=False)  # the third: round 1 opens
+    wait_for(lambda: fed_state(client, ADMIN, "f") == (1, "collecting"), what="round 1")
+    got_new = client.get("/v1/rounds/current/task", headers=new.h).json()
+    got_old = client.get("/v1/rounds/current/task", headers=old.h).json()
+    assert got_new["protocol"] == 2 and got_new["round"] == 1
+    assert "protocol" not in got_old and got_old["round"] == 1  # it would refuse the field, even as null
+    assert set(got_new) - set(got_old) == {"protocol"}
 
 
 def test_a_device_speaking_no_version_of_the_server_is_refused_naming_both(client: TestClient) -> None:

@@ -54,6 +54,8 @@ export interface Task {
   neighbours?: Neighbour[];
   deadline: number;
   final?: boolean;
+  /** the protocol version it is sent in (absent: 1) */
+  protocol?: number | null;
 }
 
 const NEIGHBOUR: Spec = {
@@ -71,6 +73,7 @@ export function parseTask(v: unknown): Task {
     neighbours: [(n) => Array.isArray(n) && n.length <= 1000, false],
     deadline: [isNum(0, 1e11), true],
     final: [isBool, false],
+    protocol: [orNull(isInt(1, 1000)), false],
   }, v);
   t.neighbours = (t.neighbours ?? []).map((n) => check<Neighbour>('Neighbour', NEIGHBOUR, n));
   t.base = t.base ?? null;
