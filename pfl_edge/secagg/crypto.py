@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from ..errors import CodecError
 
-__all__ = ["KeyPair", "agree", "open_sealed", "prg", "seal"]
+__all__ = ["KeyPair", "agree", "open_sealed", "prg", "seal", "sealed_with"]
 
 _RAW = serialization.Encoding.Raw
 
@@ -46,7 +46,15 @@ def agree(sk: X25519PrivateKey, public: bytes, info: bytes) -> bytes:
 
 def seal(key: bytes, plaintext: bytes, aad: bytes) -> bytes:
     """AES-256-GCM: a random 12-byte nonce, then the ciphertext and its tag; ``aad`` authenticated, not sent."""
-    nonce = os.urandom(12)
+    return sealed_with(key, os.urandom(12), plaintext, aad)
+
+
+def sealed_with(key: bytes, nonce: bytes, plaintext: bytes, aad: bytes) -> bytes:
+    """``seal`` with its nonce given: ``nonce`` (12 bytes) then AES-256-GCM's ciphertext and 16-byte tag. For test
+    vectors only (docs/vectors/secagg): a nonce must never repeat under one key, which only ``seal``'s draw makes
+    sure of."""
+    if len(key) != 32 or len(nonce) != 12:
+        raise CodecError(f"AES-256-GCM takes a 32-byte key and a 12-byte nonce, got {len(key)} and {len(nonce)}")
     return nonce + AESGCM(key).encrypt(nonce, plaintext, aad)
 
 

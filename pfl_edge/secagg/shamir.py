@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 
 from ..errors import ConfigError
 
-__all__ = ["PRIME", "SHARE_BYTES", "combine", "evaluator", "split"]
+__all__ = ["PRIME", "SHARE_BYTES", "combine", "evaluator", "split", "split_with"]
 
 PRIME = 2**521 - 1  # a Mersenne prime: any 32-byte secret is one element
 SHARE_BYTES = 66  # ceil(521 / 8)
@@ -23,11 +23,18 @@ def split(secret: bytes, xs: Sequence[int], threshold: int) -> dict[int, bytes]:
         raise ConfigError("share points must be distinct integers in [1, 2^31)")
     if len(secret) > 64:
         raise ConfigError(f"a secret is at most 64 bytes, got {len(secret)}")
-    coeffs = [int.from_bytes(secret, "big"), *(secrets.randbelow(PRIME) for _ in range(threshold - 1))]
+    return split_with(secret, xs, [secrets.randbelow(PRIME) for _ in range(threshold - 1)])
+
+
+def split_with(secret: bytes, xs: Sequence[int], coeffs: Sequence[int]) -> dict[int, bytes]:
+    """``split``'s shares with its coefficients a_1 ... a_{t-1} given (``split`` draws them uniform in [0, PRIME);
+    fixed ones are for test vectors only, docs/vectors/secagg): f(x) mod PRIME for each x, 66 bytes big-endian,
+    where f's constant term is ``secret`` read as a big-endian integer."""
+    poly = [int.from_bytes(secret, "big"), *coeffs]
     out: dict[int, bytes] = {}
     for x in xs:
         y = 0
-        for a in reversed(coeffs):  # Horner
+        for a in reversed(poly):  # Horner
             y = (y * x + a) % PRIME
         out[x] = y.to_bytes(SHARE_BYTES, "big")
     return out

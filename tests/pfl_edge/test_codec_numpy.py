@@ -321,5 +321,5 @@ def test_the_vectors_generate_without_torch(tmp_path: Path) -> None:
                          timeout=300)
     assert out.returncode == 0, out.stderr
     written = sorted(p.name for p in tmp_path.iterdir())
-    assert written == sorted(p.name for p in VECTORS.iterdir())
+    assert written == sorted(p.name for p in VECTORS.iterdir() if p.is_file())  # not secagg/, its own generator's
     assert [n for n in written if (tmp_path / n).read_bytes() != (VECTORS / n).read_bytes()] == []
