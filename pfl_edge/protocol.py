@@ -20,7 +20,6 @@ import sys
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
-from pydantic_core.core_schema import SerializerFunctionWrapHandler
 
 from .config_bounds import bounded_config, config_field
 from .device_info import Platform
@@ -130,7 +129,7 @@ class _Answer(_Msg):
     _since_v2: ClassVar[tuple[str, ...]] = ()
 
     @model_serializer(mode="wrap")
-    def _wire(self, nxt: SerializerFunctionWrapHandler) -> dict[str, Any]:
+    def _wire(self, nxt: Any) -> dict[str, Any]:  # nxt: pydantic's SerializerFunctionWrapHandler
         return {k: v for k, v in nxt(self).items() if v is not None or k not in self._since_v2}
 
 
