@@ -1,20 +1,27 @@
 """A federation's config as it travels in protocol messages (``FederationCreate``, ``Enrolment``): bounded before
 anything reads it. What its keys mean is ``pfl_edge.federation.FederationConfig``'s to check; this only keeps a
-hostile body's config small and plain JSON."""
+hostile body's config small and plain JSON.
+
+And what each key of a config's dataclasses may hold, stated once, on the field: ``meta`` gives a field its
+one-line meaning and, for a number, its ``Range``; ``check_fields`` holds a config's values to their declared types
+and ranges, and docs/config.md prints both (``pfl_edge.config_reference``)."""
 
 from __future__ import annotations
 
 import math
 import re
+import typing
 from collections.abc import Callable, Mapping
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from pydantic import Field
 
 from .errors import ConfigError
+from .typecheck import coerce, describe
 
-__all__ = ["bounded_config", "check_table_keys", "config_field"]
+__all__ = ["Range", "bounded_config", "check_fields", "check_ranges", "check_table_keys", "config_field", "meta",
+           "number"]
 
 MAX_KEYS, MAX_DEPTH, MAX_TEXT = 64, 4, 4_096
 KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$")
@@ -66,3 +73,99 @@ def check_table_keys(cls: type, table: Mapping[str, Any], name: str) -> None:
     unknown = sorted(set(table) - set(known))
     if unknown:
         raise ConfigError(f"{name} has no key {', '.join(map(repr, unknown))}; its keys: {', '.join(known)}")
+
+
+# ------------------------------------------------------------------------------------------- a key's values
+
+
+def number(x: float) -> str:
+    """A bound as a config's author reads it: integers with thousands separators, floats short (1e6, 0.01)."""
+    if isinstance(x, int):
+        return f"{x:,}"
+    return f"{x:g}".replace("e+0", "e").replace("e+", "e").replace("e-0", "e-")
+
+
+@dataclass(frozen=True)
+class Range:
+    """The numbers a config key may hold: [lo, hi], either end open; ``off``: 0 too (its "none" value, below the
+    range). A tuple's every item is held to it."""
+
+    lo: float
+    hi: float
+    lo_open: bool = False
+    hi_open: bool = False
+    off: bool = False
+
+    def holds(self, v: object) -> bool:
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            return False
+        if self.off and v == 0:
+            return True
+        if isinstance(v, float) and not math.isfinite(v):
+            return False
+        return (self.lo < v if self.lo_open else self.lo <= v) and (v < self.hi if self.hi_open else v <= self.hi)
+
+    def __str__(self) -> str:
+        text = (f"{'(' if self.lo_open else '['}{number(self.lo)}, {number(self.hi)}"
+                f"{')' if self.hi_open else ']'}")
+        return f"0 or {text}" if self.off else text
+
+    def refusal(self, name: str, v: object) -> str:
+        """Why ``v`` is not a valid ``name``."""
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            what = f"a number in {self}"
+        elif isinstance(v, float) and not math.isfinite(v):
+            what = f"a finite number in {self}"
+        elif v > self.hi or (self.hi_open and v == self.hi):
+            what = f"{'below' if self.hi_open else 'at most'} {number(self.hi)}"
+        else:
+            what = f"in {self}"
+        return f"{name} must be {what}, got {v!r:.40}"
+
+
+def meta(doc: str, valid: Range | None = None) -> dict[str, Any]:
+    """A config field's metadata: its meaning in one line (``doc``) and, for a number, the values it may hold."""
+    return {"doc": doc} if valid is None else {"doc": doc, "range": valid}
+
+
+_HINTS: dict[type, dict[str, Any]] = {}  # each config dataclass's resolved annotations
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def check_ranges(obj: Any, prefix: str = "") -> None:
+    """ConfigError for the first field of ``obj`` (a config's dataclass) outside its metadata's ``Range`` (None
+    is the type's to allow)."""
+    for f in fields(obj):
+        valid, v = f.metadata.get("range"), getattr(obj, f.name)
+        if valid is None or v is None:
+            continue
+        for x in v if isinstance(v, tuple) else (v,):
+            if not valid.holds(x):
+                raise ConfigError(valid.refusal(prefix + f.name, x))
+
+
+def check_fields(obj: Any, prefix: str = "") -> None:
+    """ConfigError for the first field of ``obj`` whose value is not of its declared type (a ``Literal``'s values
+    included; an int is a float), then ``check_ranges``."""
+    hints = _hints(type(obj))
+    for f in fields(obj):
+        v = getattr(obj, f.name)
+        if not coerce(v, hints[f.name])[0]:
+            raise ConfigError(f"{prefix}{f.name} must be {_expected(hints[f.name], f.metadata.get('range'))}, "
+                              f"got {v!r:.40}")
+    check_ranges(obj, prefix)
+
+
+def _expected(hint: Any, valid: Range | None) -> str:
+    """A value of type ``hint`` within ``valid``, in words ("an integer in [2, 31] or null")."""
+    if valid is None:
+        return describe(hint)
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    kind = next(h for h in args if h is not type(None)) if optional else hint
+    return f"{describe(kind)} in {valid}{' or null' if optional else ''}"

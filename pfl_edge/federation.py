@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import typing
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -17,6 +16,7 @@ import numpy as np
 from .algorithms.algorithm import algorithm_class, device_algorithms, list_algorithms
 from .checkpoint import ModelSpec, build_model
 from .compat import tomllib
+from .config_bounds import Range, check_ranges, meta
 from .config_migration import migrate
 from .data import (
     ClientArrays,
@@ -63,87 +63,95 @@ __all__ = [
 ]
 
 ALGORITHMS = tuple(list_algorithms())  # every registered algorithm (pfl_edge.algorithms)
+OWN_DATA = "device"
+OWN_DATA_SAMPLES = 60_000  # the most samples one update of an own-data federation counts, unless samples_per_client
+_MAX_TEXT = 4_096  # characters of a name, spec or path
 
 
 @dataclass(frozen=True)
 class FederationConfig:
-    """Everything a run depends on, simulated or on devices; the same config gives the same numbers."""
+    """Everything a run depends on, simulated or on devices; the same config gives the same numbers. Each key's
+    meaning and the numbers it may hold are its field's metadata (``pfl_edge.config_bounds.meta``), which the
+    checks below and docs/config.md read."""
 
-    algorithm: str = "fedper"
-    model: str = "cnn"
-    dataset: str = "fashion-mnist"
-    data_dir: str | None = None
-    # how the data set is dealt to clients (pfl_edge.data.list_partitioners), or OWN_DATA ("device"): each device
-    # brings its own data (pfl-edge client --data-dir) and nothing is dealt; ``dataset`` then names only the
-    # model's input (channels, size, classes) and ``samples_per_client`` the most samples a device's update counts
-    partition: str = "pathological:4"
-    clients: int = 10
-    rounds: int = 30
-    local_epochs: int = 2
-    batch_size: int = 32
-    lr: float = 0.01
-    lr_decay: float = 1.0  # lr of round t: lr * lr_decay ** (t - 1)
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    clip_norm: float | None = None
-    # clip the whole (unmasked) gradient before masking it, as the DisPFL reference does; None: True for
-    # dispfl, False otherwise (no difference without masks)
-    clip_unmasked: bool | None = None
-    kp: int = 2
-    base: Literal["deep", "linear"] = "deep"
-    participation: float = 1.0
-    samples_per_client: int | None = None
-    test_per_client: int | None = None
-    # how each client's test set is drawn: "disjoint" (no test sample in two clients) or "shared" (each client's
-    # on its own from the whole split, the DisPFL reference's); None: shared for the reference's splits
-    # (pathological-random, dirichlet-client), disjoint for the others (pfl_edge.data.partition)
-    test_draw: Literal["disjoint", "shared"] | None = None
-    ft_epochs: int = 1
-    local_norm_stats: bool = False
-    # each client's capacity where no device profile gives one: its mask's density (DisPFL)
-    density: float = 0.5
-    densities: tuple[float, ...] | None = None  # cycled over clients; overrides density
-    # the algorithm's own options, checked by its ``Options`` dataclass (Ditto: lam, personal_epochs; DisPFL:
-    # alpha0, regrow, neighbour_bound); a TOML config gives them as an ``[options]`` table
-    options: dict[str, Any] | None = None
-    # differential privacy of the shared part (pfl_edge.privacy.PrivacyConfig's keys: clip, noise_multiplier or
-    # target_epsilon, delta, mode, secret_noise); a TOML config gives it as a ``[privacy]`` table
-    privacy: dict[str, Any] | None = None
-    # secure aggregation of the shared part (pfl_edge.secagg.SecAggConfig's keys: bound, bits, degree, threshold);
-    # a TOML config gives it as a ``[secure_aggregation]`` table (docs/secagg.md)
-    secure_aggregation: dict[str, Any] | None = None
-    engine: Literal["auto", "vmap", "loop"] = "auto"
-    workers: int | None = None  # training processes; None: one per core
-    seed: int = 0
+    algorithm: str = field(default="fedper", metadata=meta("the algorithm (pfl_edge.algorithms)"))
+    model: str = field(default="cnn", metadata=meta("the model (pfl_edge.models)"))
+    dataset: str = field(default="fashion-mnist", metadata=meta(
+        f'the data set dealt to the clients; with partition = "{OWN_DATA}", only the model\'s input (channels, size, '
+        "classes)"))
+    data_dir: str | None = field(default=None, metadata=meta("the data set's folder (null: where it is looked for "
+                                                             "by default)"))
+    partition: str = field(default="pathological:4", metadata=meta(
+        f'how the data set is dealt to the clients, a partitioner\'s NAME or NAME:ARG; or "{OWN_DATA}": each device '
+        "brings its own data (pfl-edge client --data-dir) and nothing is dealt"))
+    clients: int = field(default=10, metadata=meta(
+        "how many clients (slots) the federation has; a device enrols in one slot: its data, seeds, topology place",
+        Range(1, MAX_CLIENTS)))
+    rounds: int = field(default=30, metadata=meta("the training rounds", Range(1, MAX_ROUND)))
+    local_epochs: int = field(default=2, metadata=meta("epochs of local SGD per round", Range(1, 1_000)))
+    batch_size: int = field(default=32, metadata=meta("local SGD's batch size", Range(1, 65_536)))
+    lr: float = field(default=0.01, metadata=meta("local SGD's learning rate in round 1", Range(0, 1e6, lo_open=True)))
+    lr_decay: float = field(default=1.0, metadata=meta("the lr of round t is lr * lr_decay ** (t - 1)",
+                                                       Range(0, 1, lo_open=True)))
+    momentum: float = field(default=0.9, metadata=meta("local SGD's momentum (torch.optim.SGD's)",
+                                                       Range(0, 1, hi_open=True)))
+    weight_decay: float = field(default=0.0, metadata=meta("local SGD's weight decay (torch.optim.SGD's)",
+                                                           Range(0, 1e6)))
+    clip_norm: float | None = field(default=None, metadata=meta(
+        "each step's gradient clipped to this L2 norm, per client over its trained tensors (null: no clipping)",
+        Range(0, 1e12, lo_open=True)))
+    clip_unmasked: bool | None = field(default=None, metadata=meta(
+        "clip the whole (unmasked) gradient before masking it, as the DisPFL reference does (null: true for "
+        "dispfl, false otherwise; no difference without masks)"))
+    kp: int = field(default=2, metadata=meta(
+        "K_P: the personal blocks, counted from the output end, that never leave a client (FedPer, FedPer-FT, "
+        "FedRep)", Range(0, 1_000)))
+    base: Literal["deep", "linear"] = field(default="deep", metadata=meta(
+        "the shared base: the model's own blocks, or linear (FedPer's control: one linear layer; kp >= 1)"))
+    participation: float = field(default=1.0, metadata=meta(
+        "the fraction of the clients a round samples (under privacy: each client's chance of taking part)",
+        Range(0, 1, lo_open=True)))
+    samples_per_client: int | None = field(default=None, metadata=meta(
+        "the most training samples a client is dealt (a random subset of its share; null: all); where devices "
+        f"bring their own data, the most one update counts (null: {OWN_DATA_SAMPLES:,})", Range(1, 10_000_000)))
+    test_per_client: int | None = field(default=None, metadata=meta(
+        "each client's test samples (null: the test split's size / clients, rounded up, as DisPFL's)",
+        Range(1, 10_000_000)))
+    test_draw: Literal["disjoint", "shared"] | None = field(default=None, metadata=meta(
+        "each client's test set: disjoint (no test sample in two clients) or shared (each drawn on its own from the "
+        "whole split, the DisPFL reference's); null: shared for pathological-random and dirichlet-client, else "
+        "disjoint"))
+    ft_epochs: int = field(default=1, metadata=meta(
+        "epochs of fine-tuning: FedPer-FT's personal blocks alone on each base (and a late joiner's in its first "
+        "round), the -FT baselines' deployed model", Range(0, 1_000)))
+    local_norm_stats: bool = field(default=False, metadata=meta(
+        "the base blocks' normalisation statistics stay on the client (FedBN-style)"))
+    density: float = field(default=0.5, metadata=meta(
+        "DisPFL: a client's capacity where no device profile gives one, the fraction of weights its mask keeps",
+        Range(0, 1, lo_open=True)))
+    densities: tuple[float, ...] | None = field(default=None, metadata=meta(
+        "capacities cycled over the clients, each as density (overrides it)", Range(0, 1, lo_open=True)))
+    options: dict[str, Any] | None = field(default=None, metadata=meta(
+        "the algorithm's own options (its Options dataclass); in TOML an [options] table"))
+    privacy: dict[str, Any] | None = field(default=None, metadata=meta(
+        "differential privacy of the shared part (pfl_edge.privacy.PrivacyConfig, docs/privacy.md); in TOML a "
+        "[privacy] table; null: none"))
+    secure_aggregation: dict[str, Any] | None = field(default=None, metadata=meta(
+        "secure aggregation of the shared part (pfl_edge.secagg_config.SecAggConfig, docs/secagg.md); in TOML a "
+        "[secure_aggregation] table; null: none"))
+    engine: Literal["auto", "vmap", "loop"] = field(default="auto", metadata=meta(
+        "the simulator's training: loop, vmap (every client's step in one torch.func.vmap; no BatchNorm), or auto"))
+    workers: int | None = field(default=None, metadata=meta(
+        "the simulator's training processes (null: one per core)", Range(1, 1_024)))
+    seed: int = field(default=0, metadata=meta(
+        "the seed of every random stream (the deal, the initial model, batches, draws)", Range(-(2**63), 2**63 - 1)))
 
     def __post_init__(self) -> None:
         _check_types(self)
         _check_bounds(self)  # before anything sized by a field (clients, rounds, samples) is built
         algo = algorithm_class(self.algorithm)  # UnknownNameError (a ConfigError) listing the valid names
-        for name in ("clients", "rounds", "local_epochs", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.kp < 0:
-            raise ConfigError(f"kp must be >= 0, got {self.kp}")
-        if self.ft_epochs < 0:
-            raise ConfigError(f"ft_epochs must be >= 0, got {self.ft_epochs}")
-        if not (math.isfinite(self.participation) and 0 < self.participation <= 1):
-            raise ConfigError(f"participation must be in (0, 1], got {self.participation}")
-        if self.base not in ("deep", "linear"):
-            raise ConfigError(f"base must be 'deep' or 'linear', got {self.base!r}")
-        if self.test_draw not in (None, "disjoint", "shared"):
-            raise ConfigError(f"test_draw must be disjoint or shared (or unset), got {self.test_draw!r:.40}")
-        if self.engine not in ("auto", "vmap", "loop"):
-            raise ConfigError(f"engine must be auto, vmap or loop, got {self.engine!r}")
-        for d in (self.density, *(self.densities or ())):
-            if not 0 < d <= 1:
-                raise ConfigError(f"densities must be in (0, 1], got {d}")
         if self.densities is not None and not self.densities:
             raise ConfigError("densities must not be empty")
-        if not (math.isfinite(self.lr_decay) and 0 < self.lr_decay <= 1):
-            raise ConfigError(f"lr_decay must be in (0, 1], got {self.lr_decay}")
-        if self.clip_norm is not None and not self.clip_norm > 0:
-            raise ConfigError(f"clip_norm must be > 0, got {self.clip_norm}")
         algo.validate(self)  # the algorithm's own rules and options
         dp = self.dp
         if dp is not None:
@@ -153,12 +161,6 @@ class FederationConfig:
         if sa is not None:
             algo.check_privacy(self)  # what it covers: a base a server averages
             sa.check(self)
-        if self.workers is not None and self.workers < 1:
-            raise ConfigError(f"workers must be >= 1, got {self.workers}")
-        for name in ("samples_per_client", "test_per_client"):
-            v = getattr(self, name)
-            if v is not None and v < 1:
-                raise ConfigError(f"{name} must be >= 1, got {v}")
         self.train_config(1)  # lr, momentum, weight decay, clipping: TrainConfig's rules, so a bad file fails at once
 
     @property
@@ -212,10 +214,6 @@ class FederationConfig:
 SimConfig = FederationConfig  # the name the simulator's users know
 
 # ------------------------------------------------------------------------------------------- data and model
-
-
-OWN_DATA = "device"
-OWN_DATA_SAMPLES = 60_000  # the most samples one update of an own-data federation counts, unless samples_per_client
 
 
 def input_spec(cfg: FederationConfig, *, data_dir: str | None = None) -> tuple[ModelSpec, int]:
@@ -319,23 +317,10 @@ def device_capacity(cfg: FederationConfig, slot: int, *, profile_density: float 
     return density, kp if k is None else k
 
 
-# The most each field may be: a federation's config arrives from the network (an admin's request), and a field
-# that sizes something (clients, rounds, samples) must be refused before anything that size is allocated.
-BOUNDS: dict[str, int | float] = {
-    "clients": MAX_CLIENTS, "rounds": MAX_ROUND, "local_epochs": 1_000, "ft_epochs": 1_000, "batch_size": 65_536,
-    "kp": 1_000, "samples_per_client": 10_000_000, "test_per_client": 10_000_000, "workers": 1_024,
-    "seed": 2**63 - 1, "lr": 1e6, "momentum": 1.0, "weight_decay": 1e6, "clip_norm": 1e12,
-}
-_MAX_TEXT = 4_096  # characters of a name, spec or path
-
-
+# A federation's config arrives from the network (an admin's request), and a field that sizes something (clients,
+# rounds, samples) must be refused before anything that size is allocated: its ``Range`` is checked first.
 def _check_bounds(cfg: FederationConfig) -> None:
-    for name, most in BOUNDS.items():
-        v = getattr(cfg, name)
-        if v is not None and not (math.isfinite(v) and v <= most):
-            raise ConfigError(f"{name} must be at most {most:,}, got {v!r:.40}")
-    if cfg.seed < -(2**63):
-        raise ConfigError(f"seed must be at least {-(2**63):,}, got {cfg.seed!r:.40}")
+    check_ranges(cfg)
     for f in fields(cfg):
         v = getattr(cfg, f.name)
         if isinstance(v, str) and len(v) > _MAX_TEXT:
@@ -352,9 +337,6 @@ def _check_bounds(cfg: FederationConfig) -> None:
                 raise ConfigError(f"option {k!r:.70} is too long (names at most 64 characters, texts {_MAX_TEXT})")
     if cfg.densities is not None and len(cfg.densities) > MAX_CLIENTS:
         raise ConfigError(f"densities must list at most {MAX_CLIENTS:,} values, got {len(cfg.densities):,}")
-    for name in ("lr_decay", "participation", "density"):
-        if not math.isfinite(getattr(cfg, name)):
-            raise ConfigError(f"{name} must be finite, got {getattr(cfg, name)}")
 
 
 def _check_types(cfg: FederationConfig) -> None:

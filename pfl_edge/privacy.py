@@ -40,12 +40,13 @@ import hashlib
 import math
 import secrets
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from .arrays import Array, is_numpy, to_numpy
+from .config_bounds import Range, check_fields, meta
 from .config_bounds import check_table_keys as _check_keys
 from .errors import ConfigError
 from .secagg_config import MIN_CLIENTS, SecAggConfig, max_bits
@@ -80,7 +81,6 @@ __all__ = [
 
 #: a device clips to ``clip * MARGIN``: float rounding then never puts an honest update past the server's bound
 MARGIN = 1.0 - 1e-6
-MODES = ("central", "distributed")
 MAX_NOISE = 1e4  # the largest noise multiplier a config may ask for or a target epsilon calibrate to
 #: the RDP orders the accountant converts at: Opacus's default (1.1 to 63) and larger ones, which a large noise
 #: multiplier's tightest bound needs (Opacus warns that the largest order won); more orders never loosen it
@@ -89,44 +89,31 @@ ORDERS: tuple[float, ...] = (*(1 + x / 10.0 for x in range(1, 100)), *range(12, 
 
 @dataclass(frozen=True)
 class PrivacyConfig:
-    """A federation's ``[privacy]`` table. ``clip``: the L2 bound C on a client's update of the shared part;
-    ``noise_multiplier`` z (noise std z C on the round's sum) or ``target_epsilon`` (z calibrated so that the
-    whole run spends it), exactly one of the two; ``delta``: the delta epsilon is stated at (below 1 / clients:
-    a larger one would allow a client's data out whole); ``mode``: who adds the noise (module docstring);
-    ``secret_noise``: the server's noise from a key no device sees (false: from the seed, tests only; the server
-    then reports no epsilon); ``allow_unmasked``: a federation of devices in the distributed mode without secure
-    aggregation, whose server sees every noised update in the clear and where one device that skips its clip or
-    noise spoils the guarantee for everyone: refused unless the operator names it here (docs/privacy.md)."""
+    """A federation's ``[privacy]`` table (the module docstring says what a round does with it; each key's
+    meaning: its field's ``doc``). Exactly one of ``noise_multiplier`` and ``target_epsilon``."""
 
-    clip: float
-    noise_multiplier: float | None = None
-    target_epsilon: float | None = None
-    delta: float = 1e-5
-    mode: Literal["central", "distributed"] = "central"
-    secret_noise: bool = True
-    allow_unmasked: bool = False
+    clip: float = field(metadata=meta("the L2 bound C on a client's update of the shared part",
+                                      Range(0, 1e6, lo_open=True)))
+    noise_multiplier: float | None = field(default=None, metadata=meta(
+        "z: the noise's std on a round's sum is z C (this or target_epsilon)", Range(0, MAX_NOISE)))
+    target_epsilon: float | None = field(default=None, metadata=meta(
+        "the epsilon the whole run may spend; z is calibrated to it (this or noise_multiplier)", Range(0.01, 1e3)))
+    delta: float = field(default=1e-5, metadata=meta(
+        "the delta epsilon is stated at; below 1 / clients too (a larger one would let a client's data out whole)",
+        Range(0, 0.1, lo_open=True, hi_open=True)))
+    mode: Literal["central", "distributed"] = field(default="central", metadata=meta(
+        "who adds the noise: the server to the sum (central), or each device its share (distributed)"))
+    secret_noise: bool = field(default=True, metadata=meta(
+        "the server's noise from a key no device sees; false: from the seed (tests only; no epsilon is reported)"))
+    allow_unmasked: bool = field(default=False, metadata=meta(
+        "allow devices in the distributed mode without secure aggregation (the server sees every noised update, "
+        "and one device that skips its clip or noise spoils the guarantee: docs/privacy.md)"))
 
     def __post_init__(self) -> None:
-        for name in ("clip", "noise_multiplier", "target_epsilon", "delta"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v)):
-                raise ConfigError(f"privacy.{name} must be a finite number, got {v!r:.40}")
-        if not 0 < self.clip <= 1e6:
-            raise ConfigError(f"privacy.clip must be in (0, 1e6], got {self.clip}")
+        check_fields(self, "privacy.")
         if (self.noise_multiplier is None) == (self.target_epsilon is None):
             raise ConfigError("privacy: give exactly one of noise_multiplier (the noise's std over clip) and "
                               "target_epsilon (the whole run's epsilon at delta)")
-        if self.noise_multiplier is not None and not 0 <= self.noise_multiplier <= MAX_NOISE:
-            raise ConfigError(f"privacy.noise_multiplier must be in [0, 1e4], got {self.noise_multiplier}")
-        if self.target_epsilon is not None and not 0.01 <= self.target_epsilon <= 1e3:
-            raise ConfigError(f"privacy.target_epsilon must be in [0.01, 1000], got {self.target_epsilon}")
-        if not 0 < self.delta < 0.1:
-            raise ConfigError(f"privacy.delta must be in (0, 0.1), got {self.delta}")
-        if self.mode not in MODES:
-            raise ConfigError(f"privacy.mode must be one of {', '.join(MODES)}, got {self.mode!r:.40}")
-        for name in ("secret_noise", "allow_unmasked"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"privacy.{name} must be true or false, got {getattr(self, name)!r:.40}")
 
     @classmethod
     def parse(cls, table: Mapping[str, Any] | None) -> PrivacyConfig | None:

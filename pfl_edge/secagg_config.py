@@ -4,9 +4,10 @@ re-exports it): its keys, the rules it adds to a config, and the parameters of a
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
 
+from .config_bounds import Range, check_fields, meta
 from .config_bounds import check_table_keys as _check_keys
 from .errors import ConfigError
 
@@ -25,42 +26,33 @@ MIN_CLIENTS = 3
 
 @dataclass(frozen=True)
 class SecAggConfig:
-    """A federation's ``[secure_aggregation]`` table. ``bound``: each coordinate of an update is clipped to
-    [-bound, bound] before it is quantized (None: the privacy table's ``clip``, which bounds every coordinate
-    already); ``bits``: the quantization's (None: the most that cannot wrap, 32 - ceil(log2(clients + 1)));
-    ``degree`` and ``threshold``: SecAgg+'s graph (None: about 3 log2 n neighbours, threshold 2k/3 + 1);
-    ``step_s``: on devices, how long each step after a device's training may wait for the slow (seconds).
-    ``min_group``: 0 (one sum of every participant), or grouped secure aggregation: the round's devices split by
-    the round's public seed into groups of at least ``min_group`` (each group's sum unmasked alone: the server
-    learns sums over ``min_group`` devices or more), combined ``across`` them: "median" (the coordinate-wise
-    median of the groups' means: one hostile device moves only its group's) or "mean" (weighted by the groups'
-    sizes: the plain mean); a group whose sum fails its check is left out either way."""
+    """A federation's ``[secure_aggregation]`` table (docs/secagg.md; each key's meaning: its field's ``doc``).
+    ``min_group`` above 0 is grouped secure aggregation: the round's devices split by the round's public seed into
+    groups of at least ``min_group``, each group's sum unmasked alone (the server learns sums over ``min_group``
+    devices or more), and a group whose sum fails its check left out."""
 
-    bound: float | None = None
-    bits: int | None = None
-    degree: int | None = None
-    threshold: int | None = None
-    step_s: float = 60.0
-    min_group: int = 0
-    across: str = "median"
+    bound: float | None = field(default=None, metadata=meta(
+        "each coordinate of an update is clipped to [-bound, bound] before it is quantized (null: privacy.clip)",
+        Range(0, 1e6, lo_open=True)))
+    bits: int | None = field(default=None, metadata=meta(
+        "the quantization's bits per coordinate (null: the most that cannot wrap, 32 - ceil(log2(clients + 1)))",
+        Range(2, 31)))
+    degree: int | None = field(default=None, metadata=meta(
+        "SecAgg+'s neighbours per device (null: about 3 log2 n, even)", Range(2, 10_000)))
+    threshold: int | None = field(default=None, metadata=meta(
+        "SecAgg+'s shares needed to rebuild a secret (null: 2 degree / 3 + 1)", Range(2, 10_000)))
+    step_s: float = field(default=60.0, metadata=meta(
+        "on devices, how long each step after a device's training may wait for the slow (seconds)",
+        Range(0, 86_400, lo_open=True)))
+    min_group: int = field(default=0, metadata=meta(
+        "0: one sum of every participant; else the least devices in a group, each group's sum unmasked alone",
+        Range(MIN_CLIENTS, 100_000, off=True)))
+    across: Literal["median", "mean"] = field(default="median", metadata=meta(
+        "how the groups' means combine: their coordinate-wise median (one hostile device moves only its group's) "
+        "or their mean weighted by the groups' sizes"))
 
     def __post_init__(self) -> None:
-        if self.bound is not None and (isinstance(self.bound, bool) or not isinstance(self.bound, int | float)
-                                       or not (math.isfinite(self.bound) and 0 < self.bound <= 1e6)):
-            raise ConfigError(f"secure_aggregation.bound must be in (0, 1e6], got {self.bound!r:.40}")
-        for name, lo, hi in (("bits", 2, 31), ("degree", 2, 10_000), ("threshold", 2, 10_000)):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi):
-                raise ConfigError(f"secure_aggregation.{name} must be an integer in [{lo}, {hi}], got {v!r:.40}")
-        if isinstance(self.min_group, bool) or not isinstance(self.min_group, int) or not (
-                self.min_group == 0 or MIN_CLIENTS <= self.min_group <= 100_000):
-            raise ConfigError(f"secure_aggregation.min_group must be 0 (one group) or an integer in [{MIN_CLIENTS}, "
-                              f"100000], got {self.min_group!r:.40}")
-        if self.across not in ("median", "mean"):
-            raise ConfigError(f"secure_aggregation.across must be 'median' or 'mean', got {self.across!r:.40}")
-        if isinstance(self.step_s, bool) or not isinstance(self.step_s, int | float) or not (
-                math.isfinite(self.step_s) and 0 < self.step_s <= 86_400):
-            raise ConfigError(f"secure_aggregation.step_s must be in (0, 86400] seconds, got {self.step_s!r:.40}")
+        check_fields(self, "secure_aggregation.")
 
     @classmethod
     def parse(cls, table: Mapping[str, Any] | None) -> SecAggConfig | None:

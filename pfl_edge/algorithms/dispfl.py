@@ -26,14 +26,15 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from ..arrays import Array as Tensor
 from ..arrays import Stack, as_bool, as_float, copy, ones, ones_like, stack_states, to_numpy, unstack
-from ..errors import ConfigError, DivergedError
+from ..config_bounds import Range, check_fields, meta
+from ..errors import DivergedError
 from ..neighbourhood import neighbourhood_average
 from ..seeding import Stream
 from ..sgd import TrainResult
@@ -127,28 +128,23 @@ def sent_masks(support: Mapping[str, Tensor]) -> dict[str, Tensor]:
 
 @dataclass(frozen=True)
 class DisPFLOptions(DecentralOptions):
-    """The mask schedule: ``alpha0``, the first mask update's prune rate (cosine-annealed over the rounds, the
-    paper's 0.5), and how pruned weights regrow, ``"gradient"`` (the largest dense-gradient magnitudes, the
-    paper's) or ``"random"`` (the released scripts'). ``topology``: ``DecentralOptions``'s. ``neighbour_bound``:
-    a neighbour's model is left out of a client's average for the round where its L2 norm exceeds this many times
-    the client's own (0: no bound; a non-finite model is always left out). Before these were options,
-    ``alpha0``, ``regrow`` and ``topology`` were flat keys of the federation config; a config that has them there
-    is read as if they were here (``FederationConfig.from_dict``)."""
+    """The mask schedule (``alpha0``, ``regrow``), ``DecentralOptions``'s ``topology`` and the neighbours' screen
+    (``neighbour_bound``); each key's meaning: its field's ``doc``. A non-finite neighbour is always left out.
+    Before these were options, ``alpha0``, ``regrow`` and ``topology`` were flat keys of the federation config; a
+    config that has them there is read as if they were here (``FederationConfig.from_dict``)."""
 
-    alpha0: float = 0.5
-    regrow: Literal["gradient", "random"] = "gradient"
-    neighbour_bound: float = 10.0
+    alpha0: float = field(default=0.5, metadata=meta(
+        "the first mask update's prune rate, cosine-annealed over the rounds (the paper's 0.5)", Range(0, 1)))
+    regrow: Literal["gradient", "random"] = field(default="gradient", metadata=meta(
+        "how pruned weights regrow: the largest dense-gradient magnitudes (the paper's) or at random (the "
+        "released scripts')"))
+    neighbour_bound: float = field(default=10.0, metadata=meta(
+        "a neighbour is left out of a client's average for the round where its model's L2 norm exceeds this many "
+        "times the client's own (0: no bound)", Range(1, 1e6, off=True)))
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        a = self.alpha0
-        if isinstance(a, bool) or not isinstance(a, int | float) or not (math.isfinite(a) and 0 <= a <= 1):
-            raise ConfigError(f"alpha0 must be in [0, 1], got {a!r:.40}")
-        if self.regrow not in ("gradient", "random"):
-            raise ConfigError(f"regrow must be 'gradient' or 'random', got {self.regrow!r:.40}")
-        b = self.neighbour_bound
-        if isinstance(b, bool) or not isinstance(b, int | float) or not (b == 0 or 1 <= b <= 1e6):
-            raise ConfigError(f"neighbour_bound must be 0 (no bound) or a number in [1, 1e6], got {b!r:.40}")
+        check_fields(self)
 
 
 def _norms(weights: Stack) -> list[float]:

@@ -17,13 +17,12 @@ pins ``v`` to the global model.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..arrays import Array as Tensor
 from ..arrays import Stack, copy
-from ..errors import ConfigError
+from ..config_bounds import Range, check_fields, meta
 from ..seeding import Stream
 from ..sgd import TrainResult
 from .algorithm import register_algorithm
@@ -37,17 +36,14 @@ _PERSONAL = "personal:"  # prefix of the personal model's tensors in a client's 
 
 @dataclass(frozen=True)
 class DittoOptions:
-    lam: float = 0.1  # lambda: how strongly the personal model is pulled towards the global one
-    personal_epochs: int | None = None  # epochs of the personal model per round; None: local_epochs
+    lam: float = field(default=0.1, metadata=meta(
+        "lambda: how strongly the personal model is pulled towards the global one", Range(0, 1e6)))
+    personal_epochs: int | None = field(default=None, metadata=meta(
+        "epochs of the personal model per round (null: local_epochs)", Range(1, 1_000)))
 
     def __post_init__(self) -> None:
-        if isinstance(self.lam, bool) or not isinstance(self.lam, int | float) or not (
-                math.isfinite(self.lam) and 0 <= self.lam <= 1e6):
-            raise ConfigError(f"ditto's lam must be a number in [0, 1e6], got {self.lam!r:.40}")
+        check_fields(self, "ditto's ")
         object.__setattr__(self, "lam", float(self.lam))
-        e = self.personal_epochs
-        if e is not None and (isinstance(e, bool) or not isinstance(e, int) or not 1 <= e <= 1_000):
-            raise ConfigError(f"ditto's personal_epochs must be an integer in [1, 1000] (or absent), got {e!r:.40}")
 
 
 def personal_part(state: Mapping[str, Tensor]) -> Stack:

@@ -14,10 +14,11 @@ with the other part's gradients left unapplied (``trainable``), so FedRep needs 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..arrays import Stack
+from ..config_bounds import Range, check_fields, meta
 from ..errors import ConfigError
 from ..seeding import Stream
 from ..sgd import TrainResult
@@ -33,12 +34,11 @@ __all__ = ["FedRep", "FedRepOptions"]
 
 @dataclass(frozen=True)
 class FedRepOptions:
-    head_epochs: int = 10  # epochs of the head alone per round, before the base's local_epochs
+    head_epochs: int = field(default=10, metadata=meta(
+        "epochs of the head alone per round (base frozen), before the base's local_epochs", Range(0, 1_000)))
 
     def __post_init__(self) -> None:
-        e = self.head_epochs
-        if isinstance(e, bool) or not isinstance(e, int) or not 0 <= e <= 1_000:
-            raise ConfigError(f"fedrep's head_epochs must be an integer in [0, 1000], got {e!r:.40}")
+        check_fields(self, "fedrep's ")
 
 
 @register_algorithm("fedrep")

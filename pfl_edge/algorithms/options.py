@@ -4,9 +4,10 @@ config's ``options`` table (``Algorithm.Options``)."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from ..config_bounds import Range, check_fields, meta
 from ..errors import ConfigError
 
 if TYPE_CHECKING:
@@ -29,12 +30,12 @@ def check_topology(topology: str | None) -> None:
 
 @dataclass(frozen=True)
 class DecentralOptions:
-    """What every decentralised algorithm (DisPFL, D-PSGD) takes: ``topology``, each round's neighbour graph
-    (``random:K``, ``ring``, ``full``; None: ``random:K`` with K = min(10, clients - 1), the paper's 10
-    neighbours). Before it was an option, it was a flat key of the federation config; a config that has it there
-    is read as if it were here (``pfl_edge.config_migration``)."""
+    """What every decentralised algorithm (DisPFL, D-PSGD) takes: ``topology`` (its field's ``doc``; the default's
+    K is the paper's 10 neighbours). Before it was an option, it was a flat key of the federation config; a config
+    that has it there is read as if it were here (``pfl_edge.config_migration``)."""
 
-    topology: str | None = None
+    topology: str | None = field(default=None, metadata=meta(
+        "each round's neighbour graph: random:K, ring or full (null: random:K, K = min(10, clients - 1))"))
 
     def __post_init__(self) -> None:
         check_topology(self.topology)
@@ -46,36 +47,27 @@ class DecentralOptions:
 
 @dataclass(frozen=True)
 class FinetuneOptions:
-    """How a -FT baseline fine-tunes what its clients deploy (not kept).
+    """How a -FT baseline fine-tunes what its clients deploy (not kept); each key's meaning: its field's ``doc``.
 
-    ``ft_every``: 1 fine-tunes in every round (pfl-edge's default, the strongest at short budgets); K > 1 in
-    rounds K, 2K, ... and the last; 0 in the last round only. A round that does not fine-tune deploys (and
-    evaluates) the model as is.
-
-    ``ft_recipe``: ``"pfl-edge"`` trains for the config's ``ft_epochs`` at the round's decayed learning rate;
-    ``"reference"`` as the DisPFL authors' code does (``client.train(w, -1)``): for the local epoch count, at
-    ``lr * lr_decay ** -1`` whatever the round.
-
-    ``ft_from`` (D-PSGD-FT): what each client fine-tunes: its neighbourhood average of the round
-    (``"neighbourhood"``); the uniform mean of every client's trained model (``"uniform"``, the reference's
-    ``w_global``); or ``"all"``, the mean of every client's neighbourhood average (pfl-edge's earlier reading of
-    the reference: it weights a client by how many neighbourhoods hold it).
+    ``ft_every``: 1 (every round) is pfl-edge's default, the strongest at short budgets; a round that does not
+    fine-tune deploys (and evaluates) the model as is. ``ft_recipe = "reference"`` is as the DisPFL authors' code
+    does (``client.train(w, -1)``), whatever the round. ``ft_from = "all"`` was pfl-edge's earlier reading of the
+    reference's ``w_global`` (``"uniform"``): it weights a client by how many neighbourhoods hold it.
 
     The reference's baselines: FedAvg-FT ``ft_every = 0, ft_recipe = "reference"``; D-PSGD-FT ``ft_every = 100,
     ft_from = "uniform", ft_recipe = "reference"`` (docs/algorithms.md)."""
 
-    ft_every: int = 1
-    ft_from: Literal["neighbourhood", "uniform", "all"] = "neighbourhood"
-    ft_recipe: Literal["pfl-edge", "reference"] = "pfl-edge"
+    ft_every: int = field(default=1, metadata=meta(
+        "which rounds fine-tune: 1 every round, K rounds K, 2K, ... and the last, 0 the last only",
+        Range(0, 1_000_000)))
+    ft_from: Literal["neighbourhood", "uniform", "all"] = field(default="neighbourhood", metadata=meta(
+        "D-PSGD-FT: what a client fine-tunes: its neighbourhood average of the round, the uniform mean of every "
+        "client's trained model, or all: the mean of every neighbourhood average"))
+    ft_recipe: Literal["pfl-edge", "reference"] = field(default="pfl-edge", metadata=meta(
+        "pfl-edge: ft_epochs at the round's lr; reference: the local epoch count at lr * lr_decay ** -1"))
 
     def __post_init__(self) -> None:
-        e = self.ft_every
-        if isinstance(e, bool) or not isinstance(e, int) or not 0 <= e <= 1_000_000:
-            raise ConfigError(f"ft_every must be an integer >= 0 (0: the last round only), got {e!r:.40}")
-        if self.ft_from not in ("neighbourhood", "uniform", "all"):
-            raise ConfigError(f"ft_from must be 'neighbourhood', 'uniform' or 'all', got {self.ft_from!r:.40}")
-        if self.ft_recipe not in ("pfl-edge", "reference"):
-            raise ConfigError(f"ft_recipe must be 'pfl-edge' or 'reference', got {self.ft_recipe!r:.40}")
+        check_fields(self)
 
     def due(self, t: int, rounds: int) -> bool:
         """Does round ``t`` of ``rounds`` fine-tune?"""

@@ -59,7 +59,7 @@ def test_an_earlier_run_of_another_algorithm_reads_and_a_stray_value_is_refused(
         FederationConfig.from_dict({"algorithm": "dispfl", "clients": 4})) == "random:3"  # the default: min(10, N-1)
     with pytest.raises(ConfigError, match="given twice"):
         FederationConfig.from_dict({**BASE, "algorithm": "dispfl", "alpha0": 0.3, "options": {"alpha0": 0.4}})
-    with pytest.raises(ConfigError, match="alpha0 must be in"):
+    with pytest.raises(ConfigError, match="alpha0 must be"):
         FederationConfig.from_dict({**BASE, "algorithm": "dispfl", "alpha0": 1.5})
     with pytest.raises(ConfigError, match="regrow must be"):
         FederationConfig.from_dict({**BASE, "algorithm": "dispfl", "options": {"regrow": "sideways"}})
