@@ -2,11 +2,11 @@
 
 Robust aggregation (a server's round, or anyone holding a round's updates): every update's difference from the
 round's start model is first clipped to a norm bound (``AggregationRule.bounds``: an absolute ``max_update_norm``,
-or by default ``norm_multiple`` (3) times the low median of the norms of the round's *other* updates -- a relative
-bound needs no tuning per model or learning rate, the update being judged never counts towards its own bound, and
-the low median (the lower middle value of an even count) is one of the honest norms while honest updates are at
-least half of the others; a round of fewer than 3 updates takes the previous round's norms into its median as
-well), then combined by the rule:
+or by default ``norm_multiple`` (1, ``pfl_edge.protocol.DEFAULT_NORM_MULTIPLE``) times the low median of the norms
+of the round's *other* updates -- a relative bound needs no tuning per model or learning rate, the update being
+judged never counts towards its own bound, and the low median (the lower middle value of an even count) is one of
+the honest norms while honest updates are at least half of the others; a round of fewer than 3 updates takes the
+previous round's norms into its median as well), then combined by the rule:
 ``mean`` (weighted by training samples, streamable), ``clipped-mean`` (equal weights: a device's weight is a
 number it reports), ``median`` (coordinate-wise) or ``trimmed-mean`` (coordinate-wise, ``trim`` of the updates
 dropped from each end). The last two ignore weights too.
@@ -26,6 +26,7 @@ from torch import Tensor
 
 from .errors import ConfigError
 from .neighbourhood import neighbourhood_average
+from .protocol import DEFAULT_NORM_MULTIPLE
 
 __all__ = [
     "DEFAULT_RULE",
@@ -194,7 +195,7 @@ class AggregationRule:
 
     rule: str = "mean"
     max_update_norm: float | None = None
-    norm_multiple: float | None = 3.0
+    norm_multiple: float | None = DEFAULT_NORM_MULTIPLE
     trim: float = 0.2
 
     def __post_init__(self) -> None:
@@ -242,7 +243,8 @@ class AggregationRule:
 
 
 #: the rule a server aggregates with unless its federation says otherwise (``pfl_edge.protocol.AggregationSettings``'s
-#: defaults: the mean, each update held to 3x the round's others' median norm); the simulator's too
+#: defaults: the mean, each update held to ``DEFAULT_NORM_MULTIPLE`` (1) x the low median of the round's others'
+#: norms); the simulator's too
 DEFAULT_RULE = AggregationRule()
 
 

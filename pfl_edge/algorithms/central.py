@@ -257,12 +257,13 @@ class CentralSimulation(Simulation):
 
     def _bounded(self, t: int, participants: Tensor, losses: list[tuple[Tensor, Tensor]]) -> dict[str, Tensor]:
         """Round ``t``'s base as a server at its default aggregation makes it (``DEFAULT_RULE``: each update held
-        to 3x the low median of the round's other updates' norms, the last round's too in a round of fewer than 3;
-        then the sample-weighted mean, in slot order), so that the simulator and a federation of devices publish
-        the same bases. Memory stays one chunk's: the first pass trains and averages the updates as they come,
-        keeping only their norms; where the bounds then hold any update back, the round is trained again from
-        the same start (the same streams and chunks: the same numbers) and averaged held to them. Honest rounds
-        rarely clip; a small sampled round of unequal clients may (issue 47's matrix: FedRep, two a round)."""
+        to ``DEFAULT_NORM_MULTIPLE`` (1) x the low median of the round's other updates' norms, the last round's too
+        in a round of fewer than 3; then the sample-weighted mean, in slot order), so that the simulator and a
+        federation of devices publish the same bases. Memory stays one chunk's: the first pass trains and averages
+        the updates as they come, keeping only their norms; where the bounds then hold any update back, the round
+        is trained again from the same start (the same streams and chunks: the same numbers) and averaged held to
+        them. At a multiple of 1 nearly every round clips (each update above the others' low median), so such a
+        round trains twice (the cost: BENCHMARKS.md, "Issue 49")."""
         from ..aggregate import DEFAULT_RULE, update_norm
 
         algo, base = self.central, self.base

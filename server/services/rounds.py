@@ -19,7 +19,7 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 from torch import Tensor
 
-from pfl_edge.aggregate import MIN_UPDATES, AggregationRule, update_norm
+from pfl_edge.aggregate import DEFAULT_RULE, MIN_UPDATES, AggregationRule, update_norm
 from pfl_edge.codec import encode
 from pfl_edge.errors import InternalError
 from pfl_edge.federation import FederationConfig
@@ -234,11 +234,12 @@ class RoundMachine:
                 sums: Sequence[Sum] = (), ids: Sequence[int] = (), history: Sequence[float] = (),
                 noise: np.random.Generator | None = None) -> dict[str, Tensor]:
         """The aggregation of the uploads ``(digest, n_samples, kp[, norm])`` into the model ``start`` under ``rule``
-        (default: the weighted mean, each update clipped to 3x the round's median update norm), in slot order
+        (default ``DEFAULT_RULE``: the weighted mean, each update clipped to the low median of the round's other
+        updates' norms times ``DEFAULT_NORM_MULTIPLE``), in slot order
         (so the result does not depend on which device finished first). ``mean`` is the algorithm's own
         aggregation (the simulator's), streamed from the blob store one update at a time; an update within the
         bound is passed on untouched, so where none is clipped the result equals the simulator's to the bit."""
-        rule = rule or AggregationRule()
+        rule = rule or DEFAULT_RULE
         prev = self.blobs.load(start, fm).tensors
         rows = [(u[0], u[1], u[2], u[3] if len(u) == 4 else None) for u in ups]
 

@@ -145,9 +145,10 @@ def test_sampled_devices_match_simulator(tmp_path: Path, algorithm: str) -> None
 @pytest.mark.needs_fmnist
 def test_a_round_the_servers_bound_clips_is_the_simulators_too(tmp_path: Path) -> None:
     """FedRep, two devices a round, 10 head epochs: in round 2 one update's norm is over 3x the other's, so the
-    server's default aggregation holds it back (issue 47's matrix found the simulator did not). The simulator
-    trains that round again held to the same bounds: devices aggregated as the server does end with its models,
-    bit for bit, and the clip did happen (without it they would differ)."""
+    server's default aggregation (1x since issue 49, 3x before: either clips it) holds it back (issue 47's matrix
+    found the simulator did not). The simulator trains that round again held to the same bounds: devices
+    aggregated as the server does end with its models, bit for bit, and the clip did happen (without it they
+    would differ)."""
     from pfl_edge.aggregate import DEFAULT_RULE, update_norm
 
     cfg = SimConfig(algorithm="fedrep", kp=2, participation=0.5, dataset="fashion-mnist", partition="pathological:2",

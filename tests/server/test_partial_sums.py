@@ -16,7 +16,7 @@ import torch
 from server_testkit import BETA, FEDPER, Dev, create, perturbed, wait_for
 from sqlalchemy import select
 
-from pfl_edge.aggregate import AggregationRule, PartialAverage, robust_aggregate
+from pfl_edge.aggregate import DEFAULT_RULE, AggregationRule, PartialAverage, robust_aggregate, update_norm
 from pfl_edge.codec import encode
 from pfl_edge.split import take
 from server.db import PartialSum, Round, make_engine
@@ -119,7 +119,9 @@ def _round_one(replicas: list[BackgroundServer], fed: str, config: dict[str, Any
 
 
 def test_two_replicas_close_a_round_from_their_sums(replicas: list[BackgroundServer], pg_url: str) -> None:
-    a, devs, base_keys, _, ups = _round_one(replicas, "ps", FEDPER)
+    # a multiple of 3 that none of these four similar updates reaches, so that every sum may merge; at the default
+    # (1) the updates above the others' low median are clipped and read one by one (the test below)
+    a, devs, base_keys, _, ups = _round_one(replicas, "ps", FEDPER, aggregation={"norm_multiple": 3})
     sessions = make_sessionmaker(make_engine(Settings(database_url=pg_url).resolved_database_url))
 
     def summed() -> set[int]:
@@ -148,13 +150,64 @@ def test_two_replicas_close_a_round_from_their_sums(replicas: list[BackgroundSer
         torch.testing.assert_close(got[k].double(), want, rtol=0, atol=1e-6)
 
 
+def test_replicas_sums_at_the_default_rule_merge_within_the_bound_and_clip_the_rest(
+        replicas: list[BackgroundServer], pg_url: str) -> None:
+    """At the default rule (each update held to 1x the low median of the others' norms) two replicas' sums: the
+    replica holding the two smallest updates (norms s, 2s; its largest, 2s, is the round's least bound) is merged
+    whole, the other's (3s, 4s: both over their bounds, 2s) read one by one and clipped. The published base is the
+    float64 reference of the clipped weighted mean, as the simulator's ``DEFAULT_RULE`` makes it."""
+    a, devs, base_keys, init, _ = _round_one(replicas, "dr", FEDPER)  # no aggregation: the default rule
+    start = take(init, base_keys)
+    g = torch.Generator().manual_seed(7)
+    # devices 0 and 2 enrolled through the first replica, 1 and 3 through the second; step sizes 1, 3, 2, 4
+    ups = [({k: v + 0.01 * s * torch.randn(v.shape, generator=g) for k, v in start.items()}, float(10 + 7 * i))
+           for i, s in enumerate((1.0, 3.0, 2.0, 4.0))]
+    ups = [({k: v.float() for k, v in x.items()}, n) for x, n in ups]
+    norms = [update_norm(start, x) for x, _ in ups]
+    assert sorted(range(4), key=norms.__getitem__) == [0, 2, 1, 3]
+    bounds = DEFAULT_RULE.bounds(norms)
+    assert bounds == [norms[1], norms[2], norms[1], norms[2]] and min(bounds) == norms[2]  # (1 x the low median)
+    sessions = make_sessionmaker(make_engine(Settings(database_url=pg_url).resolved_database_url))
+
+    def summed() -> int:
+        with sessions() as s:
+            return sum(len(p.updates) for p in s.scalars(select(PartialSum)))
+
+    for i in (0, 2, 1):
+        x, n = ups[i]
+        assert devs[i].update(1, devs[i].put(encode(x, model_id=devs[i].fm.model_id, round=1)), int(n)).json()[
+            "accepted"]
+    wait_for(lambda: summed() == 3, what="both replicas' sums of the first three updates")
+    x, n = ups[3]
+    assert devs[3].update(1, devs[3].put(encode(x, model_id=devs[3].fm.model_id, round=1)), int(n)).json()["accepted"]
+    wait_for(lambda: a.get("/v1/federations/dr", headers={"Authorization": f"Bearer {ADMIN}"}).json()["state"]
+             == "finished", what="the round's close")
+    merged = [s.app_state.coordinator.rounds.merged.get(("dr", 1)) for s in replicas if s.app_state is not None]
+    assert next(m for m in merged if m is not None) == (2, 1)  # updates 0 and 2, from one sum; 1 and 3 read
+    with sessions() as s:
+        digest = s.scalar(select(Round.base_digest).where(Round.federation == "dr", Round.round == 1))
+    assert digest is not None
+    got = devs[0].get(digest).tensors
+    total = sum(n for _, n in ups)
+    scale = [min(1.0, b / m) for b, m in zip(bounds, norms, strict=True)]
+    assert scale[0] == scale[2] == 1.0 and scale[1] < 1 and scale[3] < 1
+    for k in base_keys:
+        p = start[k].double()
+        want = sum(n * (p + (x[k].double() - p) * c) for (x, n), c in zip(ups, scale, strict=True)) / total
+        torch.testing.assert_close(got[k].double(), want, rtol=0, atol=1e-6, msg=k)
+        plain = sum(n * x[k].double() for x, n in ups) / total
+        assert not torch.allclose(got[k].double(), plain, atol=1e-5), "nothing was clipped"
+
+
 @pytest.mark.parametrize("aggregation", [None, {"rule": "median"}])
 def test_replicas_sums_and_robust_rules_go_through_the_algorithms_aggregate(
         replicas: list[BackgroundServer], pg_url: str, mixing: str, aggregation: dict[str, str] | None) -> None:
     """The server never replaces an algorithm's aggregate: with the replicas' partial sums merged (the mean) or a
     robust rule (the median), a toy algorithm's beta mixing is applied to what the rule gives."""
+    # the mean at a multiple of 3, which none of these four similar updates reaches, so that the sums merge (at the
+    # default, 1, half of them would be clipped and read one by one: the test above)
     a, devs, base_keys, init, ups = _round_one(replicas, "mx", {**FEDPER, "algorithm": mixing},
-                                               **({} if aggregation is None else {"aggregation": aggregation}))
+                                               aggregation=aggregation or {"norm_multiple": 3})
     sessions = make_sessionmaker(make_engine(Settings(database_url=pg_url).resolved_database_url))
 
     def summed() -> int:

@@ -18,6 +18,7 @@ from fastapi.testclient import TestClient
 from server_testkit import FEDPER, SECRET, bearer, create, fed_state, perturbed, wait_for
 from sqlalchemy import select
 
+from pfl_edge.aggregate import DEFAULT_RULE
 from pfl_edge.codec import decode, encode
 from server.app import create_app
 from server.db import Device, Federation, Update
@@ -107,13 +108,20 @@ def test_plain_mean_with_the_default_bound_and_clamped_weights(client: TestClien
     assert got["declared"] == [48, 48, 48, 48, 48]  # undeclared at enrolment: its first counted update binds
     norms = [_norm(u, base) for u in [*honest, attack]]
     assert got["norms"] == pytest.approx(norms, rel=1e-9)  # computed by the server as it accepted each update
-    bound = 3 * statistics.median_low(norms[:4])  # the attacker's: the others' norms, never its own
-    assert bound < 3 * statistics.median_low(norms)  # (the median of all five would be a larger honest norm)
-    clipped = {k: base[k] + (attack[k] - base[k]) * (bound / norms[4]) for k in base}
-    want = {k: (sum(u[k] for u in honest) + clipped[k]) / 5 for k in base}
+    m = DEFAULT_RULE.norm_multiple
+    assert m == 1.0  # the default since issue 49 (3 before)
+    # each update's bound, by hand: m x the low median of the *other* four norms, never its own
+    bounds = [m * statistics.median_low(norms[:i] + norms[i + 1:]) for i in range(5)]
+    bound = bounds[4]
+    assert bound == m * statistics.median_low(norms[:4]) < m * statistics.median_low(norms)  # (all five: larger)
+    scale = [min(1.0, b / n) for b, n in zip(bounds, norms, strict=True)]
+    assert scale[4] < 1e-4 and sum(c < 1 for c in scale[:4]) == 2  # at 1x the two honest updates above it too
+    ups = [*honest, attack]
+    clipped = [{k: base[k] + (u[k] - base[k]) * c for k in base} for u, c in zip(ups, scale, strict=True)]
+    want = {k: sum(u[k] for u in clipped) / 5 for k in base}
     for k in base:
         assert torch.allclose(got["published"][k], want[k], atol=1e-7, rtol=1e-6), k
-    honest_avg = {k: sum(u[k] for u in honest) / 4 for k in base}
+    honest_avg = {k: sum(u[k] for u in clipped[:4]) / 4 for k in base}
     # the attacker's weight is 1/5 (its dealt share, as every slot's) and its difference is clipped to the bound
     moved = _norm(got["published"], honest_avg)
     assert moved <= (bound + _norm(honest_avg, base)) / 5 + 1e-4 and moved <= bound
@@ -121,8 +129,9 @@ def test_plain_mean_with_the_default_bound_and_clamped_weights(client: TestClien
 
 def test_a_round_of_two_bounds_the_attacker_by_the_honest_norm_and_publishes_finite(client: TestClient) -> None:
     """A round with 2 updates (min_devices 2 of 5: a sampled or thin round): the median of two was their mean, so
-    nothing was clipped and a 1e30 update was published. Now the bound is 3x the low median (the honest norm):
-    the attacker is clipped to it and the published base is finite, within 2x the honest step of the start."""
+    nothing was clipped and a 1e30 update was published. Now the bound is the default multiple (1) of the low
+    median (the honest norm): the attacker is clipped to it and the published base is finite, within (1 + 1) / 2
+    of the honest step of the start."""
     create(client, ADMIN, "r2", CONFIG, min_devices=2)
     devs = [_Device(client, "r2", i, HONEST_N) for i in range(2)]
     wait_for(lambda: fed_state(client, ADMIN, "r2") == (1, "collecting"), what="round 1 collecting")
@@ -140,7 +149,7 @@ def test_a_round_of_two_bounds_the_attacker_by_the_honest_norm_and_publishes_fin
     published = {k: whole[k].double() for k in base}
     assert all(bool(v.isfinite().all()) for v in published.values())
     step = _norm({k: v.float().double() for k, v in honest.items()}, base)
-    assert _norm(published, base) <= 2 * step + 1e-4  # (honest + 3x honest) / 2 at the most
+    assert _norm(published, base) <= (1 + DEFAULT_RULE.norm_multiple) / 2 * step + 1e-4  # (honest + m x honest) / 2
 
 
 @pytest.mark.parametrize("bad", [{"rule": "mode"}, {"trim": 0.5}, {"max_update_norm": 0}, {"norm_multiple": 0.5},
@@ -182,8 +191,8 @@ def test_a_sampled_round_of_two_with_a_1e30_update_publishes_a_finite_bounded_ba
                                                                                   own_data: bool) -> None:
     """Participation 0.5 of 4 slots: every round is a round of 2, the first one without a previous round to
     bound by. One of the two drawn devices sends 1e30 with 2^31-1 samples: it is judged by the other's norm alone
-    (3x it), so the published base is finite and within 2x the honest step; the same where devices bring their
-    own data (every update counting 1)."""
+    (the default 1x it), so the published base is finite and within the honest step (at most the mean of two
+    updates of its norm); the same where devices bring their own data (every update counting 1)."""
     from pfl_edge.algorithms import sample_participants
 
     cfg = {**CONFIG, "clients": 4, "participation": 0.5}
@@ -207,4 +216,4 @@ def test_a_sampled_round_of_two_with_a_1e30_update_publishes_a_finite_bounded_ba
     published = {k: whole[k].double() for k in base}
     assert all(bool(v.isfinite().all()) for v in published.values())
     step = _norm({k: v.float().double() for k, v in honest.items()}, base)
-    assert _norm(published, base) <= 2 * step + 1e-4
+    assert _norm(published, base) <= (1 + DEFAULT_RULE.norm_multiple) / 2 * step + 1e-4  # equal weights: the mean
