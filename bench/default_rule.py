@@ -31,9 +31,10 @@ The simulator, unchanged but for two hooks:
   out (its codec would refuse to send NaN/Inf), where the simulator would stop the run. A run whose base still went
   non-finite is recorded as lost (``diverged``).
 
-Candidates: ``default`` (today's: mean weighted by samples, each update clipped to 3x the low median of the others'
-norms), ``mean-nm1`` (the same at 1x), ``clipped-mean-nm1`` (equal weights, 1x), ``trimmed-mean`` (trim 0.2: one of
-five dropped from each end, per coordinate; bound 3x), ``median`` (coordinate-wise; bound 3x). Results (written
+Candidates: ``default`` (the default when this was measured, before issue 49 made ``mean-nm1``'s multiple the
+default: mean weighted by samples, each update clipped to 3x the low median of the others' norms; "today's" below
+means this), ``mean-nm1`` (the same at 1x), ``clipped-mean-nm1`` (equal weights, 1x), ``trimmed-mean`` (trim 0.2:
+one of five dropped from each end, per coordinate; bound 3x), ``median`` (coordinate-wise; bound 3x). Results (written
 after every run; ``--resume`` keeps the runs an earlier file holds) in bench/results/default_rule.json and the plot
 bench/results/default_rule.png.
 
@@ -42,6 +43,9 @@ bench/results/default_rule.png.
     .venv/bin/python bench/default_rule.py --seeds 0,1,2,3,4,5,6,7,8,9 --large-rules trimmed-mean,mean-nm1,median \
         --large-seeds 0,1,2
     .venv/bin/python bench/default_rule.py --phase small --seeds 0 --rules default,median   # a quick look
+    # issue 49's check on one torch thread (float sums round otherwise than on two): 20 seeds
+    .venv/bin/python bench/default_rule.py --phase small --rules default,mean-nm1 --threads 1 \
+        --seeds 0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19 --out bench/results/default_rule_threads1.json
 """
 
 from __future__ import annotations
@@ -77,11 +81,12 @@ from pfl_edge.sim import SimConfig, simulate  # noqa: E402
 from server.services.updates import counted_samples  # noqa: E402
 
 RULES: dict[str, AggregationRule] = {
-    "default": AggregationRule(),
+    # "default": the default when this was measured (3x), which issue 49 then changed to mean-nm1's multiple
+    "default": AggregationRule(norm_multiple=3.0),
     "mean-nm1": AggregationRule(norm_multiple=1.0),
     "clipped-mean-nm1": AggregationRule("clipped-mean", norm_multiple=1.0),
-    "trimmed-mean": AggregationRule("trimmed-mean", trim=0.2),
-    "median": AggregationRule("median"),
+    "trimmed-mean": AggregationRule("trimmed-mean", norm_multiple=3.0, trim=0.2),
+    "median": AggregationRule("median", norm_multiple=3.0),
 }
 ATTACKER_SLOT = 4
 HONEST = 4  # clients 0-3
@@ -170,7 +175,7 @@ def one_run(hooks: Hooks, setting: str, rule: str, attacked: bool, seed: int, ro
     cfg = {**(SMALL if setting == "small" else LARGE), "seed": seed}
     if rounds is not None:
         cfg["rounds"] = rounds
-    aggregate.DEFAULT_RULE = RULES[rule]
+    shipped, aggregate.DEFAULT_RULE = aggregate.DEFAULT_RULE, RULES[rule]
     hooks.attack, hooks.log, hooks.skipped = attacked, [], set()
     t0 = time.perf_counter()
     diverged = None
@@ -179,7 +184,7 @@ def one_run(hooks: Hooks, setting: str, rule: str, attacked: bool, seed: int, ro
     except DivergedError as e:  # the base itself non-finite: recorded, the run counts as lost
         diverged, res = str(e), None
     finally:
-        aggregate.DEFAULT_RULE = RULES["default"]
+        aggregate.DEFAULT_RULE = shipped
         hooks.attack = False
     wall = time.perf_counter() - t0
     honest = HONEST if setting == "small" else cfg["clients"]
@@ -324,7 +329,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "default_rule.json"))
     p.add_argument("--resume", action="store_true", help="keep the runs the output file already holds")
     p.add_argument("--replot", action="store_true", help="only redraw the plot from the output file")
+    p.add_argument("--threads", type=int, default=None, help="torch's threads (default: torch's own choice)")
     a = p.parse_args(argv)
+    if a.threads is not None:
+        torch.set_num_threads(a.threads)
     out = Path(a.out)
     if a.replot:
         plot(json.loads(out.read_text()), out.with_suffix(".png"))

@@ -31,7 +31,8 @@ from server.fedmodel import fed_model
 
 RULES = {
     "mean, no bound": AggregationRule(norm_multiple=None),
-    "mean, 3x median norm bound (default)": AggregationRule(),
+    "mean, 3x median norm bound (the default before issue 49)": AggregationRule(norm_multiple=3.0),
+    "mean, 1x median norm bound (default)": AggregationRule(),
     "mean, absolute bound": AggregationRule(max_update_norm=10.0),
     "clipped-mean": AggregationRule("clipped-mean"),
     "median": AggregationRule("median"),

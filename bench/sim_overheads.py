@@ -5,12 +5,23 @@
 engine. Writes ``bench/results/sim_overheads.json``.
 
     .venv/bin/python bench/sim_overheads.py
+
+``--rule-cost`` (issue 49) measures instead what the default aggregation rule costs the simulator: a round whose
+bounds clip any update is trained twice (``CentralSimulation._bounded``'s second pass, held to the bounds), and at
+the default multiple of 1 nearly every round clips. The FedPer reproduction's setting (``bench/default_rule.py``'s
+LARGE: 10 clients of 1,000 samples, 2 local epochs) cut to ``--rounds``, at ``norm_multiple`` 3 (the default
+before) and 1 (now) alternately, A B B A; each run's wall time and the rounds it trained twice. Writes
+``bench/results/sim_overheads_rule.json``.
+
+    .venv/bin/python bench/sim_overheads.py --rule-cost [--rounds 3]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -24,6 +35,7 @@ from pfl_edge.seeding import generator
 from pfl_edge.train import ClientTensors, TrainConfig, train
 
 OUT = Path(__file__).resolve().parent / "results" / "sim_overheads.json"
+RULE_OUT = OUT.with_name("sim_overheads_rule.json")
 
 
 def _average(model_state: dict[str, torch.Tensor], n: int) -> dict[str, float]:
@@ -71,7 +83,59 @@ def _engines(model: torch.nn.Module, clients: int, samples: int) -> dict[str, fl
     return out
 
 
+def _rule_cost(rounds: int) -> dict[str, object]:
+    """Each run: the simulator at ``norm_multiple`` m (``DEFAULT_RULE`` set, as bench/default_rule.py sets it),
+    its wall time, and per round how many times it trained (2: a bound clipped an update)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from default_rule import LARGE
+
+    import pfl_edge.aggregate as aggregate
+    from pfl_edge.aggregate import AggregationRule
+    from pfl_edge.algorithms.central import CentralSimulation
+    from pfl_edge.sim import SimConfig, simulate
+
+    passes: dict[int, int] = {}
+    orig = CentralSimulation._trained
+
+    def trained(sim, t, participants, losses):  # type: ignore[no-untyped-def]
+        passes[t] = passes.get(t, 0) + 1
+        return orig(sim, t, participants, losses)
+
+    CentralSimulation._trained = trained  # type: ignore[method-assign]
+    torch.set_num_threads(1)  # on 2 threads beside other work OpenMP's spinning slowed runs 10-20x
+    runs = []
+    try:
+        for m in (3.0, 1.0, 1.0, 3.0):
+            aggregate.DEFAULT_RULE = AggregationRule(norm_multiple=m)
+            passes.clear()
+            load = os.getloadavg()[0]
+            t = time.perf_counter()
+            res = simulate(SimConfig.from_dict({**LARGE, "rounds": rounds, "seed": 0}), progress=False)
+            wall = time.perf_counter() - t
+            runs.append({"norm_multiple": m, "wall_s": wall, "passes_per_round": [passes[r] for r in sorted(passes)],
+                         "final_acc": sum(res["final"]["client_acc"]) / len(res["final"]["client_acc"]),
+                         "load_average_start": load})
+            print(json.dumps(runs[-1]), flush=True)
+    finally:
+        CentralSimulation._trained = orig  # type: ignore[method-assign]
+        aggregate.DEFAULT_RULE = AggregationRule()
+    mean = {m: sum(r["wall_s"] for r in runs if r["norm_multiple"] == m) / 2 for m in (3.0, 1.0)}
+    return {"setting": {**LARGE, "rounds": rounds, "seed": 0}, "runs": runs, "mean_wall_s": mean,
+            "wall_nm1_over_nm3": mean[1.0] / mean[3.0], "torch_threads": torch.get_num_threads()}
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rule-cost", action="store_true", help="the default rule's second pass (issue 49) instead")
+    ap.add_argument("--rounds", type=int, default=3, help="--rule-cost: rounds of each run")
+    args = ap.parse_args()
+    if args.rule_cost:
+        res = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "load_average_start": os.getloadavg(),
+               "rule_cost": _rule_cost(args.rounds), "load_average_end": os.getloadavg()}
+        RULE_OUT.parent.mkdir(parents=True, exist_ok=True)
+        RULE_OUT.write_text(json.dumps(res, indent=1))
+        print(json.dumps(res, indent=1))
+        return
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = get_model("cnn", num_classes=10, in_channels=1)
