@@ -41,7 +41,7 @@ CONFIG: dict[str, Any] = dict(algorithm="fedper", dataset="fashion-mnist", parti
 # the plain sample-weighted mean (no clipping of update norms), on the server and, for the comparison, in the
 # simulator too (_simulate): the arithmetic alone. At the default rule (1x the others' low median since issue 49;
 # 3x before clipped nothing here) the Ditto run's JS model was 1.8e-4 off the simulator's at most, past the 1e-4
-# tolerance (2e-5 to 3e-5 at the plain mean), as the clipped updates carry the JS device's float32 differences from torch
+# tolerance (2e-5 to 3e-5 at the plain mean), as the clipped updates carry the JS device's float32 differences
 EXACT_MEAN = {"rule": "mean", "max_update_norm": None, "norm_multiple": None, "max_samples": 1_000_000}
 BASE_KEYS = {"conv1.0.weight", "conv1.0.bias", "conv2.0.weight", "conv2.0.bias", "fc1.1.weight", "fc1.1.bias"}
 
