@@ -38,3 +38,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _two_threads() -> None:
     # the suite runs on 2 cores; keep torch from oversubscribing when tests run in parallel
     os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+
+@pytest.fixture
+def plain_mean(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The simulator's server rule as the plain, unclipped mean for one test: for a test whose subject is not the
+    aggregation bound (an identity between algorithms, a count of training calls), since the default rule (1x the
+    others' low median, issue 49) clips honest updates and trains a round twice in the simulator."""
+    import pfl_edge.aggregate as aggregate
+
+    monkeypatch.setattr(aggregate, "DEFAULT_RULE", aggregate.AggregationRule(norm_multiple=None))

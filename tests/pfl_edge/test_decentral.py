@@ -66,7 +66,7 @@ def test_dispfl_sends_fewer_bytes_and_flops_than_dpsgd() -> None:
     assert len(d["mask_analysis"]["hamming"]) == 6
 
 
-def test_dpsgd_on_a_full_graph_with_equal_data_is_fedavg() -> None:
+def test_dpsgd_on_a_full_graph_with_equal_data_is_fedavg(plain_mean: None) -> None:
     base = {**QUICK, "rounds": 2}
     a = simulate(SimConfig.from_dict({**base, "algorithm": "dpsgd", "topology": "full"}), progress=False)
     b = simulate(SimConfig.from_dict({**base, "algorithm": "fedavg"}), progress=False)

@@ -69,7 +69,8 @@ def test_reference_recipe_trains_local_epochs_at_the_references_lr_from_the_unif
     assert not torch.allclose(calls[1]["start"][k][0], calls[0]["out"][k].double().mean(0).float(), atol=1e-6)
 
 
-def test_fedavg_ft_under_the_reference_recipe_fine_tunes_once_at_the_end(calls: list[dict[str, Any]]) -> None:
+def test_fedavg_ft_under_the_reference_recipe_fine_tunes_once_at_the_end(calls: list[dict[str, Any]],
+                                                                      plain_mean: None) -> None:
     opts = {"ft_every": 0, "ft_recipe": "reference"}
     res = simulate(SimConfig.from_dict({**QUICK, "algorithm": "fedavg-ft", "options": opts}), progress=False)
     ft = [c for c in calls if c["cfg"].lr == 0.05 * 0.9 ** -1]

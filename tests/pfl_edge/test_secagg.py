@@ -213,7 +213,7 @@ def test_the_secure_aggregation_table_is_checked() -> None:
     check_device_config(FederationConfig(secure_aggregation={"bound": 1.0}, **base))  # type: ignore[arg-type]
 
 
-def test_a_simulated_federation_under_secure_aggregation_trains_as_the_plain_mean_would() -> None:
+def test_a_simulated_federation_under_secure_aggregation_trains_as_the_plain_mean_would(plain_mean: None) -> None:
     """FedPer with secure aggregation against the same run whose mean is plain but equal-weighted: the accuracy
     differs only by what 22-bit quantization moves (here: nothing a client's accuracy shows)."""
     from pfl_edge.sim import SimConfig, simulate
