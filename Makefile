@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_INDEX ?=
 FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 
-.PHONY: demo test test-slow lint data venv clean
+.PHONY: demo test test-slow test-flood lint data venv clean
 
 demo: $(VENV)/.installed data
 	$(BIN)/pfl-edge demo
@@ -21,7 +21,11 @@ test: $(VENV)/.installed data
 # a RabbitMQ cluster); CI runs them after make test, two modules at a time (each waits on installs, exports or
 # other processes much of its time; a module's tests on one worker: its cluster or run is made once)
 test-slow: $(VENV)/.installed data
-	$(BIN)/python -m pytest -q -m slow -n 2 --dist loadscope --durations=12
+	$(BIN)/python -m pytest -q -m "slow and not flood" -n 2 --dist loadscope --durations=12
+
+# the tests that flood the machine, alone: beside the slow tier's others they would take its time, not theirs
+test-flood: $(VENV)/.installed data
+	$(BIN)/python -m pytest -q -m flood --durations=5
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check pfl_edge device_profiles export edge_runtime server tests bench

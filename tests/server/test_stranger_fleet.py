@@ -30,6 +30,7 @@ def _addr(srv: SubprocessServer) -> tuple[str, int]:
 
 
 @pytest.mark.slow
+@pytest.mark.flood  # ~4,500 connections a second: alone (make test-flood), not beside the slow tier's others
 def test_70_addresses_of_64_silent_sockets_leave_every_device_call_answered(tmp_path: Path,
                                                                              broker_url: str) -> None:
     """The issue's attack: 70 addresses (127.0.100.1-70) x 64 sockets that send nothing, each reopened as soon as
