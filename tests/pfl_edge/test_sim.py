@@ -270,7 +270,7 @@ def test_unknown_config_key(tmp_path: Path) -> None:
         SimConfig.from_dict({"rounds": 3, "roudns": 4})
 
 
-def test_fedper_base_is_the_sample_weighted_average_of_trained_bases() -> None:
+def test_fedper_base_is_the_sample_weighted_average_of_trained_bases(plain_mean: None) -> None:
     from pfl_edge.aggregate import weighted_average
     from pfl_edge.algorithms.central import CentralSimulation
     from pfl_edge.seeding import derive_seed

@@ -155,7 +155,7 @@ def test_only_the_admin_or_metrics_token_reads_it(client: TestClient) -> None:
         assert client.get(path, headers=bearer(SCRAPER)).status_code == 401, path
     listed = client.get("/v1/federations", headers=bearer(ADMIN))
     assert listed.status_code == 200 and [f["id"] for f in listed.json()] == ["pa"]
-    assert client.get("/v1/federations", headers=dev.h).status_code == 401  # a device lists no federations
+    assert client.get("/v1/federations", headers=dev.h).status_code == 403  # a device lists no federations
 
 
 def test_histogram_buckets_and_label_escaping() -> None:

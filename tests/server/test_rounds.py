@@ -41,6 +41,7 @@ from server.db import Round
 from server.launch import BackgroundServer, start_background, start_subprocess
 from server.settings import Settings
 
+PLAIN = {"norm_multiple": None}  # the unclipped mean: these tests compare with weighted_average
 ADMIN = "admin-token-for-round-tests"
 
 
@@ -79,7 +80,9 @@ def test_fedper_rounds_average_like_weighted_average(tmp_path: Path, database_ur
     srv = _server(tmp_path, database_url, broker_url)
     try:
         c = httpx.Client(base_url=srv.url, timeout=30)
-        create(c, ADMIN, "fp", FEDPER)
+        # the unclipped weighted mean, as this test computes it (the default rule's bounds: test_robust.py,
+        # test_partial_sums.py, tests/pfl_edge/test_aggregate.py)
+        create(c, ADMIN, "fp", FEDPER, aggregation=PLAIN)
         cfg = FederationConfig.from_dict(dict(FEDPER))
         devs = [Dev(c, "fp", index=i) for i in range(3)]
         # each device listens on its own task topic, as the agent does (persistent session, last will)
@@ -171,7 +174,7 @@ def test_dispfl_tasks_name_the_neighbours_latest_models(srv: BackgroundServer) -
 
 def test_quorum_deadline_and_a_dead_device(srv: BackgroundServer) -> None:
     c = httpx.Client(base_url=srv.url, timeout=30)
-    create(c, ADMIN, "q", {**FEDPER, "rounds": 3}, deadline_s=1.0, min_updates=2)
+    create(c, ADMIN, "q", {**FEDPER, "rounds": 3}, deadline_s=1.0, min_updates=2, aggregation=PLAIN)
     devs = [Dev(c, "q") for _ in range(3)]
     agents = [Mqtt(srv.broker_url, [task_topic("q", d.id)], client_id=d.id,
                    will=(status_topic("q", d.id), f'{{"device_id": "{d.id}", "state": "offline"}}'.encode()))
@@ -232,7 +235,7 @@ def test_restart_resumes_the_round(tmp_path: Path, broker_url: str) -> None:
     s = start_subprocess(env)
     try:
         c = httpx.Client(base_url=s.url, timeout=30)
-        create(c, ADMIN, "r", FEDPER)
+        create(c, ADMIN, "r", FEDPER, aggregation=PLAIN)
         devs = [Dev(c, "r") for _ in range(3)]
         wait_for(lambda: fed_state(c, ADMIN, "r") == (1, "collecting"), what="round 1")
         base = take(devs[0].fm.init_state(), devs[0].fm.base_keys(2))
