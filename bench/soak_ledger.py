@@ -208,9 +208,14 @@ def _recompute(sessions: Any, blob_dir: Path, feds: dict[str, Any],
             ups = [(u.digest, u.n_samples, kp) for u, kp in s.execute(
                 select(Update, Device.kp).join(Device, Device.id == Update.device)
                 .where(Update.federation == fed_id, Update.round == t).order_by(Device.slot))]
+            try:  # a small round's bound takes the previous round's norms too, as the close did
+                from server.services.rounds import norm_history
+                history = norm_history(s, fed_id, t, len(ups))
+            except ImportError:  # a server of before the shared definition: none
+                history = []
         try:
             rule = () if aggregation_rule is None else (aggregation_rule(feds[fed_id]),)
-            new = machine.average(fm, r.start_digest, ups, *rule)
+            new = machine.average(fm, r.start_digest, ups, *rule, **({"history": history} if history else {}))
             pub = access.load(r.base_digest, fm).tensors
         except Exception as e:  # a blob collected, or the server's code moved on: say so, never guess
             res["unverifiable"] += 1

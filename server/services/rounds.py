@@ -37,7 +37,7 @@ from .secure import SecureRounds, is_secure
 from .store import Store
 from .updates import aggregation_rule
 
-__all__ = ["RoundMachine"]
+__all__ = ["RoundMachine", "norm_history"]
 
 log = logging.getLogger(__name__)
 
@@ -176,9 +176,7 @@ class RoundMachine:
             taken = list(s.execute(select(Update, Device.kp).join(Device, Device.id == Update.device)
                                    .where(Update.federation == fed_id, Update.round == t).order_by(Device.slot)))
             ups = [(u.digest, u.n_samples, kp, u.delta_norm) for u, kp in taken]
-            history = [] if len(ups) >= MIN_UPDATES else [  # a small round's norm bound takes the last round's too
-                n for n in s.scalars(select(Update.delta_norm).where(Update.federation == fed_id,
-                                                                     Update.round == t - 1)) if n is not None]
+            history = norm_history(s, fed_id, t, len(ups))
             ids = [u.id for u, _ in taken]
             took = inputs_digest((u.device, u.digest) for u, _ in taken)
             sums = Partials.stored(s, fed_id, t) if self.partial_sums else []
@@ -284,3 +282,13 @@ class RoundMachine:
         """The closing step's tasks, to the devices the algorithm's ``closing(t)`` names (FedPer: every device
         evaluates its personal blocks on the last base and reports round t; none where there is no such step)."""
         self.publisher.tasks(fed_id, self.planner.tasks(fed_id, t, final=True))
+
+
+def norm_history(s: Session, fed_id: str, t: int, n: int) -> list[float]:
+    """The norms beside its own that round ``t``'s bound takes, for ``n`` updates: none from ``MIN_UPDATES`` on;
+    below, the previous round's (a small round's low median is not judged on its own updates alone). The close
+    and anyone recomputing a round's aggregate (bench/soak_ledger.py) take them from here."""
+    if n >= MIN_UPDATES:
+        return []
+    return [x for x in s.scalars(select(Update.delta_norm).where(Update.federation == fed_id, Update.round == t - 1))
+            if x is not None]
