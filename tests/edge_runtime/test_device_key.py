@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+from agent_kit import SECRET, device, serve
 
 from edge_runtime.config import AgentConfig
 from edge_runtime.enrol import DeviceKey, enrol, renew
@@ -22,33 +23,17 @@ from edge_runtime.http import Http, ServerError
 from edge_runtime.state import StateDir
 from pfl_edge.device_key import enrol_message, verify
 from server.db import Device
-from server.launch import BackgroundServer, start_background
-from server.settings import Settings
-
-ADMIN = "admin-token-for-device-key-tests"
-SECRET = "device-key-secret-0123456789"
-CONFIG = dict(algorithm="fedper", kp=2, clients=3, rounds=2, dataset="synthetic", samples_per_client=32,
-              test_per_client=8, local_epochs=1, batch_size=16)
+from server.launch import BackgroundServer
 
 
 @pytest.fixture
 def srv(tmp_path: Path) -> Iterator[BackgroundServer]:
-    s = start_background(Settings(data_dir=tmp_path / "data", admin_token=ADMIN, tick_s=0.05))  # type: ignore[arg-type]
-    admin = Http(s.url, 5)
-    admin.token = ADMIN
-    admin.call("POST", "/v1/federations", json_body={"id": "f", "enrol_secret": SECRET, "config": CONFIG})
-    yield s
-    s.stop()
-
-
-def _device(srv: BackgroundServer, root: Path) -> tuple[StateDir, Http, AgentConfig]:
-    cfg = AgentConfig(server=srv.url, federation="f", enrol_secret=SECRET, profile="phone-mid", state_dir=str(root))
-    return StateDir(root), Http(srv.url, 5), cfg
+    yield from serve(tmp_path)
 
 
 def test_the_key_is_private_to_the_state_dir_and_the_server_keeps_its_public_half(srv: BackgroundServer,
                                                                                    tmp_path: Path) -> None:
-    store, http, cfg = _device(srv, tmp_path / "dev")
+    store, http, cfg = device(srv, tmp_path / "dev")
     enr = enrol(store, http, cfg)
     path = store.root / "device-key.json"
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
@@ -65,12 +50,12 @@ def test_the_key_is_private_to_the_state_dir_and_the_server_keeps_its_public_hal
 
 
 def test_a_copy_of_the_nonce_without_the_key_cannot_take_the_slot(srv: BackgroundServer, tmp_path: Path) -> None:
-    store, http, cfg = _device(srv, tmp_path / "dev")
+    store, http, cfg = device(srv, tmp_path / "dev")
     first = enrol(store, http, cfg)
     thief_root = tmp_path / "thief"
     thief_root.mkdir()
     shutil.copy(store.root / "enrol-nonce.json", thief_root / "enrol-nonce.json")
-    t_store, t_http, t_cfg = _device(srv, thief_root)
+    t_store, t_http, t_cfg = device(srv, thief_root)
     with pytest.raises(ServerError) as e:
         enrol(t_store, t_http, t_cfg)  # it makes a key of its own: not the one the server keeps
     assert e.value.status == 403 and "signed by it" in str(e.value)

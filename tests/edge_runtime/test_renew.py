@@ -11,34 +11,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from agent_kit import ADMIN, device, serve
 
-from edge_runtime.config import AgentConfig
 from edge_runtime.enrol import enrol, renew
 from edge_runtime.http import Http, ServerError
-from edge_runtime.state import StateDir
 from server.db import Device
-from server.launch import BackgroundServer, start_background
-from server.settings import Settings
-
-ADMIN = "admin-token-for-renew-tests"
-SECRET = "renew-secret-0123456789"
-CONFIG = dict(algorithm="fedper", kp=2, clients=3, rounds=2, dataset="synthetic", samples_per_client=32,
-              test_per_client=8, local_epochs=1, batch_size=16)
+from server.launch import BackgroundServer
 
 
 @pytest.fixture
 def srv(tmp_path: Path) -> Iterator[BackgroundServer]:
-    s = start_background(Settings(data_dir=tmp_path / "data", admin_token=ADMIN, tick_s=0.05))  # type: ignore[arg-type]
-    admin = Http(s.url, 5)
-    admin.token = ADMIN
-    admin.call("POST", "/v1/federations", json_body={"id": "f", "enrol_secret": SECRET, "config": CONFIG})
-    yield s
-    s.stop()
-
-
-def _device(srv: BackgroundServer, root: Path) -> tuple[StateDir, Http, AgentConfig]:
-    cfg = AgentConfig(server=srv.url, federation="f", enrol_secret=SECRET, profile="phone-mid", state_dir=str(root))
-    return StateDir(root), Http(srv.url, 5), cfg
+    yield from serve(tmp_path)
 
 
 def _age(srv: BackgroundServer, dev_id: str, *, expired: bool) -> None:
@@ -52,7 +35,7 @@ def _age(srv: BackgroundServer, dev_id: str, *, expired: bool) -> None:
 
 
 def test_a_refused_rotation_makes_the_device_enrol_again_as_itself(srv: BackgroundServer, tmp_path: Path) -> None:
-    store, http, cfg = _device(srv, tmp_path / "dev")
+    store, http, cfg = device(srv, tmp_path / "dev")
     first = enrol(store, http, cfg)
     http.use_token(store.root / "token.json", first.token)
     assert http.rotate_if_due() and not http.chain_ended  # a fresh enrolment rotates at once: the chain works
@@ -68,7 +51,7 @@ def test_a_refused_rotation_makes_the_device_enrol_again_as_itself(srv: Backgrou
 
 
 def test_an_expired_token_is_renewed_and_a_revoked_device_is_not(srv: BackgroundServer, tmp_path: Path) -> None:
-    store, http, cfg = _device(srv, tmp_path / "dev")
+    store, http, cfg = device(srv, tmp_path / "dev")
     first = enrol(store, http, cfg)
     http.use_token(store.root / "token.json", first.token)
     _age(srv, first.device_id, expired=True)

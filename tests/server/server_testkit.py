@@ -55,6 +55,19 @@ def background_server(tmp_path: Path, broker_url: str, admin: str) -> Any:
                                       broker_url=broker_url, admin_token=admin, tick_s=0.05))  # type: ignore[arg-type]
 
 
+def app_with_federation(tmp_path: Path, broker_url: str, admin: str) -> Iterator[Any]:
+    """The body of a ``client`` fixture: the app in a TestClient, federation ``f`` of FEDPER created."""
+    from fastapi.testclient import TestClient
+
+    from server.app import create_app
+    from server.settings import Settings
+
+    s = Settings(data_dir=tmp_path / "data", broker_url=broker_url, admin_token=admin, tick_s=0.05)  # type: ignore[arg-type]
+    with TestClient(create_app(s)) as c:
+        create(c, admin, "f", FEDPER)
+        yield c
+
+
 def create(c: httpx.Client | Any, admin: str, fed: str, config: dict[str, Any], **kw: Any) -> dict[str, Any]:
     r = c.post("/v1/federations", json={"id": fed, "enrol_secret": SECRET, "config": config, **kw},
                headers=bearer(admin))

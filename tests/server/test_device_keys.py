@@ -14,25 +14,20 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from server_testkit import FEDPER, SECRET, bearer, create
+from server_testkit import SECRET, app_with_federation, bearer
 from sqlalchemy import select
 
 from pfl_edge.device_key import enrol_message, new_key, public_of, rotate_message, sign, verify
 from pfl_edge.protocol import EnrolRequest, mqtt_client_id
-from server.app import create_app
 from server.db import Device
 from server.services.broker_access import device_client_id
-from server.settings import Settings
 
 ADMIN = "admin-token-for-device-key-tests"
 
 
 @pytest.fixture
 def client(tmp_path: Path, broker_url: str) -> Iterator[TestClient]:
-    s = Settings(data_dir=tmp_path / "data", broker_url=broker_url, admin_token=ADMIN, tick_s=0.05)  # type: ignore[arg-type]
-    with TestClient(create_app(s)) as c:
-        create(c, ADMIN, "f", FEDPER)
-        yield c
+    yield from app_with_federation(tmp_path, broker_url, ADMIN)
 
 
 class Key:

@@ -11,23 +11,18 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from server_testkit import FEDPER, SECRET, Dev, create, fed_state, snapshot, wait_for
+from server_testkit import SECRET, Dev, app_with_federation, fed_state, snapshot, wait_for
 from sqlalchemy import select
 
 from pfl_edge.protocol import PROTOCOL_VERSIONS, Enrolment, Task, UpdateRequest, negotiate
-from server.app import create_app
 from server.db import Device
-from server.settings import Settings
 
 ADMIN = "admin-token-for-version-tests"
 
 
 @pytest.fixture
 def client(tmp_path: Path, broker_url: str) -> Iterator[TestClient]:
-    s = Settings(data_dir=tmp_path / "data", broker_url=broker_url, admin_token=ADMIN, tick_s=0.05)  # type: ignore[arg-type]
-    with TestClient(create_app(s)) as c:
-        create(c, ADMIN, "f", FEDPER)
-        yield c
+    yield from app_with_federation(tmp_path, broker_url, ADMIN)
 
 
 def _body(**kw: Any) -> dict[str, Any]:
