@@ -1,9 +1,10 @@
 """The golden test vectors of the payload format (docs/codec.md), for device teams: each positive vector is a
 payload (``NAME.bin``) and its decoded content (``NAME.json``); each negative vector a payload with one fault and
-the refusal it must get (``index.json``). Everything is derived from fixed seeds with a self-contained generator
-(splitmix64), so the files are the same on every machine and every torch/numpy version, and a codec change that
-alters any byte shows up as a diff. ``python -m pfl_edge.codec.vectors --out docs/vectors`` rewrites them; numpy
-only, so it runs where torch is not installed too."""
+the refusal it must get; ``index.json`` lists them all (``{"format", "positive", "negative"}``). Everything is
+derived from fixed seeds with a self-contained generator (splitmix64), so the files are the same on every machine
+and every torch/numpy version, and a codec change that alters any byte shows up as a diff.
+``python -m pfl_edge.codec.vectors --out docs/vectors`` rewrites them; numpy only, so it runs where torch is not
+installed too."""
 
 from __future__ import annotations
 
@@ -24,9 +25,10 @@ from .encoding import encode
 from .layout import NDArray
 from .vector_faults import Negative, faults, split_payload
 
-__all__ = ["Negative", "Positive", "generate", "main", "negatives", "positives", "render"]
+__all__ = ["INDEX_FORMAT", "Negative", "Positive", "generate", "index", "main", "negatives", "positives", "render"]
 
 MID = "cnn/10/1x28/deep0"
+INDEX_FORMAT = "pfl-edge-vectors/1"  # the "format" of index.json; a change to its shape changes this
 _M64 = (1 << 64) - 1
 
 
@@ -216,10 +218,15 @@ def content(p: Positive, payload: bytes) -> dict[str, Any]:
             + ",\n".join("  " + json.dumps(t) for t in tensors) + "\n ]\n}\n"}
 
 
-def _negative_index(negs: list[Negative]) -> str:
-    rows = [{"name": n.name, "file": f"{n.name}.bin", "about": n.about, "error": n.error,
-             "decode_args": n.decode_args} for n in negs]
-    return "[\n" + ",\n".join(" " + json.dumps(r) for r in rows) + "\n]\n"
+def index(pos: list[Positive], negs: list[Negative]) -> str:
+    """docs/vectors/index.json: every vector, so that a reader finds them all without listing the folder; one
+    entry a line, for readable diffs."""
+    p_rows = [{"name": p.name, "file": f"{p.name}.bin", "json": f"{p.name}.json", "about": p.about} for p in pos]
+    n_rows = [{"name": n.name, "file": f"{n.name}.bin", "about": n.about, "error": n.error,
+               "decode_args": n.decode_args} for n in negs]
+    lists = [f' "{key}": [\n' + ",\n".join("  " + json.dumps(r) for r in rows) + "\n ]"
+             for key, rows in (("positive", p_rows), ("negative", n_rows))]
+    return "{\n" + f' "format": {json.dumps(INDEX_FORMAT)},\n' + ",\n".join(lists) + "\n}\n"
 
 
 _README_HEAD = """# Golden test vectors of the payload format
@@ -236,23 +243,29 @@ dense; else `bitmap`/`rice1`/`rice0` with `k`, `ones`, `mask_nbytes` and `mask_o
 where the mask is 1), and the values sent, in flat index order (dense: all n; sparse: the `ones` values at
 `mask_ones`, the decoded tensor being +0.0 elsewhere) as `values` (decimal, exact as a double) and `f32_bits` (the
 decoded binary32's bits in hex); f2 tensors also give `f16_bits` (the binary16 bits on the wire).
+
+`index.json` lists every vector, positive and negative: `{"format": "{FORMAT}", "positive": [...],
+"negative": [...]}`. A positive entry is `{"name", "file", "json", "about"}`: `file` the `.bin`, `json` its content,
+`about` what it exercises (the table below); a negative entry is `{"name", "file", "about", "error", "decode_args"}`
+(the second table). Read the vectors from it rather than listing the folder: every `.bin` here is in it once.
 """
 _README_NEG = """
 ## Negative vectors
 
-Each must be refused. `index.json` lists them with `error`, the substring of pfl-edge's CodecError message, and
-`decode_args`, what the receiver knows when it decodes (`expected`: name -> shape; `model_id`; `max_bytes`, default
-268435456; `allow_missing`, default false). The check names (D3, E14, ...) are those of codec.md section 7; another
-decoder must refuse the same payloads, in its own words. Each has exactly one fault and a correct trailer unless the
-fault is the trailer. Not covered by a file: a header over 1 MiB without expected tensors (the file would be over
-1 MiB; the check is the one `header_too_long` makes), and a round other than the one an upload is posted for (the
-server checks that after decoding; it is not the codec's check).
+Each must be refused. The `negative` list of `index.json` gives each with `error`, the substring of pfl-edge's
+CodecError message, and `decode_args`, what the receiver knows when it decodes (`expected`: name -> shape;
+`model_id`; `max_bytes`, default 268435456; `allow_missing`, default false). The check names (D3, E14, ...) are
+those of codec.md section 7; another decoder must refuse the same payloads, in its own words. Each has exactly one
+fault and a correct trailer unless the fault is the trailer. Not covered by a file: a header over 1 MiB without
+expected tensors (the file would be over 1 MiB; the check is the one `header_too_long` makes), and a round other
+than the one an upload is posted for (the server checks that after decoding; it is not the codec's check).
 """
 
 
 def render(pos: list[Positive], payloads: dict[str, bytes], negs: list[Negative]) -> str:
     """docs/vectors/README.md: what each vector exercises."""
-    lines = [_README_HEAD, "| vector | bytes | tensors (coding) | exercises |", "|---|---|---|---|"]
+    lines = [_README_HEAD.replace("{FORMAT}", INDEX_FORMAT), "| vector | bytes | tensors (coding) | exercises |",
+             "|---|---|---|---|"]
     for p in pos:
         header, _ = split_payload(payloads[p.name])
         what = ", ".join(f"{e[0]} {e[2]}" + (f" {e[5]} k={e[6]}" if len(e) > 5 else "") for e in header["tensors"])
@@ -263,7 +276,7 @@ def render(pos: list[Positive], payloads: dict[str, bytes], negs: list[Negative]
 
 
 def generate(out: Path) -> list[Path]:
-    """Writes every vector, its content and the two indexes under ``out``, after checking that pfl-edge decodes
+    """Writes every vector, its content, index.json and README.md under ``out``, after checking that pfl-edge decodes
     each positive one and refuses each negative one as stated; the paths written."""
     out.mkdir(parents=True, exist_ok=True)
     pos, negs = positives(), negatives()
@@ -281,7 +294,7 @@ def generate(out: Path) -> list[Path]:
         else:
             raise InternalError(f"negative vector {n.name} decodes")
         files[f"{n.name}.bin"] = n.payload
-    files["index.json"] = _negative_index(negs)
+    files["index.json"] = index(pos, negs)
     files["README.md"] = render(pos, payloads, negs)
     paths = []
     for name, data in files.items():

@@ -19,13 +19,14 @@ import pytest
 import torch
 
 from pfl_edge.codec import decode, encode
-from pfl_edge.codec.vectors import generate
+from pfl_edge.codec.vectors import INDEX_FORMAT, generate
 from pfl_edge.errors import CodecError
 
 ROOT = Path(__file__).resolve().parents[2]
 VECTORS = ROOT / "docs" / "vectors"
-POSITIVE = sorted(p.stem for p in VECTORS.glob("*.json") if p.name != "index.json")
-NEGATIVE = json.loads((VECTORS / "index.json").read_text())
+INDEX = json.loads((VECTORS / "index.json").read_text())  # {"format", "positive": [...], "negative": [...]}
+POSITIVE = [p["name"] for p in INDEX["positive"]]
+NEGATIVE = INDEX["negative"]
 
 
 def _content(name: str) -> dict[str, Any]:
@@ -43,6 +44,23 @@ def test_the_vectors_are_there() -> None:
     assert codings == {None, "bitmap", "rice1", "rice0"}
     assert {t["dtype"] for n in POSITIVE for t in _content(n)["tensors"]} == {"f4", "f2"}
     assert sum(p.stat().st_size for p in VECTORS.iterdir()) < 200_000
+
+
+def test_the_index_lists_every_vector_once() -> None:
+    """A reader finds every vector from index.json alone: each .bin here is listed once (so a vector added
+    without an index entry fails), each entry's files exist, and nothing else is in the folder."""
+    assert set(INDEX) == {"format", "positive", "negative"} and INDEX["format"] == INDEX_FORMAT
+    pos, neg = INDEX["positive"], INDEX["negative"]
+    assert all(set(p) == {"name", "file", "json", "about"} for p in pos)
+    assert all(set(n) == {"name", "file", "about", "error", "decode_args"} for n in neg)
+    listed = [e["file"] for e in pos + neg]
+    assert len(listed) == len(set(listed)), "a .bin is listed twice"
+    assert sorted(listed) == sorted(p.name for p in VECTORS.glob("*.bin"))
+    assert all(e["file"] == f"{e['name']}.bin" for e in pos + neg)
+    assert all(p["json"] == f"{p['name']}.json" and (VECTORS / p["json"]).is_file() for p in pos)
+    assert sorted(p["json"] for p in pos) == sorted(p.name for p in VECTORS.glob("*.json") if p.name != "index.json")
+    for p in pos:
+        assert _content(p["name"])["vector"] == p["name"] and _content(p["name"])["about"] == p["about"]
 
 
 # ------------------------------------------------------------------------------------------ against pfl_edge.codec

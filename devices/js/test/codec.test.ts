@@ -1,7 +1,8 @@
 /**
  * The golden vectors of docs/vectors against this codec (as tests/pfl_edge/test_golden_vectors.py checks them
  * against pfl-edge's): every positive vector decodes to its .json and re-encodes to the same bytes; every negative
- * vector of index.json is refused by the check its `about` names, with a message holding its `error`.
+ * vector of index.json is refused by the check its `about` names, with a message holding its `error`. Both lists come
+ * from index.json ({format, positive, negative}), which must list every .bin of the folder once.
  */
 import assert from 'node:assert/strict';
 import { createHash } from 'node:crypto';
@@ -39,6 +40,13 @@ interface Vector {
   tensors: VectorTensor[];
 }
 
+interface Positive {
+  name: string;
+  file: string;
+  json: string;
+  about: string;
+}
+
 interface Negative {
   name: string;
   file: string;
@@ -47,11 +55,15 @@ interface Negative {
   decode_args: { expected?: Record<string, number[]>; model_id?: string; max_bytes?: number; allow_missing?: boolean };
 }
 
-const POSITIVE = readdirSync(VECTORS)
-  .filter((f) => f.endsWith('.json') && f !== 'index.json')
-  .map((f) => f.slice(0, -'.json'.length))
-  .sort();
-const NEGATIVE: Negative[] = JSON.parse(readFileSync(VECTORS + 'index.json', 'utf8'));
+interface Index {
+  format: string;
+  positive: Positive[];
+  negative: Negative[];
+}
+
+const INDEX: Index = JSON.parse(readFileSync(VECTORS + 'index.json', 'utf8'));
+const POSITIVE = INDEX.positive.map((p) => p.name);
+const NEGATIVE = INDEX.negative;
 
 const bin = (file: string): Uint8Array => new Uint8Array(readFileSync(VECTORS + file));
 const content = (name: string): Vector => JSON.parse(readFileSync(VECTORS + name + '.json', 'utf8'));
@@ -94,6 +106,18 @@ test('the vectors are there', (t) => {
   const codings = new Set(POSITIVE.flatMap((n) => content(n).tensors.map((t) => t.coding)));
   assert.deepEqual([...codings].sort(), ['bitmap', null, 'rice0', 'rice1'].sort());
   t.diagnostic(`vectors: ${POSITIVE.length} positive, ${NEGATIVE.length} negative`);
+});
+
+test('index.json lists every vector once', () => {
+  assert.equal(INDEX.format, 'pfl-edge-vectors/1');
+  const listed = [...INDEX.positive, ...INDEX.negative].map((e) => e.file);
+  assert.equal(new Set(listed).size, listed.length, 'a .bin is listed twice');
+  assert.deepEqual([...listed].sort(), readdirSync(VECTORS).filter((f) => f.endsWith('.bin')).sort());
+  for (const p of INDEX.positive) {
+    assert.equal(p.file, p.name + '.bin');
+    assert.equal(p.json, p.name + '.json');
+    assert.equal((JSON.parse(readFileSync(VECTORS + p.json, 'utf8')) as { vector: string }).vector, p.name);
+  }
 });
 
 describe('positive vectors', () => {
