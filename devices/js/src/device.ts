@@ -18,6 +18,7 @@ import { runSecureRound } from './securestep.js';
 import { type Enrolment, type RoundAnnouncement, type Task, federationState, parseBrokerInfo, parseTask, parseUpdateAccepted } from './messages.js';
 import { Bell, type MqttConnect } from './mqtt.js';
 import { privatize } from './privacy.js';
+import { dealtClasses } from './partition.js';
 import { MT19937, Stream, mtStream } from './rng.js';
 import type { Weights } from './sgd.js';
 import { toHex, type Sha256 } from './sha256.js';
@@ -169,7 +170,8 @@ export class Device {
     this.card = await this.renewing(() => this.fetchCard());
     const shape = DATASET_SHAPES[String(this.config['dataset'])];
     if (shape !== undefined) {
-      const want = modelIdOf(this.config, shape);
+      // the deal's class count: a preference federation's model predicts its ratings, not the data set's classes
+      const want = modelIdOf(this.config, { ...shape, numClasses: dealtClasses(String(this.config['partition']), shape.numClasses) });
       if (this.card.modelId !== want) throw new CardError(`the card's model id ${this.card.modelId} is not the federation's ${want}`);
     }
     if (this.card.federation !== enr.federation) throw new CardError(`the card is federation ${this.card.federation}'s`);

@@ -4,9 +4,13 @@
  * its slot's very samples. The whole federation is dealt (each slot's share depends on the draws for the others);
  * a device keeps its own slot's. Platform-neutral.
  *
- * Partitions dealt here: `iid`, `pathological:K`, `pathological-random:K`, `groups:G`. The Dirichlet splits
- * (`dirichlet:A`, `dirichlet-client:A`) draw from numpy's gamma sampler and `preference` relabels; they are
- * refused with a clear message (a device of such a federation needs its data given to it).
+ * Partitions dealt here: `iid`, `pathological:K`, `pathological-random:K`, `groups:G`, `preference[:P]`. The
+ * Dirichlet splits (`dirichlet:A`, `dirichlet-client:A`) draw from numpy's gamma sampler; they are refused with a
+ * clear message (a device of such a federation needs its data given to it).
+ *
+ * `preference` relabels: each slot sees its samples' classes through its own class -> rating map
+ * (`SlotShare.labelMap`), so its labels are ratings `0 .. NUM_RATINGS - 1` and the federation's model predicts
+ * `NUM_RATINGS` classes (`dealtClasses`), not the data set's.
  */
 import type { Sha256 } from './sha256.js';
 import { NumpyGenerator, Stream, deriveSeed } from './rng.js';
@@ -15,12 +19,23 @@ export class DealError extends Error {
   override name = 'DealError';
 }
 
-/** One slot's share: indices (ascending) into the train / test split, and their labels. */
+/** The preference task's ratings (`pfl_edge.data.partition.NUM_RATINGS`): what its model predicts. */
+export const NUM_RATINGS = 5;
+
+/** Partitions whose labels are not the data set's classes: each maps a slot's classes to `NUM_RATINGS` ratings. */
+const RELABELLING = ['preference'];
+
+/**
+ * One slot's share: indices (ascending) into the train / test split, and the labels the slot sees for them (the
+ * data set's classes, or for `preference` their ratings, `labelMap[class]`).
+ */
 export interface SlotShare {
   readonly trainIdx: Int32Array;
   readonly trainY: Int32Array;
   readonly testIdx: Int32Array;
   readonly testY: Int32Array;
+  /** `preference`: the slot's class -> rating map (`PartitionArrays.label_maps[slot]`); null for the others */
+  readonly labelMap: Int32Array | null;
 }
 
 export interface DealSpec {
@@ -35,6 +50,13 @@ export interface DealSpec {
 
 /** The DisPFL reference's splits, whose test sets are drawn shared unless the config says (pfl_edge's rule). */
 const SHARED_BY_DEFAULT = ['pathological-random', 'dirichlet-client'];
+
+/**
+ * How many classes the model of a federation dealt by `partition` predicts, its data set having `numClasses`
+ * (`PartitionArrays.num_classes`): `NUM_RATINGS` for `preference`, else the data set's.
+ */
+export const dealtClasses = (partition: string, numClasses: number): number =>
+  RELABELLING.includes(partition.split(':')[0]!) ? NUM_RATINGS : numClasses;
 
 /** `default_test_draw`: how a partition's test sets are drawn when the config leaves `test_draw` unset. */
 export const defaultTestDraw = (partition: string): string =>
@@ -63,7 +85,9 @@ function arraySplit<T>(a: ArrayLike<T>, k: number): T[][] {
   return out;
 }
 
-type Partitioner = (y: Labels, n: number, arg: string | null, numClasses: number, rng: NumpyGenerator) => number[][];
+/** Each client's train indices, in the order the partitioner builds them, and (`preference`) its label map. */
+type Dealt = [parts: number[][], maps: Int32Array[] | null];
+type Partitioner = (y: Labels, n: number, arg: string | null, numClasses: number, rng: NumpyGenerator) => Dealt;
 
 function intArg(arg: string | null, lo: number, hi: number, what: string): number {
   if (arg === null || !/^[0-9]+$/.test(arg) || Number(arg) < lo || Number(arg) > hi) {
@@ -72,9 +96,24 @@ function intArg(arg: string | null, lo: number, hi: number, what: string): numbe
   return Number(arg);
 }
 
+/** Python's `float(str)`: decimal digits with single underscores between them, an optional exponent, or nan / inf. */
+const PY_DIGITS = String.raw`\d(?:_?\d)*`;
+const PY_FLOAT = new RegExp(
+  String.raw`^[+-]?(?:(?:${PY_DIGITS}\.(?:${PY_DIGITS})?|\.${PY_DIGITS}|${PY_DIGITS})(?:e[+-]?${PY_DIGITS})?|inf|infinity|nan)$`, 'i');
+
+/** `_float_arg`: `arg` read as Python's `float` reads it (surrounding white space ignored); refused with pfl-edge's text. */
+function floatArg(arg: string, what: string): number {
+  const s = arg.trim();
+  if (!PY_FLOAT.test(s)) throw new DealError(`${what} takes a number, got '${arg}'`);
+  const word = s.replace(/^[+-]/, '').toLowerCase();
+  if (word === 'nan') return NaN;
+  if (word.startsWith('inf')) return s.startsWith('-') ? -Infinity : Infinity;
+  return Number(s.replace(/_/g, ''));
+}
+
 const iid: Partitioner = (y, n, arg, _c, rng) => {
   if (arg !== null) throw new DealError('iid takes no argument');
-  return arraySplit(rng.permutation(y.length), n).map((p) => p.map(Number));
+  return [arraySplit(rng.permutation(y.length), n).map((p) => p.map(Number)), null];
 };
 
 const pathological: Partitioner = (y, n, arg, numClasses, rng) => {
@@ -90,7 +129,7 @@ const pathological: Partitioner = (y, n, arg, numClasses, rng) => {
     const chunks = arraySplit(idx, hs.length);
     hs.forEach((i, j) => parts[i]!.push(...chunks[j]!));
   }
-  return parts;
+  return [parts, null];
 };
 
 const groups: Partitioner = (y, n, arg, numClasses, rng) => {
@@ -106,7 +145,7 @@ const groups: Partitioner = (y, n, arg, numClasses, rng) => {
       members.forEach((i, j) => parts[i]!.push(...chunks[j]!));
     }
   });
-  return parts;
+  return [parts, null];
 };
 
 const pathologicalRandom: Partitioner = (y, n, arg, numClasses, rng) => {
@@ -137,7 +176,31 @@ const pathologicalRandom: Partitioner = (y, n, arg, numClasses, rng) => {
   }
   const parts: number[][] = Array.from({ length: n }, () => []);
   owners.forEach((o, j) => parts[o]!.push(samples[j]!)); // a stable sort by owner
-  return parts;
+  return [parts, null];
+};
+
+/**
+ * `preference[:P]`: the images dealt `iid`; slot i (taste group g = i mod 5) rates class c as (c + g) mod 5, then
+ * re-draws each class's rating with probability P (default 0.1): `redraw = random(C) < P`, and the re-drawn
+ * classes, ascending, take `integers(0, 5, count)`.
+ */
+const preference: Partitioner = (y, n, arg, numClasses, rng) => {
+  const p = arg === null ? 0.1 : floatArg(arg, 'preference:P');
+  if (!(p >= 0 && p <= 1)) throw new DealError(`preference:P needs 0 <= P <= 1, got '${arg}'`);
+  const [parts] = iid(y, n, null, numClasses, rng);
+  const maps: Int32Array[] = [];
+  for (let i = 0; i < n; i++) {
+    const g = i % NUM_RATINGS;
+    const m = new Int32Array(numClasses);
+    for (let c = 0; c < numClasses; c++) m[c] = (c + g) % NUM_RATINGS;
+    const u = rng.random(numClasses);
+    const redraw: number[] = [];
+    for (let c = 0; c < numClasses; c++) if (u[c]! < p) redraw.push(c);
+    const r = rng.integers(NUM_RATINGS, redraw.length);
+    redraw.forEach((c, j) => (m[c] = r[j]!));
+    maps.push(m);
+  }
+  return [parts, maps];
 };
 
 const PARTITIONERS: Record<string, Partitioner> = {
@@ -145,6 +208,7 @@ const PARTITIONERS: Record<string, Partitioner> = {
   pathological,
   groups,
   'pathological-random': pathologicalRandom,
+  preference,
 };
 
 /** The partition names this device can deal. */
@@ -201,8 +265,9 @@ function drawShared(yte: Labels, counts: number[][], per: number, rng: NumpyGene
 const sorted = (a: number[]): Int32Array => Int32Array.from(a).sort();
 
 /**
- * Deals `trainY`/`testY` (the data set's labels) to `spec.clients` slots as pfl-edge does, with
- * `numpy_rng(seed, "partition")`; returns every slot's share.
+ * Deals `trainY`/`testY` (the data set's labels, `numClasses` classes) to `spec.clients` slots as pfl-edge does,
+ * with `numpy_rng(seed, "partition")`; returns every slot's share. The labels of a share are what the model learns:
+ * for `preference` the slot's ratings (`dealtClasses` of them), its train and test samples drawn by their classes.
  */
 export function deal(sha256: Sha256, trainY: Labels, testY: Labels, numClasses: number, spec: DealSpec): SlotShare[] {
   const [name, ...rest] = spec.partition.split(':');
@@ -215,7 +280,8 @@ export function deal(sha256: Sha256, trainY: Labels, testY: Labels, numClasses: 
   const n = spec.clients;
   if (!Number.isSafeInteger(n) || n < 1) throw new DealError(`num_clients must be >= 1, got ${n}`);
   const rng = new NumpyGenerator(deriveSeed(sha256, spec.seed, Stream.PARTITION));
-  let parts = fn(trainY, n, arg === '' ? null : arg, numClasses, rng);
+  const [dealt, maps] = fn(trainY, n, arg === '' ? null : arg, numClasses, rng);
+  let parts = dealt;
   const spc = spec.samplesPerClient ?? null;
   if (spc !== null) {
     if (spc < 1) throw new DealError(`samples_per_client must be >= 1, got ${spc}`);
@@ -237,11 +303,10 @@ export function deal(sha256: Sha256, trainY: Labels, testY: Labels, numClasses: 
   testIdx.forEach((q, i) => {
     if (q.length === 0) throw new DealError(`client ${i} got no test samples (its classes are exhausted in the test split)`);
   });
-  const labels = (idx: Int32Array, y: Labels): Int32Array => idx.map((i) => y[i]!);
-  return trainIdx.map((p, i) => ({
-    trainIdx: p,
-    trainY: labels(p, trainY),
-    testIdx: testIdx[i]!,
-    testY: labels(testIdx[i]!, testY),
-  }));
+  // the label maps apply after the test draw, which draws by the data set's classes (partition_arrays)
+  return trainIdx.map((p, i) => {
+    const map = maps === null ? null : maps[i]!;
+    const labels = (idx: Int32Array, y: Labels): Int32Array => idx.map(map === null ? (j) => y[j]! : (j) => map[y[j]!]!);
+    return { trainIdx: p, trainY: labels(p, trainY), testIdx: testIdx[i]!, testY: labels(testIdx[i]!, testY), labelMap: map };
+  });
 }

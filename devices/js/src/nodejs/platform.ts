@@ -13,7 +13,7 @@ import { slotSamples } from '../data.js';
 import type { DeviceData, LogLevel, Platform } from '../device.js';
 import type { PlatformInfo } from '../enrol.js';
 import type { MqttConnect } from '../mqtt.js';
-import { deal } from '../partition.js';
+import { deal, dealtClasses } from '../partition.js';
 import { nodeSha256 } from '../node.js';
 import { DirStorage } from './fs.js';
 import { loadFashionMnist } from './idx.js';
@@ -81,6 +81,11 @@ export async function loadSlotData(config: Record<string, unknown>, slot: number
   const norm = card.normalisation;
   if (norm.statistics !== 'fixed') throw new CardError(`the card's normalisation is ${norm.statistics}, not fixed`);
   const raw = loadFashionMnist(datasetDir ?? (typeof config['data_dir'] === 'string' ? config['data_dir'] : null));
+  // the model learns the deal's labels: a preference federation's are the slot's ratings, not the data set's classes
+  const classes = dealtClasses(partition, raw.numClasses);
+  if (classes !== card.numClasses) {
+    throw new CardError(`partition '${partition}' of ${dataset} gives labels of ${classes} classes, but the card's model predicts ${card.numClasses}`);
+  }
   const seed = config['seed'];
   if (typeof seed !== 'number' || !Number.isSafeInteger(seed)) throw new CardError(`the federation's seed ${String(seed)} cannot be held exactly`);
   const num = (k: string): number | null => (typeof config[k] === 'number' ? (config[k] as number) : null);
