@@ -307,14 +307,16 @@ def check_device_config(cfg: FederationConfig) -> None:
 def device_capacity(cfg: FederationConfig, slot: int, *, profile_density: float | None = None,
                     profile_kp: int | None = None) -> tuple[float, int]:
     """A device's (density, K_P): its profile's where the federation takes capacities from profiles (both given),
-    else the config's for its slot. K_P is 0 where nothing is personal (FedAvg, the decentralised algorithms),
-    and the config's for the linear-base control (its model is built for one K_P)."""
+    else the config's for its slot. The density is 1 where the algorithm keeps no mask (FedPer, FedAvg, Ditto:
+    what the card says and the device trains at); K_P is 0 where nothing is personal (FedAvg, the decentralised
+    algorithms), and the config's for the linear-base control (its model is built for one K_P)."""
     if profile_density is not None and profile_kp is not None:
         density, kp = float(profile_density), int(profile_kp)
     else:
         density, kp = cfg.client_density(slot), cfg.kp
-    k = algorithm_class(cfg.algorithm).kp_for(cfg, kp)  # the algorithm's K_P rule
-    return density, kp if k is None else k
+    algo = algorithm_class(cfg.algorithm)
+    k = algo.kp_for(cfg, kp)  # the algorithm's K_P rule
+    return algo.mask_density(density), kp if k is None else k
 
 
 # A federation's config arrives from the network (an admin's request), and a field that sizes something (clients,

@@ -14,10 +14,18 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
-from .algorithms import Algorithm, algorithm_class
-from .algorithms.ditto import DittoOptions
+from .algorithms import algorithm_class
+from .card_training import (
+    CARD_MODEL_CONFIG,
+    DittoTraining,
+    FedRepTraining,
+    LrSchedule,
+    MaskSchedule,
+    TrainingInfo,
+    training_info,
+)
 from .checkpoint import ModelSpec
 from .errors import ConfigError
 from .federation import FederationConfig, model_id
@@ -32,6 +40,7 @@ __all__ = [
     "TRAINING_SIGNATURE",
     "BlockInfo",
     "DittoTraining",
+    "FedRepTraining",
     "InputInfo",
     "Layer",
     "LrSchedule",
@@ -43,6 +52,7 @@ __all__ = [
     "TrainingInfo",
     "build_card",
     "card_sections",
+    "card_wire",
     "dataset_normalisation",
     "describe_blocks",
     "describe_layers",
@@ -58,7 +68,7 @@ TRAINING_SIGNATURE = "forward(x, y, weight, *params) -> (loss, *grads)"
 # backend is one of these trains with the card's program; the server exports them, the device runs them
 TRAINING_RUNTIMES = ("executorch", "onnxruntime")
 
-_FROZEN = ConfigDict(extra="forbid", frozen=True)
+_FROZEN = CARD_MODEL_CONFIG  # tolerant of added fields, strict on values (pfl_edge.card_training)
 
 
 class Normalisation(BaseModel):
@@ -118,94 +128,6 @@ class BlockInfo(BaseModel):
     name: str = Field(description="the block's name")
     tensors: list[str] = Field(description="state-dict keys of its tensors")
     personal: bool = Field(description="for this card's profile (K_P): kept on the device, never sent")
-
-
-class LrSchedule(BaseModel):
-    """The learning rate of round ``t``: ``lr_t = lr * lr_decay ** (t - 1)``."""
-
-    model_config = _FROZEN
-
-    formula: str = Field(description="\"lr * lr_decay ** (t - 1)\", ** the power")
-    lr: float = Field(description="round 1's learning rate")
-    lr_decay: float = Field(description="factor per round (1: constant across rounds); constant within a round")
-    round_index: str = Field(description="what t is: the round, from 1; round 0 (a late joiner's first fine-tuning) "
-                                         "uses round 1's lr")
-
-
-class MaskSchedule(BaseModel):
-    """DisPFL's prune-and-regrow, after a round's training (``pfl_edge.algorithms.dispfl.update_masks``,
-    ``pfl_edge.sparse.prune_rate`` and ``prune_regrow``; docs/model.md "DisPFL's mask schedule")."""
-
-    model_config = _FROZEN
-
-    alpha0: float = Field(description="the first update's prune rate")
-    rounds: int = Field(description="T, the annealing's length: the federation's rounds")
-    anneal: Literal["cosine"] = Field(
-        default="cosine",
-        description="alpha_t = alpha0 / 2 * (1 + cos(pi * (t - 1) / T)) after round t (t from 1): round 1 prunes at "
-                    "alpha0")
-    prune: Literal["magnitude"] = Field(
-        default="magnitude",
-        description="per masked tensor, the ceil(alpha_t * nnz) active weights of smallest |w| (the trained weights; "
-                    "ties at the cut go to the lower flat index) leave the mask")
-    regrow: Literal["gradient", "random"] = Field(
-        description="gradient: as many zeros of the pruned mask with the largest |g| join it, g the dense (unmasked) "
-                    "gradient at the trained masked weights; random: as many, uniformly at random")
-    regrow_batch: str = Field(
-        default="one batch: the first batch_size samples of a fresh permutation of the device's data, drawn from the "
-                "federation's seeded 'regrow' stream of round t (docs/algorithms.md)",
-        description="the batch the regrowth gradient is computed on")
-    regrow_just_pruned: bool = Field(default=True, description="whether a weight pruned in this update may regrow in "
-                                                               "it (yes: it competes with every other zero)")
-    dense_tensors: str = Field(default="a tensor the device's density leaves dense (ERK) keeps its all-ones mask and "
-                                       "is neither pruned nor regrown", description="which tensors are left alone")
-
-
-class DittoTraining(BaseModel):
-    """Ditto's personal model (docs/determinism.md, "Ditto on a device"): each round, after or before the global
-    model's ``local_epochs``, ``personal_epochs`` of the same SGD on the personal model ``v`` from the ``personal``
-    stream, with ``lam * (v - w_t)`` added to each gradient (``w_t``: the model the round's task named)."""
-
-    model_config = _FROZEN
-
-    lam: float = Field(description="the proximal term's weight (config options.lam, default 0.1; 0: none)")
-    personal_epochs: int = Field(description="epochs of the personal model per round (config "
-                                             "options.personal_epochs, default local_epochs)")
-
-
-class TrainingInfo(BaseModel):
-    """Local SGD exactly as pfl_edge.train runs it (``torch.optim.SGD`` semantics, docs/model.md "Training"): per
-    step, clip and mask the gradient (order: ``clip_unmasked``), ``g = g + weight_decay * w``, momentum
-    ``buf = momentum * buf + g`` (``buf = g`` on a round's first step), ``w = w - lr_t * buf``."""
-
-    model_config = _FROZEN
-
-    optimiser: Literal["sgd"] = Field(
-        default="sgd", description="stochastic gradient descent, torch.optim.SGD semantics")
-    lr: float = Field(description="round 1's learning rate (lr_schedule gives round t's)")
-    lr_schedule: LrSchedule = Field(description="the learning rate of each round")
-    momentum: float = Field(description="buf = momentum * buf + g (buf = g on the first step); w = w - lr_t * buf")
-    dampening: float = Field(default=0.0, description="always 0: momentum adds the whole gradient")
-    nesterov: bool = Field(default=False, description="always false: plain momentum")
-    weight_decay: float = Field(description="added to the gradient, g = g + weight_decay * w, after clipping and "
-                                            "masking, before momentum")
-    clip_norm: float | None = Field(description="null: no clipping; else every gradient is multiplied by min(1, "
-                                                "clip_norm / (N + 1e-6)), N the total L2 norm over the gradients of "
-                                                "the trained tensors")
-    clip_unmasked: bool = Field(description="true: clip the whole gradient, then mask it (DisPFL); false: mask, then "
-                                            "clip")
-    batch_size: int = Field(description="B: samples per step; each epoch a fresh permutation, its last batch partial")
-    local_epochs: int = Field(description="epochs of whole-model training per round")
-    ft_epochs: int = Field(description="FedPer-FT: epochs on the personal blocks alone (base frozen) before the "
-                                       "whole-model epochs; 0 otherwise")
-    loss: Literal["cross_entropy"] = Field(
-        default="cross_entropy", description="mean over the batch's real samples of logsumexp(logits) - logits[label]")
-    momentum_reset: Literal["every_round"] = Field(
-        default="every_round", description="the momentum buffers start afresh every round and training phase")
-    mask_schedule: MaskSchedule | None = Field(
-        default=None, description="DisPFL: how the device's mask changes after each round; null for the others")
-    ditto: DittoTraining | None = Field(
-        default=None, description="Ditto: how its personal model trains (lam, personal_epochs); null for the others")
 
 
 class ProgramInfo(BaseModel):
@@ -320,28 +242,24 @@ def card_sections(model: BlockModel, input_shape: Sequence[int], personal_keys: 
 # ------------------------------------------------------------------------------------------- the card
 
 
-def training_info(cfg: FederationConfig) -> TrainingInfo:
-    """FederationConfig.train_config's SGD, its lr_at schedule and the epochs of a round."""
-    tc = cfg.train_config(1)
-    algo = algorithm_class(cfg.algorithm)
-    schedule = algo.mask_schedule(cfg)
-    return TrainingInfo(
-        lr=tc.lr, lr_schedule=LrSchedule(formula="lr * lr_decay ** (t - 1)", lr=cfg.lr, lr_decay=cfg.lr_decay,
-                                          round_index="t: the round, from 1; round 0 (a late joiner's first "
-                                                      "fine-tuning) uses round 1's lr"),
-        momentum=tc.momentum, weight_decay=tc.weight_decay, clip_norm=tc.clip_norm, clip_unmasked=tc.clip_unmasked,
-        batch_size=tc.batch_size, local_epochs=cfg.local_epochs,
-        ft_epochs=algo.finetune_epochs(cfg), mask_schedule=None if schedule is None else MaskSchedule(**schedule),
-        ditto=_ditto(cfg, algo))
+# fields of the card's training section that a device of protocol version 1 does not know: left off its card
+# (always for those added after version 1; while null for those of the card's own first releases, which a card of
+# then refused even as null)
+_TRAINING_SINCE_V2 = ("fedrep",)
+_TRAINING_LATER = ("mask_schedule", "ditto")
 
 
-def _ditto(cfg: FederationConfig, algo: type[Algorithm]) -> DittoTraining | None:
-    """Ditto's options, resolved (its personal epochs default to local_epochs); None for the others."""
-    if not issubclass(algo.Options, DittoOptions):  # the algorithm's own options say it keeps a personal model
-        return None
-    opts = algo.options_for(cfg)
-    epochs = opts.personal_epochs
-    return DittoTraining(lam=opts.lam, personal_epochs=cfg.local_epochs if epochs is None else epochs)
+def card_wire(card: ModelCard, protocol: int) -> dict[str, Any]:
+    """The card as JSON for a device answered in ``protocol`` (docs/protocol.md, "Versions")."""
+    out = card.model_dump(mode="json")
+    if protocol < 2:
+        tr = out["training"]
+        for k in _TRAINING_SINCE_V2:
+            tr.pop(k, None)
+        for k in _TRAINING_LATER:
+            if tr.get(k) is None:
+                tr.pop(k, None)
+    return out
 
 
 def build_card(*, federation: str, cfg: FederationConfig, spec: ModelSpec, model: BlockModel, profile: str,

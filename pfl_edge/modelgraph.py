@@ -28,7 +28,7 @@ class Layer(BaseModel):
     model's input); the last layer's output is the logits ``[num_classes]``. Only the fields of the layer's
     ``type`` are set, the others are null (docs/model.md "Layers" says what each type computes)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="ignore", frozen=True)  # as the card's other parts (pfl_edge.card_training)
 
     name: str = Field(description="unique name of this layer; later layers name it in their inputs")
     type: LayerType = Field(description="the operation: conv2d, linear, groupnorm, batchnorm, relu, flatten, mean, "
@@ -65,7 +65,8 @@ class Layer(BaseModel):
     eps: float | None = Field(default=None, description="groupnorm, batchnorm: added to the variance before the square "
                                                         "root: (v - mean) / sqrt(var + eps)")
     dims: list[int] | None = Field(default=None, description="mean: the dimensions averaged, of the batched NCHW "
-                                                             "tensor ([2, 3]: over H and W, global average pooling)")
+                                                             "tensor, and removed (no keepdim): [2, 3] is global "
+                                                             "average pooling, [B, C, H, W] -> [B, C]")
     order: Literal["NCHW"] | None = Field(
         default=None, description="flatten: \"NCHW\", row-major over C, then H, then W (index c*H*W + h*W + w)")
     shape: list[int] | None = Field(default=None, description="reshape: the per-sample target shape, filled row-major")

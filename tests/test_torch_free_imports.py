@@ -54,7 +54,7 @@ SCRIPT = textwrap.dedent("""
     assert model_id(model_spec(cfg, 10, 1, 28)) == "cnn/10/1x28/deep0"
     assert pfl_edge.checkpoint.ModelSpec.from_metadata(model_spec(cfg, 10, 1, 28).to_metadata()).kp == 0
     pfl_edge.federation.check_device_config(cfg)
-    assert pfl_edge.federation.device_capacity(cfg, 0) == (0.5, 1)
+    assert pfl_edge.federation.device_capacity(cfg, 0) == (1.0, 1)  # FedPer keeps no mask
     assert device_profiles.get_profile("phone-high").name == "phone-high"
     assert pfl_edge.modelcard.ModelCard.model_json_schema()["title"] == "ModelCard"
     assert pfl_edge.modelcard.training_info(cfg).lr == 0.05

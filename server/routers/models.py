@@ -9,18 +9,27 @@ import threading
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, JSONResponse
 
 from device_profiles import get_profile, list_profiles
 from pfl_edge.errors import UnknownNameError
 from pfl_edge.federation import device_capacity
-from pfl_edge.modelcard import TRAINING_RUNTIMES, Layer, ModelCard, ProgramInfo, build_card, describe_layers
-from pfl_edge.protocol import API_PREFIX
+from pfl_edge.modelcard import (
+    TRAINING_RUNTIMES,
+    Layer,
+    ModelCard,
+    ProgramInfo,
+    build_card,
+    card_wire,
+    describe_layers,
+)
+from pfl_edge.protocol import API_PREFIX, PROTOCOL_VERSION
 
 from ..db import Device
 from ..deps import Coord, FederationReader
 from ..errors import NotFound, Unprocessable
 from ..fedmodel import FedModel
+from ..services import identity
 from ..services.artefacts import Artefacts, ProgramKey, ProgramRecord
 
 __all__ = ["artefacts", "creation_keys", "program_keys", "router"]
@@ -105,10 +114,11 @@ def _info(fed: str, key: ProgramKey, rec: ProgramRecord) -> ProgramInfo:
 @router.get("/{fed}/model", response_model=ModelCard, responses=_NOT_READY)
 def get_model_card(fed: str, reader: FederationReader, coord: Coord, arts: ArtefactsDep,
                    profile: Annotated[str | None, Query(max_length=64)] = None,
-                   training_backend: Literal["torch", "executorch", "onnxruntime"] | None = None) -> ModelCard:
+                   training_backend: Literal["torch", "executorch", "onnxruntime"] | None = None) -> JSONResponse:
     """The model card for a device of ``profile`` (a device without ``profile``: its own); ``training_backend``
     where the device trains otherwise than its profile says (``executorch``, ``onnxruntime``: the card lists that
-    runtime's training programs)."""
+    runtime's training programs). A device is answered in its protocol version (``card_wire``); the admin in
+    the newest."""
     dev = reader if isinstance(reader, Device) else None
     name = profile or (dev.profile if dev is not None else None)
     if name is None:
@@ -131,10 +141,11 @@ def get_model_card(fed: str, reader: FederationReader, coord: Coord, arts: Artef
                             f"only {fm.num_blocks}")
     keys = program_keys(fm, kp=kp, training_backend=training_backend or prof.training_backend)
     records = arts.ensure(keys)
-    return build_card(federation=fed, cfg=fm.cfg, spec=fm.spec, model=fm.model, profile=prof.name, kp=kp,
+    card = build_card(federation=fed, cfg=fm.cfg, spec=fm.spec, model=fm.model, profile=prof.name, kp=kp,
                       density=density, base_keys=fm.base_keys(kp),
                       programs=[_info(fed, k, r) for k, r in zip(keys, records, strict=True)],
                       layers=_layers(fm))
+    return JSONResponse(card_wire(card, PROTOCOL_VERSION if dev is None else identity.answered_in(dev)))
 
 
 @router.get("/{fed}/programs/{file}", response_class=FileResponse, responses={

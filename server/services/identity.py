@@ -11,7 +11,7 @@ from ..db import Device
 from ..errors import Forbidden, Unauthorized, Unspoken
 from .broker_access import device_client_id
 
-__all__ = ["client_id", "take_enrol_proof", "take_rotation_proof", "version"]
+__all__ = ["answered_in", "client_id", "take_enrol_proof", "take_rotation_proof", "version"]
 
 
 def version(req: EnrolRequest, speaks: tuple[int, ...]) -> int:
@@ -23,6 +23,11 @@ def version(req: EnrolRequest, speaks: tuple[int, ...]) -> int:
                        f"{said}{'' if req.protocols else ' (it named none: an earlier release)'}. Update the device "
                        "(docs/protocol-changes.md says what changed), or run a server that speaks its version")
     return got
+
+
+def answered_in(dev: Device) -> int:
+    """The version ``dev`` is answered in: negotiated at its last enrolment (a row from before schema 15: 1)."""
+    return 1 if dev.protocol is None else dev.protocol
 
 
 def client_id(version: int, password: str, dev_id: str) -> str | None:

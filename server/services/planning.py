@@ -12,6 +12,7 @@ from pfl_edge.protocol import Neighbour, Task
 from ..db import Device, Federation, Round, Update
 from ..fedmodel import FedModel
 from ..states import ENROLMENT_ROUND, RoundState
+from . import identity
 from .blob_access import BlobAccess
 from .store import Store
 
@@ -147,4 +148,5 @@ class Planner:
 def _sent_in(dev: Device) -> int | None:
     """The protocol version a task names for ``dev``: its own from version 2 on; none for a device of version 1,
     which refuses a field it does not know (docs/protocol.md, "Versions")."""
-    return dev.protocol if dev.protocol is not None and dev.protocol >= 2 else None
+    got = identity.answered_in(dev)
+    return got if got >= 2 else None

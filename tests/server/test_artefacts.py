@@ -503,3 +503,20 @@ def creation_keys_of(fm: Any) -> list[Any]:
     from server.routers.models import creation_keys
 
     return creation_keys(fm, profile_capacity=False, scope="all")
+
+
+def test_each_device_is_served_the_card_in_its_protocol_version(app: dict[str, Any]) -> None:
+    """A device of an earlier release (version 1) is sent no card field it does not know; this release's device
+    (version 2) every field (pfl_edge.modelcard.card_wire; tests/server/test_card_versions.py checks both against
+    the two releases' schemas)."""
+    c = app["c"]
+    old = Dev(c, "f", keyed=False)  # the second of f's three slots: round 1 does not open
+    got_old = c.get("/v1/federations/f/model", headers=old.h)
+    got_new = c.get("/v1/federations/f/model", headers=app["d"].h)
+    assert got_old.status_code == 200 and got_new.status_code == 200, (got_old.text, got_new.text)
+    old_training, new_training = got_old.json()["training"], got_new.json()["training"]
+    assert not {"fedrep", "ditto", "mask_schedule"} & set(old_training)  # FedPer-FT's: all three null
+    assert {k: new_training[k] for k in ("fedrep", "ditto", "mask_schedule")} == dict.fromkeys(
+        ("fedrep", "ditto", "mask_schedule"))
+    assert {k: v for k, v in new_training.items() if k not in ("fedrep", "ditto", "mask_schedule")} == old_training
+    assert got_new.json()["density"] == 1.0  # FedPer-FT keeps no mask (its enrolment says 1 too)
