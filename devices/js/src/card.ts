@@ -40,6 +40,11 @@ export interface CardTraining {
   localEpochs: number;
   ftEpochs: number;
   maskSchedule: MaskSchedule | null;
+  /** FedRep's head epochs per round (`training.fedrep`, protocol 2); null: not FedRep, or a server of version 1
+   * (the device then reads `config.options.head_epochs`). */
+  headEpochs: number | null;
+  /** Ditto's personal model (`training.ditto`); null: not Ditto, or a card without it (then `config.options`). */
+  ditto: { lam: number; personalEpochs: number } | null;
 }
 
 export interface MaskSchedule {
@@ -148,7 +153,18 @@ export function parseCard(body: unknown): ModelCard {
     localEpochs: int(tr, 'local_epochs', 'training.'),
     ftEpochs: int(tr, 'ft_epochs', 'training.'),
     maskSchedule,
+    headEpochs: null,
+    ditto: null,
   };
+  const fr = tr['fedrep'];
+  if (fr !== null && fr !== undefined) {
+    training.headEpochs = int(need<Obj>(isObj(fr), 'training.fedrep', fr), 'head_epochs', 'training.fedrep.');
+  }
+  const dt = tr['ditto'];
+  if (dt !== null && dt !== undefined) {
+    const d = need<Obj>(isObj(dt), 'training.ditto', dt);
+    training.ditto = { lam: num(d, 'lam', 'training.ditto.'), personalEpochs: int(d, 'personal_epochs', 'training.ditto.') };
+  }
   const programs = need<unknown[]>(Array.isArray(body['programs']), 'programs', body['programs']).map((p, i) => {
     const o = need<Obj>(isObj(p), `programs[${i}]`, p);
     const file = str(o, 'file', `programs[${i}].`);

@@ -554,8 +554,9 @@ export class Device {
       // PERSONAL stream, then the base alone for the round's epochs from TRAIN; the same whole-model program
       const head = this.card.personalKeys.filter((k) => this.training.trainable.includes(k));
       body = this.training.trainable.filter((k) => !head.includes(k));
+      // the card's (protocol 2); a server of version 1 sends none: the config's option, else its default
       const opts = (this.config['options'] ?? {}) as Record<string, unknown>;
-      const headEpochs = typeof opts['head_epochs'] === 'number' ? opts['head_epochs'] : 10;
+      const headEpochs = this.card.training.headEpochs ?? (typeof opts['head_epochs'] === 'number' ? opts['head_epochs'] : 10);
       if (head.length && headEpochs > 0) {
         const hst = await trainLocal(this.training, state, this.data.train, trainConfig(this.card, t, headEpochs),
           this.stream(Stream.PERSONAL, t, this.enr.index), { trainable: head });
@@ -570,8 +571,9 @@ export class Device {
     if (personal !== null && anchor !== null) {
       // Ditto: the personal model, pulled towards the global model it received (lam), from its own stream
       const opts = (this.config['options'] ?? {}) as Record<string, unknown>;
-      const lam = typeof opts['lam'] === 'number' ? opts['lam'] : 0.1;
-      const epochs = typeof opts['personal_epochs'] === 'number' ? opts['personal_epochs'] : this.card.training.localEpochs;
+      const ditto = this.card.training.ditto;
+      const lam = ditto?.lam ?? (typeof opts['lam'] === 'number' ? opts['lam'] : 0.1);
+      const epochs = ditto?.personalEpochs ?? (typeof opts['personal_epochs'] === 'number' ? opts['personal_epochs'] : this.card.training.localEpochs);
       const pst = await trainLocal(this.training, personal, this.data.train, { ...trainConfig(this.card, t, epochs), prox: lam },
         this.stream(Stream.PERSONAL, t, this.enr.index), { anchor });
       trainS += pst.seconds;

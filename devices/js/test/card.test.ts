@@ -56,3 +56,22 @@ test('cards this device must refuse', () => {
   c.programs[1].details.signature = 'forward(x) -> y';
   assert.throws(() => trainingDetails(parseCard(c), parseCard(c).programs[1]!), CardError);
 });
+
+test("protocol 2's training fields are read, an added field is ignored, and a card without them still parses", () => {
+  const plain = parseCard(raw());
+  assert.equal(plain.training.headEpochs, null);
+  assert.equal(plain.training.ditto, null); // the fixture, a card of the previous release: neither field
+  const c = raw() as Record<string, any>;
+  c.training.fedrep = { head_epochs: 3 };
+  c.training.ditto = { lam: 0.5, personal_epochs: 2 };
+  c.training.added_later = { anything: true };
+  c.added_later = 1;
+  const card = parseCard(c);
+  assert.equal(card.training.headEpochs, 3);
+  assert.deepEqual(card.training.ditto, { lam: 0.5, personalEpochs: 2 });
+  for (const spoil of [(x: any) => { x.training.fedrep = { head_epochs: 1.5 }; }, (x: any) => { x.training.ditto = { lam: 'big' }; }]) {
+    const d = raw() as Record<string, any>;
+    spoil(d);
+    assert.throws(() => parseCard(d), CardError);
+  }
+});
