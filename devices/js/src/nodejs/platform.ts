@@ -1,6 +1,6 @@
 /**
- * The Node platform of a device: files, mqtt.js, onnxruntime-node, Fashion-MNIST from Debian's IDX files, or the
- * device's own images from a folder (`--data-dir`).
+ * The Node platform of a device: files, mqtt.js, onnxruntime-node, Fashion-MNIST from Debian's IDX files or the
+ * `synthetic` data set (made in memory, src/synthetic.ts), or the device's own images from a folder (`--data-dir`).
  */
 import { randomBytes } from 'node:crypto';
 import { readFileSync } from 'node:fs';
@@ -9,14 +9,15 @@ import { availableParallelism, release, type } from 'node:os';
 import mqtt from 'mqtt';
 
 import { type ModelCard, CardError, findProgram, trainingDetails } from '../card.js';
-import { slotSamples } from '../data.js';
+import { slotInputs, slotSamples } from '../data.js';
 import type { DeviceData, LogLevel, Platform } from '../device.js';
 import type { PlatformInfo } from '../enrol.js';
 import type { MqttConnect } from '../mqtt.js';
 import { deal, dealtClasses } from '../partition.js';
 import { nodeSha256 } from '../node.js';
+import { type SyntheticSet, makeSynthetic } from '../synthetic.js';
 import { DirStorage } from './fs.js';
-import { loadFashionMnist } from './idx.js';
+import { type RawDataset, loadFashionMnist } from './idx.js';
 import { loadImageFolder } from './images.js';
 import { openInference, openTraining, ortVersion } from './ort.js';
 
@@ -64,9 +65,21 @@ export function loadOwnImages(config: Record<string, unknown>, slot: number, car
   return { train: d.train, test: d.test };
 }
 
+/** The data sets a dealt federation may name, and the card's normalisation each needs. */
+const DATASET_STATISTICS: Record<string, 'fixed' | 'none'> = { 'fashion-mnist': 'fixed', synthetic: 'none' };
+
+let syntheticCache: SyntheticSet | null = null;
+
+/** The `synthetic` data set, made once per process (the same in every federation; about 25 MB). */
+export function syntheticDataset(): SyntheticSet {
+  syntheticCache ??= makeSynthetic();
+  return syntheticCache;
+}
+
 /**
  * Its slot's training and test samples: its own images where it has a folder of them (`imageDir`), else the
- * data set dealt as pfl-edge deals it, normalised as the card says.
+ * data set dealt as pfl-edge deals it: Fashion-MNIST's pixels normalised as the card says (`fixed`), or the
+ * `synthetic` set's inputs as they are (`none`).
  */
 export async function loadSlotData(config: Record<string, unknown>, slot: number, card: ModelCard, datasetDir?: string | null,
   imageDir?: string | null): Promise<DeviceData> {
@@ -77,10 +90,16 @@ export async function loadSlotData(config: Record<string, unknown>, slot: number
     throw new CardError('this federation\'s devices bring their own data (partition "device"): start the device with ' +
       '--data-dir FOLDER, one sub-folder of images per class');
   }
-  if (dataset !== 'fashion-mnist') throw new CardError(`this device reads the fashion-mnist data set, not ${dataset}`);
+  const want = Object.hasOwn(DATASET_STATISTICS, dataset) ? DATASET_STATISTICS[dataset] : undefined;
+  if (want === undefined) {
+    throw new CardError(`this device reads the ${Object.keys(DATASET_STATISTICS).join(' and ')} data sets, not ${dataset}`);
+  }
   const norm = card.normalisation;
-  if (norm.statistics !== 'fixed') throw new CardError(`the card's normalisation is ${norm.statistics}, not fixed`);
-  const raw = loadFashionMnist(datasetDir ?? (typeof config['data_dir'] === 'string' ? config['data_dir'] : null));
+  if (norm.statistics !== want) throw new CardError(`the card's normalisation is ${norm.statistics}, not ${want} (the ${dataset} data set's)`);
+  if (want === 'none') checkIdentity(norm);
+  // synthetic: model inputs already (made here, no files); fashion-mnist: 8-bit pixels, normalised below
+  const inputs = dataset === 'synthetic' ? syntheticDataset() : null;
+  const raw = inputs ?? loadFashionMnist(datasetDir ?? (typeof config['data_dir'] === 'string' ? config['data_dir'] : null));
   // the model learns the deal's labels: a preference federation's are the slot's ratings, not the data set's classes
   const classes = dealtClasses(partition, raw.numClasses);
   if (classes !== card.numClasses) {
@@ -96,7 +115,19 @@ export async function loadSlotData(config: Record<string, unknown>, slot: number
   const share = shares[slot];
   if (share === undefined) throw new CardError(`slot ${slot} is out of range for ${shares.length} partitions`);
   const sampleSize = raw.channels * raw.size * raw.size;
-  return slotSamples(raw.train, raw.test, share, raw.channels, sampleSize, norm.mean, norm.std);
+  if (inputs !== null) return slotInputs(inputs.train, inputs.test, share, sampleSize);
+  const pixels = raw as RawDataset;
+  return slotSamples(pixels.train, pixels.test, share, pixels.channels, sampleSize, norm.mean, norm.std);
+}
+
+/** `statistics: "none"` (docs/model.md): the samples already are model inputs, so scale 1, mean 0 and std 1; a card
+ * that says otherwise contradicts itself and is refused rather than read one way or the other. */
+function checkIdentity(norm: ModelCard['normalisation']): void {
+  const ok = norm.scale === 1 && norm.mean.every((m) => m === 0) && norm.std.every((s) => s === 1);
+  if (!ok) {
+    throw new CardError(`the card's normalisation is none but gives scale ${norm.scale}, mean [${norm.mean.join(', ')}], ` +
+      `std [${norm.std.join(', ')}] (none means 1, 0, 1: the samples are used as they are)`);
+  }
 }
 
 /** This machine as the protocol's Platform: Node's names for the architecture, the OS, onnxruntime-node's version. */
