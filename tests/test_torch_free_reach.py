@@ -78,8 +78,6 @@ ALLOWED: dict[str, str] = {
     "pfl_edge.data.registry:Dataset.__post_init__": TORCH_ARRAYS + " (deal_arrays deals numpy)",
     "pfl_edge.data.registry:Dataset.of": TORCH_ARRAYS + " (deal_arrays deals numpy)",
     "pfl_edge.data.sources:fashion_mnist_labels": TORCH_ARRAYS + " (deal_arrays reads the labels with numpy)",
-    "pfl_edge.data.sources:synthetic": "drawn with torch: its caller (pfl_edge.data.registry.get_arrays) turns "
-                                       "the missing torch into a DataError saying what a device deals instead",
     "pfl_edge.federation:init_state": COORDINATOR,
     "pfl_edge.modelgraph:_layers": EAGER,
     "pfl_edge.modelgraph:_module_layer": EAGER,

@@ -194,9 +194,9 @@ def get_dataset(name: str, *, data_dir: str | Path | None = None) -> Dataset:
 
 def get_arrays(name: str, *, data_dir: str | Path | None = None) -> DatasetArrays:
     """The data set as numpy arrays: the memory ``get_dataset``'s tensors share, so the same bits. Needs no
-    torch for a data set whose loader returns arrays (Fashion-MNIST, CIFAR-10); one generated with torch
-    (``synthetic``) is a ``DataError`` where torch is not installed. Loaded once per process, like
-    ``get_dataset``; nobody may modify the arrays."""
+    torch for a data set whose loader returns arrays (every built-in one: Fashion-MNIST, CIFAR-10, synthetic); a
+    registered one generated with torch is a ``DataError`` where torch is not installed. Loaded once per
+    process, like ``get_dataset``; nobody may modify the arrays."""
     key = _key(name, data_dir)
     try:
         got = _load(*key)

@@ -13,7 +13,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ..errors import DataError
-from .registry import Dataset, DatasetArrays, InputShape, Labels, register_dataset
+from .registry import DatasetArrays, InputShape, Labels, register_dataset
+from .synthetic import make_synthetic
 
 __all__ = ["FASHION_MNIST_DIRS", "load_idx", "normalise"]
 
@@ -165,22 +166,9 @@ def cifar10(data_dir: Path | None) -> DatasetArrays:
 
 
 @register_dataset("synthetic", shape=InputShape(1, 28, 10))
-def synthetic(data_dir: Path | None) -> Dataset:
-    """10 classes of 1x28x28 images: a fixed random smooth prototype per class plus noise. Learnable in a few
-    hundred steps; for tests and quick runs. Always the same data (its own fixed seed). Drawn with torch's
-    generator and interpolation: it needs torch (``get_arrays`` gives it as numpy where torch is installed)."""
-    import torch
-
-    gen = torch.Generator().manual_seed(20261129)
-    coarse = torch.randn(10, 1, 7, 7, generator=gen)
-    protos = torch.nn.functional.interpolate(coarse, size=(28, 28), mode="bilinear", align_corners=False)
-
-    def draw(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        y = torch.arange(n) % 10
-        y = y[torch.randperm(n, generator=gen)]
-        x = protos[y] + 1.5 * torch.randn(n, 1, 28, 28, generator=gen)
-        return x.contiguous(), y
-
-    train_x, train_y = draw(6000)
-    test_x, test_y = draw(2000)
-    return Dataset("synthetic", train_x, train_y, test_x, test_y, num_classes=10)
+def synthetic(data_dir: Path | None) -> DatasetArrays:
+    """10 classes of 1x28x28 inputs: a fixed random smooth prototype per class plus noise. Learnable in a few
+    hundred steps; for tests and quick runs. Always the same data, made without torch or numpy's samplers
+    (pfl_edge.data.synthetic: the arithmetic docs/determinism.md gives, which the JavaScript device repeats)."""
+    train_x, train_y, test_x, test_y = make_synthetic()
+    return DatasetArrays("synthetic", train_x, train_y, test_x, test_y, num_classes=10)

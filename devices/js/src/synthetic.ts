@@ -5,7 +5,7 @@
  * Platform-neutral (typed arrays only).
  *
  * One generator, `MT19937(SYNTHETIC_SEED)`, draws in this order:
- * 1. the prototypes: 10 x 7 x 7 coarse values `SQRT3 * (2u - 1)` (u its binary32 draws widened to double), upsampled
+ * 1. the prototypes: 10 x 7 x 7 coarse values `AMP * (2u - 1)` (u its binary32 draws widened to double), upsampled
  *    bilinearly to 28 x 28 (half-pixel centres, edges clamped) as
  *    `(1 - wy) * ((1 - wx) * a + wx * b) + wy * ((1 - wx) * c + wx * d)`;
  * 2. the train split (6000), then 3. the test split (2000), each: labels `(arange(n) mod 10)[randperm(n)]`, then
@@ -21,7 +21,7 @@ export const SYNTHETIC_CHANNELS = 1;
 export const SYNTHETIC_SIDE = 28;
 const COARSE = 7;
 /** the double nearest sqrt(3) */
-const SQRT3 = 1.7320508075688772;
+const AMP = 2.1650635094610964; // the double nearest 1.25 * sqrt(3)
 /** the double nearest 1.5 * sqrt(3): sums of four uniforms (variance 1/3) scaled to std 1.5 */
 const NOISE = 2.598076211353316;
 const PIXELS = SYNTHETIC_SIDE * SYNTHETIC_SIDE;
@@ -68,7 +68,7 @@ function taps(): { i0: Int32Array; i1: Int32Array; w: Float64Array } {
 export function syntheticPrototypes(g: MT19937): Float64Array {
   const u = g.rand(SYNTHETIC_CLASSES * COARSE * COARSE);
   const coarse = new Float64Array(u.length);
-  for (let i = 0; i < u.length; i++) coarse[i] = SQRT3 * (2.0 * u[i]! - 1.0);
+  for (let i = 0; i < u.length; i++) coarse[i] = AMP * (2.0 * u[i]! - 1.0);
   const { i0, i1, w } = taps();
   const out = new Float64Array(SYNTHETIC_CLASSES * PIXELS);
   for (let k = 0; k < SYNTHETIC_CLASSES; k++) {
