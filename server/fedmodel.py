@@ -15,6 +15,7 @@ from torch import Tensor
 
 from pfl_edge.algorithms import Algorithm, get_algorithm
 from pfl_edge.checkpoint import ModelSpec, build_model
+from pfl_edge.data import Partition
 from pfl_edge.errors import ConfigError
 from pfl_edge.federation import (
     FederationConfig,
@@ -38,6 +39,7 @@ class FedModel:
     shapes: dict[str, tuple[int, ...]]
     largest_share: int  # the most training samples the federation's deal gives one client (input_spec)
     shares: tuple[int, ...] = ()  # each slot's training samples as dealt; () where devices bring their own data
+    deal: Partition | None = None  # the deal itself (each slot's indices: GET /v1/devices/me/share); None: own data
     _algos: dict[int, Algorithm] = field(default_factory=dict)
 
     def algorithm(self, kp: int | None = None) -> Algorithm:
@@ -90,13 +92,14 @@ def fed_model(config: dict[str, Any]) -> FedModel:
         if cfg.own_data:
             spec, largest = input_spec(cfg)
             shares: tuple[int, ...] = ()
+            part = None
         else:  # the deal the simulator and every device make: each slot's share is known here, from labels alone
             part, spec = deal_labels(cfg)
             shares = tuple(len(c.train_idx) for c in part.clients)
             largest = max(shares)
         model = build_model(spec)
         shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-        fm = FedModel(cfg, spec, model, model_id(spec), shapes, largest, shares)
+        fm = FedModel(cfg, spec, model, model_id(spec), shapes, largest, shares, part)
         fm.base_keys(cfg.kp)  # a kp the model cannot split is an error now, not at the first upload
         _CACHE[key] = fm
         return fm

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
+from pfl_edge.data_share import DataShare, data_share
 from pfl_edge.protocol import BrokerInfo, Enrolment, EnrolRequest, TokenIssued, TokenRotation
 
-from ..deps import DeviceAuth, Enrol
+from ..deps import Coord, DeviceAuth, Enrol
+from ..errors import Conflict
 
 __all__ = ["TokenIssued", "router"]
 
@@ -39,3 +41,16 @@ def current_broker(dev: DeviceAuth, enrol: Enrol) -> BrokerInfo:
     checks tokens (``jwt`` mode), a fresh one as its MQTT password (a revoked device never gets here: 401)."""
     token = enrol.mqtt_token(dev.id) if enrol.mqtt_token is not None else None
     return BrokerInfo(broker_url=enrol.device_broker_url, mqtt_password=token)
+
+
+@router.get("/me/share", response_model=DataShare)
+def own_share(dev: DeviceAuth, coord: Coord) -> DataShare:
+    """The calling device's share of its federation's dealt data set (``pfl_edge.data_share``): for a device that
+    cannot deal it itself (``dirichlet``, ``dirichlet-client``: numpy's gamma sampler). 409 where the devices bring
+    their own data (``partition: "device"``): nothing is dealt."""
+    with coord.store.read() as s:
+        fm = coord.store.model(coord.store.federation(s, dev.federation))
+    if fm.deal is None:
+        raise Conflict(f"federation {dev.federation!r} deals no data: its devices bring their own (partition "
+                       "'device'); start the device with its own images")
+    return data_share(dev.federation, fm.cfg.dataset, fm.cfg.partition, fm.deal, dev.slot)

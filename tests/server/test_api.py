@@ -95,7 +95,8 @@ def test_enrolment(client: TestClient) -> None:
     a = Dev(client, "f", index=1)
     assert a.index == 1
     e = a.e
-    assert e["round"] == 0 and e["kp"] == 2 and e["density"] == 1.0 and e["broker_url"].startswith("mqtt://")  # no mask: dense
+    # density 1: FedPer keeps no mask (as its card says)
+    assert e["round"] == 0 and e["kp"] == 2 and e["density"] == 1.0 and e["broker_url"].startswith("mqtt://")
     assert e["config"]["clients"] == 3 and e["mqtt_username"] == a.id
     # FedPer's init is the device's base part only: nothing personal travels
     init = a.get(e["init_digest"])
