@@ -137,7 +137,8 @@ class Algorithm:
         if cls.private:
             return
         valid = ", ".join(n for n, c in _REGISTRY.items() if c.private)
-        raise ConfigError(f"algorithm {cls.name!r}: differential privacy covers a base a server averages; "
+        table = "privacy" if cfg.privacy is not None else "secure_aggregation"
+        raise ConfigError(f"algorithm {cls.name!r}: a {table} table covers a base a server averages; "
                           f"valid: {valid} (docs/privacy.md says what applies to the decentralised ones)")
 
     @classmethod

@@ -189,7 +189,7 @@ def test_the_privacy_table_is_checked_on_creation() -> None:
     with pytest.raises(ConfigError, match="clip"):
         FederationConfig(privacy={"noise_multiplier": 1.0}, **QUICK)
     for algorithm in ("dispfl", "local", "dpsgd"):
-        with pytest.raises(ConfigError, match="differential privacy covers"):
+        with pytest.raises(ConfigError, match="a privacy table covers"):
             FederationConfig(algorithm=algorithm, privacy={"clip": 1.0, "noise_multiplier": 1.0},
                              **{**QUICK, "kp": 0 if algorithm != "local" else 1})
     for algorithm in ("fedavg", "ditto", "fedrep", "fedper-ft", "fedavg-ft"):

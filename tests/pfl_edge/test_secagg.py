@@ -206,7 +206,7 @@ def test_the_secure_aggregation_table_is_checked() -> None:
         FederationConfig(secure_aggregation={"bound": 1.0, "bits": 31}, **base)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="no key 'k'"):
         FederationConfig(secure_aggregation={"bound": 1.0, "k": 3}, **base)  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="differential privacy covers"):
+    with pytest.raises(ConfigError, match="a secure_aggregation table covers"):
         FederationConfig(algorithm="dispfl", secure_aggregation={"bound": 1.0}, **base)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="step_s"):
         FederationConfig(secure_aggregation={"bound": 1.0, "step_s": 0}, **base)  # type: ignore[arg-type]
