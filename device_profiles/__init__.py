@@ -3,6 +3,8 @@
 
 from .check import Fit, check
 from .registry import (
+    AVAILABILITY,
+    Emulation,
     Fleet,
     FleetMember,
     Profile,
@@ -16,6 +18,8 @@ from .registry import (
 )
 
 __all__ = [
+    "AVAILABILITY",
+    "Emulation",
     "Fit",
     "Fleet",
     "FleetMember",

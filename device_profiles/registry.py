@@ -10,6 +10,8 @@ from pfl_edge.compat import tomllib
 from pfl_edge.errors import ConfigError, UnknownNameError
 
 __all__ = [
+    "AVAILABILITY",
+    "Emulation",
     "Fleet",
     "FleetMember",
     "Profile",
@@ -23,6 +25,47 @@ __all__ = [
 ]
 
 HERE = Path(__file__).parent
+AVAILABILITY = ("always", "diurnal")  # how a class comes and goes (edge_runtime.emulation_plan)
+
+
+@dataclass(frozen=True)
+class Emulation:
+    """How ``pfl-edge emulate`` holds a device of this class to its resources on a host (docs/emulation.md):
+    ``speed`` is one device core's speed as a fraction of ONE core of the host the emulator runs on (the device
+    trains with one thread, so at most 1), the CPU quota at no time dilation; the links in kbit/s each way and
+    the round trip in ms; ``availability``: always online, or on and off with a diurnal shape."""
+
+    speed: float  # fraction of one host core (cgroup cpu.cfs_quota_us / cpu.cfs_period_us)
+    memory_mb: int  # the class's memory for pfl-edge (the emulator adds its runtime's own overhead)
+    uplink_kbps: int
+    downlink_kbps: int
+    rtt_ms: float
+    availability: Literal["always", "diurnal"] = "always"
+
+    def check(self, where: str) -> None:
+        if isinstance(self.speed, bool) or not isinstance(self.speed, int | float) or not 0 < self.speed <= 1:
+            raise ConfigError(f"{where}: emulation.speed must be in (0, 1] (a fraction of one host core: the "
+                              f"device trains with one thread), got {self.speed!r}")
+        for f in ("memory_mb", "uplink_kbps", "downlink_kbps"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"{where}: emulation.{f} must be a positive integer, got {v!r}")
+        if isinstance(self.rtt_ms, bool) or not isinstance(self.rtt_ms, int | float) or not 0 <= self.rtt_ms <= 10_000:
+            raise ConfigError(f"{where}: emulation.rtt_ms must be a number of ms in [0, 10000], got {self.rtt_ms!r}")
+        if self.availability not in AVAILABILITY:
+            raise ConfigError(f"{where}: emulation.availability must be one of {', '.join(AVAILABILITY)}, got "
+                              f"{self.availability!r}")
+
+    @staticmethod
+    def from_dict(d: Any, where: str) -> Emulation:
+        if not isinstance(d, dict):
+            raise ConfigError(f"{where}: [emulation] must be a table, got {d!r}")
+        known = {f.name for f in fields(Emulation)}
+        missing, unknown = known - set(d) - {"availability"}, set(d) - known
+        if missing or unknown:
+            raise ConfigError(f"{where}: [emulation] is missing {sorted(missing)}, has unknown {sorted(unknown)} "
+                              f"(its fields: {', '.join(sorted(known))})")
+        return Emulation(**d)
 
 
 @dataclass(frozen=True)
@@ -45,9 +88,17 @@ class Profile:
     kp: int  # FedPer personal blocks
     batch_size: int
     train_memory_mb: int  # ceiling for one training step: weights, gradients, optimizer state, activations
+    emulation: Emulation | None = None  # what pfl-edge emulate holds it to; None: a class it cannot emulate
 
     def __post_init__(self) -> None:
         where = f"profile {self.name!r}"
+        if self.emulation is not None:
+            if not isinstance(self.emulation, Emulation):
+                raise ConfigError(f"{where}: emulation must be an Emulation, got {self.emulation!r}")
+            self.emulation.check(where)
+            if self.emulation.memory_mb > self.ram_mb:
+                raise ConfigError(f"{where}: emulation.memory_mb ({self.emulation.memory_mb}) exceeds ram_mb "
+                                  f"({self.ram_mb})")
         for f in ("ram_mb", "ram_budget_mb", "cores", "threads", "batch_size", "train_memory_mb"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -70,9 +121,11 @@ class Profile:
     @staticmethod
     def from_dict(d: dict[str, Any], source: str = "") -> Profile:
         known = {f.name for f in fields(Profile)}
-        missing, unknown = known - set(d), set(d) - known
+        missing, unknown = known - set(d) - {"emulation"}, set(d) - known
         if missing or unknown:
             raise ConfigError(f"{source or 'profile'}: missing fields {sorted(missing)}, unknown {sorted(unknown)}")
+        if "emulation" in d:
+            d = {**d, "emulation": Emulation.from_dict(d["emulation"], source or f"profile {d.get('name')!r}")}
         return Profile(**d)
 
 
