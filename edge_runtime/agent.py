@@ -22,12 +22,12 @@ from typing import Any
 
 from device_profiles import get_profile
 from pfl_edge.algorithms import Algorithm, Upload, get_algorithm
-from pfl_edge.arrays import Array as Tensor
 from pfl_edge.codec import encode
 from pfl_edge.errors import CodecError, ConfigError, DivergedError
 from pfl_edge.federation import FederationConfig, check_device_config, model_id
 from pfl_edge.protocol import (
     API_PREFIX,
+    COSTS_SINCE,
     Enrolment,
     RoundAnnouncement,
     Task,
@@ -72,6 +72,7 @@ class Agent:
         self._stop = threading.Event()
         self.done = False
         self._skipped: set[int] = set()  # rounds sat out in this run (a bad model received, diverged training)
+        self._started: dict[int, float] = {}  # a round's start (its task taken up), for its wall time
 
     # ------------------------------------------------------------------------------------------------ setup
     def enrol(self) -> Enrolment:
@@ -113,7 +114,7 @@ class Agent:
         if self.algo.participation(1).after_initial and not prog.initial_sent:
             # its initial model is what its first neighbours receive (a late joiner's too: the server gives it
             # tasks once it has one); rebuilt from the saved state if a restart came in between
-            state, _, _ = self._load_model()
+            state, _, _ = self.store.load_model()
             self._stage_upload(prog, 0, self.algo.device_upload(state))
             self._flush_upload()
             prog = self.store.progress
@@ -137,20 +138,7 @@ class Agent:
         prog = self.store.progress
         prog.late = enr.round > 0
         self.store.save_progress(prog)
-        self._save_model(self.algo.device_init(self.dev, init, enr.density), 0, [])
-
-    # the device's state (model, and for DisPFL its support and mask), the round it was trained in and that
-    # round's metrics live in one file, written atomically: a restart never sees parts of two rounds
-    def _save_model(self, state: dict[str, Tensor], t: int, metrics: list[dict[str, Any]]) -> None:
-        self.store.save_tensors("model.safetensors", state, {"round": str(t), "metrics": json.dumps(metrics)})
-
-    def _load_model(self) -> tuple[dict[str, Tensor], int, list[dict[str, Any]]]:
-        got = self.store.load_tensors_meta("model.safetensors")
-        if got is None:
-            raise ConfigError(f"{self.cfg.state_dir}/model.safetensors is missing; remove the state dir to enrol "
-                              "afresh")
-        tensors, meta = got
-        return tensors, int(meta.get("round", "0")), list(json.loads(meta.get("metrics", "[]")) or [])
+        self.store.save_model(self.algo.device_init(self.dev, init, enr.density), 0, [])
 
     # ------------------------------------------------------------------------------------------------ main loop
     def run(self) -> int:
@@ -269,7 +257,7 @@ class Agent:
     # ------------------------------------------------------------------------------------------------ rounds
     def _round(self, task: Task, prog: Progress) -> None:
         t = task.round
-        state, saved_t, saved_metrics = self._load_model()
+        state, saved_t, saved_metrics = self.store.load_model()
         if saved_t == t and self.fed.secure_aggregation is not None:  # its keys died with the restart
             self._skipped.add(t)
             log.warning("round %d: restarted during its secure aggregation; it sits the round out", t)
@@ -278,6 +266,7 @@ class Agent:
             self._stage_upload(prog, t, self.algo.device_upload(state), metrics=saved_metrics)
             self._flush_upload()
             return
+        self._started[t] = time.monotonic()
         received, down = self.downloads.received(task)
         trainer = self.trainer
         trainer.reset_clock()
@@ -292,12 +281,12 @@ class Agent:
                         list(out.dropped))
             self.on_event("dropped", {"round": t, "slots": list(out.dropped)})
         st = prog.stat(t)
-        st.bytes_down, st.train_s = down, trainer.train_s
+        st.bytes_down, st.train_s, st.transfer_s = down, trainer.train_s, self.downloads.fetch_s
         st.step_ms = 1e3 * trainer.train_s / max(out.steps, 1)
         metrics = usable_metrics(out.metrics, self.data.n_test, self.on_event)
         if self.algo.readable(t, self.enr.index):  # neighbours it left out, with the round's metrics (dashboard)
             metrics = [{**m, "dropped": len(out.dropped)} if m["round"] == t else m for m in metrics]
-        self._save_model(out.state, t, metrics)
+        self.store.save_model(out.state, t, metrics)
         if out.deployed is not None:  # what it deploys after this round
             self.store.save_tensors("final.safetensors", out.deployed, {"round": str(t)})
         if out.upload is None:
@@ -323,7 +312,7 @@ class Agent:
 
     def _final(self, task: Task, prog: Progress) -> None:
         """The federation's last step: evaluate on the last shared model and report; nothing to send."""
-        state, _, _ = self._load_model()
+        state, _, _ = self.store.load_model()
         try:
             received, _ = self.downloads.received(task)
         except CodecError as e:  # nothing to evaluate on; the federation is over all the same
@@ -360,7 +349,9 @@ class Agent:
         payload = self.store.load_upload()
         if payload is None or prog.digest is None:
             raise ConfigError("progress says an upload is pending but upload.bin is missing")
+        sent = time.monotonic()
         self.http.call("PUT", f"{API_PREFIX}/blobs/{prog.digest}", content=payload)
+        put_s = time.monotonic() - sent
         upd = UpdateRequest(digest=prog.digest, n_samples=self.data.n_train, train_loss=prog.train_loss,
                             train_s=prog.train_s, bytes_down=prog.stat(prog.round).bytes_down)
         try:
@@ -379,7 +370,10 @@ class Agent:
         self.store.append_ledger(prog.round, prog.digest, upd.n_samples)
         prog.posted = True
         prog.bytes_up += len(payload)
-        prog.stat(prog.round).bytes_up = len(payload)
+        st = prog.stat(prog.round)
+        st.bytes_up, st.transfer_s = len(payload), (st.transfer_s or 0.0) + put_s
+        if prog.round in self._started:  # not across a restart: that round's start is gone
+            st.round_s = time.monotonic() - self._started.pop(prog.round)
         self.store.save_progress(prog)
         self.on_event("update", {"round": prog.round, "bytes_up": len(payload)})
         self._post_pending(prog)
@@ -391,7 +385,7 @@ class Agent:
             self.store.save_progress(prog)
 
     def _post_metrics(self, m: dict[str, Any], prog: Progress) -> None:
-        post_metrics(self.http, m, prog, self.on_event)
+        post_metrics(self.http, m, prog, self.on_event, costs=(self.enr.protocol or 1) >= COSTS_SINCE)
 
 
 def install_signal_handlers(agent: Agent) -> None:

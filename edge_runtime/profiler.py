@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import platform
-import resource
 import statistics
 import time
 from collections.abc import Mapping
@@ -26,6 +25,8 @@ import torch
 
 from device_profiles import Profile
 from pfl_edge.checkpoint import ModelSpec, build_model
+
+from .reports import peak_rss_mb
 
 __all__ = ["Measurement", "measure", "profile_devices"]
 
@@ -50,15 +51,6 @@ def _timed(fn: Any, repeats: int, warmup: int = 3) -> list[float]:
         out.append((time.perf_counter() - start) * 1e3)
     return out
 
-
-def _peak_rss_mb() -> float:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # elsewhere: KiB on most systems
 
 
 def _child(kind: str, args: dict[str, Any], conn: Any) -> None:
@@ -99,7 +91,7 @@ def _child(kind: str, args: dict[str, Any], conn: Any) -> None:
             y = torch.randint(0, args["spec"]["num_classes"], (args["batch"],))
             times = _timed(lambda: trainer.step(x, y), args["repeats"])
             name = trainer.name
-        conn.send(("ok", name, times, _peak_rss_mb()))
+        conn.send(("ok", name, times, peak_rss_mb()))
     except Exception as e:  # sent to the parent, which raises it with context
         conn.send(("error", repr(e), [], 0.0))
     finally:

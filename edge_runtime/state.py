@@ -40,6 +40,8 @@ class RoundStats:
     bytes_down: int = 0
     step_ms: float | None = None
     train_s: float | None = None
+    round_s: float | None = None  # task to update accepted (unknown across a restart: None)
+    transfer_s: float | None = None  # its downloads and upload
 
 
 @dataclass
@@ -152,6 +154,19 @@ class StateDir:
             return dict(load_file(str(p)))
         except Exception as e:  # safetensors raises its own error types for a damaged file
             raise ConfigError(f"{p} is damaged ({e}); remove the state dir to enrol afresh") from e
+
+    # the device's state (model, and for DisPFL its support and mask), the round it was trained in and that
+    # round's metrics live in one file, written atomically: a restart never sees parts of two rounds
+    def save_model(self, state: dict[str, Tensor], t: int, metrics: list[dict[str, Any]]) -> None:
+        self.save_tensors("model.safetensors", state, {"round": str(t), "metrics": json.dumps(metrics)})
+
+    def load_model(self) -> tuple[dict[str, Tensor], int, list[dict[str, Any]]]:
+        """The device's state, the round it was trained in and that round's metrics (``save_model``)."""
+        got = self.load_tensors_meta("model.safetensors")
+        if got is None:
+            raise ConfigError(f"{self.root}/model.safetensors is missing; remove the state dir to enrol afresh")
+        tensors, meta = got
+        return tensors, int(meta.get("round", "0")), list(json.loads(meta.get("metrics", "[]")) or [])
 
     def load_tensors_meta(self, name: str) -> tuple[dict[str, Tensor], dict[str, str]] | None:
         """The tensors and the file's metadata."""

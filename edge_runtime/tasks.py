@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import time
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -99,9 +100,12 @@ class Downloads:
         self.model_id = model_id
         self.max_bytes = max_bytes
         self.down = 0  # bytes fetched by the last ``received`` or ``model``
+        self.fetch_s = 0.0  # seconds those fetches took
 
     def fetch(self, digest: str) -> bytes:
+        start = time.monotonic()
         data = self.http.call("GET", f"{API_PREFIX}/blobs/{digest}", max_bytes=self.max_bytes).content
+        self.fetch_s += time.monotonic() - start
         if hashlib.sha256(data).hexdigest() != digest:
             raise ServerError(f"blob {digest} arrived with other content (sha256 mismatch); not using it")
         self.down += len(data)
@@ -119,12 +123,12 @@ class Downloads:
         return d
 
     def model(self, digest: str) -> dict[str, Tensor]:
-        self.down = 0
+        self.down, self.fetch_s = 0, 0.0
         return self.decode(self.fetch(digest)).tensors
 
     def received(self, task: Task) -> tuple[Received, int]:
         """What ``task`` names, fetched and checked: the shared base, or the neighbours' models; bytes down."""
-        self.down = 0
+        self.down, self.fetch_s = 0, 0.0
         base = None if task.base is None else self.decode(self.fetch(task.base)).tensors
         nbrs = []
         for n in task.neighbours:

@@ -1,6 +1,8 @@
 """The admin's answers about a federation's fleet, typed: ``GET /v1/federations/{fed}/metrics``
-(:class:`FederationMetrics`: every round's summary and its devices' metrics) and ``GET
-/v1/federations/{fed}/devices`` (a list of :class:`DeviceEntry`). Devices never read them (a device token is
+(:class:`FederationMetrics`: every round's summary and its devices' metrics), ``GET
+/v1/federations/{fed}/devices`` (a list of :class:`DeviceEntry`) and ``GET /v1/federations/{fed}/classes`` (a list
+of :class:`ClassCosts`, computed once here by :func:`class_costs`: what each device class's devices report their
+rounds cost). Devices never read them (a device token is
 refused); the dashboard and ``pfl-edge report`` do.
 
 They sit beside :mod:`pfl_edge.protocol` (which is full) and follow its rules: pydantic models with
@@ -11,13 +13,28 @@ what the database holds, not bounded again here (a row written before a bound ex
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from .protocol import RoundState
 
-__all__ = ["DeviceEntry", "DeviceRoundMetrics", "FederationMetrics", "RoundSummary"]
+__all__ = [
+    "COST_FIELDS",
+    "ClassCosts",
+    "DeviceEntry",
+    "DeviceRoundMetrics",
+    "FederationMetrics",
+    "RoundSummary",
+    "Spread",
+    "class_costs",
+    "nearest_rank",
+]
+
+#: what a device reports a round cost it (``MetricsReport``), summarised per class
+COST_FIELDS = ("step_ms", "round_s", "transfer_s", "peak_rss_mb", "bytes_up", "bytes_down")
 
 
 class _Answer(BaseModel):
@@ -37,6 +54,12 @@ class DeviceRoundMetrics(_Answer):
     train_s: float | None = Field(description="seconds it trained in that round; null: not reported")
     dropped: int | None = Field(description="DisPFL: neighbours' models it left out of its average; null: not "
                                             "reported")
+    round_s: float | None = Field(default=None, description="wall seconds of its round (task to update accepted); "
+                                                            "null: not reported (before protocol 3)")
+    transfer_s: float | None = Field(default=None, description="seconds of its round spent moving payloads; null: "
+                                                               "not reported")
+    peak_rss_mb: float | None = Field(default=None, description="its process's peak resident memory (MiB) when it "
+                                                                "reported; null: not reported")
 
 
 class RoundSummary(_Answer):
@@ -104,3 +127,56 @@ class DeviceEntry(_Answer):
     flags: list[str] = Field(default_factory=list, description=(
         "where what it says disagrees with its profile: an architecture not its profile's, or a mean step time "
         "over 3x (or under 1/3 of) the median of the other devices of its profile"))
+
+
+class Spread(_Answer):
+    """A figure over a class's reports: how many, and its nearest-rank 50th and 95th percentiles."""
+
+    n: int = Field(description="reports that carried the figure")
+    p50: float | None = Field(description="nearest-rank median; null: none reported")
+    p95: float | None = Field(description="nearest-rank 95th percentile; null: none reported")
+
+
+class ClassCosts(_Answer):
+    """What one device class's devices report their rounds cost (their own word: never checked, never acted on),
+    over every round each reported (``GET /v1/federations/{fed}/classes``)."""
+
+    profile: str = Field(description="the device profile (device_profiles/profiles/)")
+    devices: int = Field(description="its enrolled devices")
+    reporting: int = Field(description="those that reported a round's costs")
+    step_ms: Spread = Field(description="ms per training step")
+    round_s: Spread = Field(description="wall seconds of a round, task to update accepted")
+    transfer_s: Spread = Field(description="seconds of a round moving payloads")
+    peak_rss_mb: Spread = Field(description="peak resident memory (MiB)")
+    bytes_up: Spread = Field(description="bytes uploaded in a round")
+    bytes_down: Spread = Field(description="bytes downloaded in a round")
+
+
+def nearest_rank(values: Sequence[float], q: float) -> float | None:
+    """The nearest-rank ``q``-quantile (0 < q <= 1) of ``values``: the ceil(q n)-th smallest; None if empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return float(ordered[max(1, math.ceil(q * len(ordered) - 1e-9)) - 1])
+
+
+def class_costs(profiles: Mapping[str, str], reports: Iterable[tuple[str, Mapping[str, Any]]]) -> list[ClassCosts]:
+    """Per profile (``profiles``: device id -> profile), the spread of each of ``COST_FIELDS`` over ``reports``
+    (device id, one round's metrics); a class with devices but no reports is listed with n = 0."""
+    seen: dict[str, dict[str, list[float]]] = {p: {f: [] for f in COST_FIELDS} for p in profiles.values()}
+    reporters: dict[str, set[str]] = {p: set() for p in profiles.values()}
+    for dev, m in reports:
+        prof = profiles.get(dev)
+        if prof is None:  # a report of a device no longer listed
+            continue
+        for f in COST_FIELDS:
+            v = m.get(f)
+            if v is not None:
+                seen[prof][f].append(float(v))
+        if m.get("round_s") is not None or m.get("step_ms") is not None:
+            reporters[prof].add(dev)
+    count = {p: sum(1 for q in profiles.values() if q == p) for p in seen}
+    return [ClassCosts(profile=p, devices=count[p], reporting=len(reporters[p]),
+                       **{f: Spread(n=len(v), p50=nearest_rank(v, 0.5), p95=nearest_rank(v, 0.95))
+                          for f, v in seen[p].items()})
+            for p in sorted(seen)]

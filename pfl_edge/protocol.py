@@ -14,7 +14,6 @@ Refusals are :class:`ErrorBody`; JSON Schemas: ``pfl_edge.schemas`` (docs/schema
 """
 from __future__ import annotations
 
-import math
 import re
 import sys
 from typing import Annotated, Any, ClassVar, Literal
@@ -24,9 +23,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serial
 from .config_bounds import bounded_config, config_field
 from .device_info import Platform
 from .device_key import KeyProof, TokenRotation
+from .topics import mqtt_client_id, quorum_updates, round_topic, status_topic, task_topic
 
 __all__ = [
     "API_PREFIX",
+    "COSTS_SINCE",
     "DEFAULT_NORM_MULTIPLE",
     "DIGEST_RE",
     "MAX_CLIENTS",
@@ -67,36 +68,16 @@ __all__ = [
     "task_topic",
 ]
 
-PROTOCOL_VERSION = 2  # the newest this release speaks
-PROTOCOL_VERSIONS = (1, 2)  # every version this release's server answers in (docs/protocol.md, "Versions")
+PROTOCOL_VERSION = 3  # the newest this release speaks
+PROTOCOL_VERSIONS = (1, 2, 3)  # every version this release's server answers in (docs/protocol.md, "Versions")
+#: what a device sends a server answering it in version 3 or later, and not before (an earlier server refuses it):
+#: ``MetricsReport``'s costs
+COSTS_SINCE = 3
 API_PREFIX = "/v1"
 DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
 _ID_RE = r"^[A-Za-z0-9_-]{1,64}$"
 
 RoundState = Literal["open", "collecting", "closing", "published", "finished"]
-
-
-def round_topic(fed: str) -> str:
-    return f"pfl/{fed}/round"
-
-
-def task_topic(fed: str, device: str) -> str:
-    return f"pfl/{fed}/device/{device}/task"
-
-
-def status_topic(fed: str, device: str) -> str:
-    return f"pfl/{fed}/device/{device}/status"
-
-
-def quorum_updates(quorum: float, active: int) -> int:
-    """How many updates close a round early: the fraction ``quorum`` of the ``active`` devices given its task,
-    rounded up, at most all of them (the server's rule; reports and the dashboard count with it too)."""
-    return min(active, math.ceil(quorum * active - 1e-9))
-
-
-def mqtt_client_id(device: str) -> str:
-    """A device's MQTT client id where its enrolment names none (``Enrolment.mqtt_client_id``): ``pfl-<id>``."""
-    return f"pfl-{device}"
 
 
 MAX_ROUND = 1_000_000
@@ -358,6 +339,13 @@ class MetricsReport(_Msg):
     train_s: float | None = Field(default=None, ge=0, le=MAX_SECONDS, description="seconds it trained in round t")
     dropped: int | None = Field(default=None, ge=0, le=MAX_NEIGHBOURS, description="DisPFL: neighbours' models it "
                                 "left out of its average in round t (non-finite, or past neighbour_bound x its own)")
+    # what the round cost the device, its own word (version 3; shown per device class, never acted on)
+    round_s: float | None = Field(default=None, ge=0, le=MAX_SECONDS, description="version 3: wall seconds of its "
+                                  "round t, from its task to its update accepted (training, transfers, waits)")
+    transfer_s: float | None = Field(default=None, ge=0, le=MAX_SECONDS, description="version 3: seconds of round "
+                                     "t spent moving payloads (downloads and the upload)")
+    peak_rss_mb: float | None = Field(default=None, ge=0, le=2**40, description="version 3: the device process's "
+                                      "peak resident memory so far (MiB; VmHWM on Linux)")
 
 
 class TokenIssued(_Answer):

@@ -46,7 +46,7 @@ MESSAGES: tuple[type[BaseModel], ...] = (
 # Messages defined in modules of their own, included when the module exists (imported lazily: pfl_edge.schemas
 # must not fail, nor pull in more, because one of them is absent or heavy).
 _OPTIONAL = (("pfl_edge.modelcard", "ModelCard"), ("pfl_edge.fleet", "FederationMetrics"),
-             ("pfl_edge.fleet", "DeviceEntry"), ("pfl_edge.data_share", "DataShare"))
+             ("pfl_edge.fleet", "DeviceEntry"), ("pfl_edge.fleet", "ClassCosts"), ("pfl_edge.data_share", "DataShare"))
 
 
 def message_types() -> dict[str, type[BaseModel]]:

@@ -202,6 +202,10 @@ class Metric(Base):
     step_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
     train_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     dropped: Mapped[int | None] = mapped_column(Integer, nullable=True)  # DisPFL: neighbours it left out (screen)
+    # what the round cost the device, in its own word (protocol 3; None before it, or not reported)
+    round_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    transfer_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    peak_rss_mb: Mapped[float | None] = mapped_column(Float, nullable=True)
     reported_at: Mapped[float] = mapped_column(Float, default=now)
 
 

@@ -90,6 +90,12 @@ def _device_keys(conn: Connection) -> None:
     _add_column("pfl_devices", "protocol", "INTEGER")(conn)
 
 
+def _device_costs(conn: Connection) -> None:
+    _add_column("pfl_metrics", "round_s", "FLOAT")(conn)
+    _add_column("pfl_metrics", "transfer_s", "FLOAT")(conn)
+    _add_column("pfl_metrics", "peak_rss_mb", "FLOAT")(conn)
+
+
 #: every upgrade since version 1, in order; the types are frozen here (the models may change later)
 STEPS: tuple[Step, ...] = (
     Step(2, "pfl_federations.min_devices (late joiners)", _add_column("pfl_federations", "min_devices", "INTEGER")),
@@ -120,6 +126,8 @@ STEPS: tuple[Step, ...] = (
              "epsilon is figured from it)", _add_column("pfl_rounds", "released", "INTEGER")),
     Step(15, "pfl_devices.public_key, key_counter, mqtt_client and protocol: a device's own key, its unguessable "
              "MQTT client id and the protocol version it speaks", _device_keys),
+    Step(16, "pfl_metrics.round_s, transfer_s and peak_rss_mb: what a round cost the device (protocol 3)",
+         _device_costs),
 )
 SCHEMA_VERSION = STEPS[-1].version
 

@@ -63,8 +63,9 @@ def _fetch(url: str, headers: dict[str, str], verify: ssl.SSLContext | bool, tim
 
 
 def fetch_live(server: str, fed: str, token: str, *, ca_file: str | None = None, timeout: float = 30.0,
-               limit: int | None = None) -> dict[str, bytes]:
-    """The federation's three admin answers, as raw bytes: ``info``, ``metrics``, ``devices``."""
+               limit: int | None = None, paths: dict[str, str] | None = None) -> dict[str, bytes]:
+    """The federation's admin answers, as raw bytes: ``info``, ``metrics``, ``devices`` (or ``paths``: name ->
+    path under the federation's, e.g. ``{"classes": "/classes"}``)."""
     from ..protocol import API_PREFIX
     from ..report import MAX_INPUT_BYTES
 
@@ -78,7 +79,8 @@ def fetch_live(server: str, fed: str, token: str, *, ca_file: str | None = None,
     base = f"{server.rstrip('/')}{API_PREFIX}/federations/{quote(fed, safe='')}"
     # identity: a compressed body could expand past any bound set on the bytes read
     headers = {"Authorization": f"Bearer {token}", "Accept-Encoding": "identity"}
-    return {k: _fetch(base + p, headers, verify, timeout, limit or MAX_INPUT_BYTES) for k, p in _PATHS.items()}
+    return {k: _fetch(base + p, headers, verify, timeout, limit or MAX_INPUT_BYTES)
+            for k, p in (paths or _PATHS).items()}
 
 
 def _report_live(args: argparse.Namespace) -> list[tuple[Any, Path]]:

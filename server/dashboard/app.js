@@ -167,6 +167,30 @@
     body.replaceChildren(...rows);
   }
 
+  // p50 / p95 of one figure of a class (pfl_edge.fleet.Spread); "–" where none reported
+  function spread(s, fmt) {
+    return s && s.n ? `${fmt(s.p50)} / ${fmt(s.p95)}` : "–";
+  }
+
+  function renderClasses(classes) {
+    const body = $("classes").tBodies[0];
+    const rows = classes.map((c) => {
+      const tr = document.createElement("tr");
+      tr.dataset.profile = c.profile;
+      cell(tr, c.profile);
+      cell(tr, String(c.devices), "n");
+      cell(tr, String(c.reporting), "n");
+      cell(tr, spread(c.step_ms, (v) => num(v, 1)), "n");
+      cell(tr, spread(c.round_s, (v) => num(v, 2)), "n");
+      cell(tr, spread(c.transfer_s, (v) => num(v, 3)), "n");
+      cell(tr, spread(c.peak_rss_mb, (v) => num(v, 0)), "n");
+      cell(tr, spread(c.bytes_up, bytes), "n");
+      cell(tr, spread(c.bytes_down, bytes), "n");
+      return tr;
+    });
+    body.replaceChildren(...rows);
+  }
+
   function renderRounds(rounds) {
     const body = $("rounds").tBodies[0];
     const rows = rounds.filter((r) => r.round > 0).slice(-15).reverse().map((r) => {
@@ -264,9 +288,11 @@
       const fed = await loadFederations();
       if (fed) {
         const base = `/v1/federations/${encodeURIComponent(fed)}`;
-        const [info, metrics, devices] = await Promise.all([api(base), api(`${base}/metrics`), api(`${base}/devices`)]);
+        const [info, metrics, devices, classes] = await Promise.all([api(base), api(`${base}/metrics`),
+          api(`${base}/devices`), api(`${base}/classes`)]);
         renderOverview(info, devices, metrics.rounds);
         renderDevices(info, devices, metrics.rounds);
+        renderClasses(classes);
         renderRounds(metrics.rounds);
         renderCharts(info, devices, metrics.rounds);
       }

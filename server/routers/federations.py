@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from pfl_edge.fleet import DeviceEntry, FederationMetrics
+from pfl_edge.fleet import ClassCosts, DeviceEntry, FederationMetrics
 from pfl_edge.protocol import MIN_ENROL_SECRET, FederationCreate, FederationInfo, TokenIssued
 
 from ..deps import AdminAuth, Coord, Enrol, FederationReader, MetricsDep
@@ -52,6 +52,13 @@ def get_metrics(fed: str, _admin: AdminAuth, metrics: MetricsDep) -> FederationM
 def get_devices(fed: str, _admin: AdminAuth, metrics: MetricsDep) -> list[DeviceEntry]:
     """Enrolled devices: profile, index, density, K_P, online, last round, bytes, refused and dropped updates."""
     return [DeviceEntry.model_validate(d) for d in metrics.devices(fed)]
+
+
+@router.get("/{fed}/classes", response_model=list[ClassCosts])
+def get_classes(fed: str, _admin: AdminAuth, metrics: MetricsDep) -> list[ClassCosts]:
+    """Per device class: the p50/p95 of what its devices report their rounds cost (step time, round wall time,
+    transfer time, peak memory, bytes), from the devices themselves (protocol 3)."""
+    return metrics.classes(fed)
 
 
 class EnrolSecret(BaseModel):

@@ -24,6 +24,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.registry import Collector
 
+from pfl_edge.fleet import ClassCosts
+
 from ..deps import Token
 from ..errors import Unauthorized
 from ..services.metrics import FederationCounters, Metrics
@@ -84,6 +86,7 @@ class PflCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         m = self.metrics()
         yield from _federations(m.counters())
+        yield from _classes({f: m.classes(f) for f in m.federation_ids()})
         n, size = m.blob_store()
         yield _gauge("pfl_blob_store_blobs", "Blobs in the blob store.", [], [([], n)])
         yield _gauge("pfl_blob_store_bytes", "Bytes of the blobs in the blob store.", [], [([], size)])
@@ -115,6 +118,26 @@ def _counter(name: str, help_: str, labels: list[str], rows: Rows) -> CounterMet
     for values, v in rows:
         c.add_metric(values, v)
     return c
+
+
+# per device class, what its devices report their rounds cost (pfl_edge.fleet.class_costs): name, figure, help
+_CLASS_FIGURES = (("pfl_class_step_ms", "step_ms", "ms per training step"),
+                  ("pfl_class_round_seconds", "round_s", "wall seconds of a round, task to update accepted"),
+                  ("pfl_class_transfer_seconds", "transfer_s", "seconds of a round moving payloads"),
+                  ("pfl_class_peak_rss_mb", "peak_rss_mb", "peak resident memory, MiB"))
+
+
+def _classes(per_fed: dict[str, list[ClassCosts]]) -> Iterator[Metric]:
+    labels = ["federation", "profile", "quantile"]
+    for name, figure, what in _CLASS_FIGURES:
+        rows: Rows = []
+        for fed, classes in sorted(per_fed.items()):
+            for c in classes:
+                spread = getattr(c, figure)
+                rows += [([fed, c.profile, q], v) for q, v in (("0.5", spread.p50), ("0.95", spread.p95))
+                         if v is not None]
+        yield _gauge(name, f"Per device class, {what}, as its devices report it (nearest-rank quantiles over "
+                     "their rounds).", labels, rows)
 
 
 def _federations(feds: list[FederationCounters]) -> Iterator[Metric]:

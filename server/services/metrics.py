@@ -14,6 +14,7 @@ from sqlalchemy import case, func, select
 
 from device_profiles import get_profile
 from pfl_edge.errors import ConfigError
+from pfl_edge.fleet import COST_FIELDS, ClassCosts, class_costs
 from pfl_edge.privacy_spent import reported_epsilons
 from pfl_edge.protocol import MetricsReport, quorum_updates
 
@@ -94,7 +95,8 @@ class Metrics:
             for m in s.scalars(select(Metric).where(Metric.federation == fed_id)):
                 per.setdefault(m.round, {})[m.device] = {
                     "accuracy": m.accuracy, "loss": m.loss, "n_test": m.n_test, "bytes_up": m.bytes_up,
-                    "bytes_down": m.bytes_down, "step_ms": m.step_ms, "train_s": m.train_s, "dropped": m.dropped}
+                    "bytes_down": m.bytes_down, "step_ms": m.step_ms, "train_s": m.train_s, "dropped": m.dropped,
+                    "round_s": m.round_s, "transfer_s": m.transfer_s, "peak_rss_mb": m.peak_rss_mb}
             cfg = self.store.model(fed).cfg
             hidden = fed.sampling_key is not None  # its draw is the server's secret (else every device's)
         out = [_round_row(t, rounds.get(t), counts.get(t, 0), per.get(t, {}), quorum)
@@ -141,6 +143,17 @@ class Metrics:
         for row in out:
             row["flags"] = platform_flags(row, classes.get(str(row["profile"]), []))
         return out
+
+    def classes(self, fed_id: str) -> list[ClassCosts]:
+        """Per device class (profile), the spread of what its devices report their rounds cost (``class_costs``:
+        step time, round wall time, transfer time, peak memory, bytes), over every round each reported; revoked
+        devices' reports included (what they cost is still what their class costs)."""
+        with self.store.read() as s:
+            self.store.federation(s, fed_id)
+            profiles = dict(s.execute(select(Device.id, Device.profile).where(Device.federation == fed_id)).all())
+            cols = [getattr(Metric, f) for f in COST_FIELDS]
+            rows = s.execute(select(Metric.device, *cols).where(Metric.federation == fed_id)).all()
+        return class_costs(profiles, ((r[0], dict(zip(COST_FIELDS, r[1:], strict=True))) for r in rows))
 
     def federation_ids(self) -> list[str]:
         """Every federation's id, oldest first."""

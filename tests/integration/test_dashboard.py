@@ -126,6 +126,16 @@ def test_the_dashboard_follows_a_live_federation(tmp_path: Path, browser: Any) -
             if r["round"] > 0:
                 assert shown[r["round"]][2] == f"{r['updates']} / {r['active']}"
         assert evaluations == len(PROFILES) * cfg.rounds
+        # per device class, the step time and peak memory its devices reported (protocol 3), as the API says
+        classes = {c["profile"]: c for c in fed.get(f"{API_PREFIX}/federations/dash/classes")}
+        _until(lambda: len(_rows(browser, "classes")) == len(classes), 20, "every class listed", fed)
+        for row in _rows(browser, "classes"):
+            c = classes[row["profile"]]
+            assert c["step_ms"]["n"] > 0 and c["peak_rss_mb"]["n"] > 0, c  # from the devices themselves
+            for cell, figure, digits in ((3, "step_ms", 1), (6, "peak_rss_mb", 0)):  # rounded as the page shows
+                shown_pair = [float(v) for v in row["cells"][cell].split(" / ")]
+                want = [c[figure]["p50"], c[figure]["p95"]]
+                assert all(abs(a - b) <= 0.51 * 10**-digits for a, b in zip(shown_pair, want, strict=True)), row
 
         out = ROOT / "test-artifacts"
         out.mkdir(exist_ok=True)

@@ -35,9 +35,9 @@ def _row(c: TestClient, dev_id: str) -> Device:
 
 
 def test_negotiate_takes_the_highest_version_both_speak() -> None:
-    assert negotiate(None) == 1 and negotiate([1, 2]) == 2 and negotiate([2, 7]) == 2
+    assert negotiate(None) == 1 and negotiate([1, 2]) == 2 and negotiate([2, 7]) == 2 and negotiate([1, 2, 3]) == 3
     assert negotiate([1], (1, 2)) == 1 and negotiate([7]) is None and negotiate(None, (2,)) is None
-    assert max(PROTOCOL_VERSIONS) == 2
+    assert max(PROTOCOL_VERSIONS) == 3
 
 
 def test_each_device_is_answered_in_its_version(client: TestClient) -> None:
@@ -71,7 +71,7 @@ def test_a_device_speaking_no_version_of_the_server_is_refused_naming_both(clien
     r = client.post("/v1/devices", json=_body(protocols=[7, 9]))
     assert r.status_code == 426
     detail = r.json()["detail"]
-    assert "speaks protocol versions 1, 2" in detail and "the device speaks 7, 9" in detail
+    assert "speaks protocol versions 1, 2, 3" in detail and "the device speaks 7, 9" in detail
     # a server that no longer speaks version 1, and a device of an earlier release (it names none)
     client.app.state.pfl.coordinator.enrolment.speaks = (2,)  # type: ignore[attr-defined]
     r = client.post("/v1/devices", json=_body())
