@@ -18,7 +18,8 @@ import { runSecureRound } from './securestep.js';
 import { type Enrolment, type RoundAnnouncement, type Task, federationState, parseBrokerInfo, parseTask, parseUpdateAccepted } from './messages.js';
 import { Bell, type MqttConnect } from './mqtt.js';
 import { privatize } from './privacy.js';
-import { dealtClasses } from './partition.js';
+import { DEALT_PARTITIONS, dealtClasses } from './partition.js';
+import { type ShareSource, httpShareSource } from './share.js';
 import { MT19937, Stream, mtStream } from './rng.js';
 import type { Weights } from './sgd.js';
 import { toHex, type Sha256 } from './sha256.js';
@@ -41,8 +42,11 @@ export interface Platform {
   mqttConnect: MqttConnect;
   openTraining(bytes: Uint8Array, card: ModelCard, mode: string, threads: number): Promise<GradientProgram>;
   openInference(bytes: Uint8Array, card: ModelCard, threads: number): Promise<InferenceProgram>;
-  /** its slot's samples, from the federation's config (dealt as pfl-edge deals them) */
-  loadData(config: Record<string, unknown>, slot: number, card: ModelCard): Promise<DeviceData>;
+  /**
+   * its slot's samples, from the federation's config (dealt as pfl-edge deals them); for a partition it does not
+   * deal, from the server's share, which `share` asks for (`GET /v1/devices/me/share`)
+   */
+  loadData(config: Record<string, unknown>, slot: number, card: ModelCard, share?: ShareSource): Promise<DeviceData>;
   log(level: LogLevel, msg: string): void;
   /** what this device is, said at enrolment (architecture, OS, runtime, threads); absent: it says nothing */
   describe?(threads: number): PlatformInfo;
@@ -185,7 +189,7 @@ export class Device {
     }
     const inf = findProgram(this.card, 'inference', 'onnxruntime');
     this.inference = await this.platform.openInference(await this.renewing(() => this.program(inf.file)), this.card, threads);
-    this.data = await this.platform.loadData(this.config, enr.index, this.card);
+    this.data = await this.platform.loadData(this.config, enr.index, this.card, this.shareSource());
     this.log('info', `data: ${this.data.train.n} training and ${this.data.test.n} test samples`);
     if ((await this.store.loadModel('model.bin')) === null) await this.renewing(() => this.initModel());
     const prog = await this.store.progress();
@@ -194,6 +198,19 @@ export class Device {
     } else {
       await this.renewing(() => this.flushUpload());
     }
+  }
+
+  /** Its share as the server deals it (for a partition it does not deal), asked for with its token renewed on a 401. */
+  private shareSource(): ShareSource {
+    const src = httpShareSource(this.http, this.enr.federation);
+    return {
+      federation: src.federation,
+      fetch: async (maxBytes) => {
+        this.log('info', `partition ${String(this.config['partition'])} is not one this device deals (${DEALT_PARTITIONS.join(', ')}): ` +
+          `asking the server for slot ${this.enr.index}'s share`);
+        return this.renewing(() => src.fetch(maxBytes));
+      },
+    };
   }
 
   private async rotateIfDue(): Promise<void> {

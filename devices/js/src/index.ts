@@ -18,5 +18,6 @@ export * from './mqtt.js';
 export * from './partition.js';
 export * from './rng.js';
 export * from './sgd.js';
+export * from './share.js';
 export * from './state.js';
 export * from './train.js';

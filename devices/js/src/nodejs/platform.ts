@@ -13,8 +13,9 @@ import { slotInputs, slotSamples } from '../data.js';
 import type { DeviceData, LogLevel, Platform } from '../device.js';
 import type { PlatformInfo } from '../enrol.js';
 import type { MqttConnect } from '../mqtt.js';
-import { deal, dealtClasses } from '../partition.js';
+import { DEALT_PARTITIONS, type SlotShare, deal, dealtClasses } from '../partition.js';
 import { nodeSha256 } from '../node.js';
+import { type ShareSource, parseShare, shareBound } from '../share.js';
 import { type SyntheticSet, makeSynthetic } from '../synthetic.js';
 import { DirStorage } from './fs.js';
 import { type RawDataset, loadFashionMnist } from './idx.js';
@@ -79,10 +80,12 @@ export function syntheticDataset(): SyntheticSet {
 /**
  * Its slot's training and test samples: its own images where it has a folder of them (`imageDir`), else the
  * data set dealt as pfl-edge deals it: Fashion-MNIST's pixels normalised as the card says (`fixed`), or the
- * `synthetic` set's inputs as they are (`none`).
+ * `synthetic` set's inputs as they are (`none`). A partition of `DEALT_PARTITIONS` it deals itself; any other
+ * (the Dirichlet splits) it takes from the server's share (`share`, `GET /v1/devices/me/share`, checked by
+ * `parseShare`), then gathers and normalises the samples exactly as for a share it dealt.
  */
 export async function loadSlotData(config: Record<string, unknown>, slot: number, card: ModelCard, datasetDir?: string | null,
-  imageDir?: string | null): Promise<DeviceData> {
+  imageDir?: string | null, share?: ShareSource | null): Promise<DeviceData> {
   if (imageDir) return loadOwnImages(config, slot, card, imageDir);
   const dataset = String(config['dataset']);
   const partition = String(config['partition']);
@@ -105,19 +108,31 @@ export async function loadSlotData(config: Record<string, unknown>, slot: number
   if (classes !== card.numClasses) {
     throw new CardError(`partition '${partition}' of ${dataset} gives labels of ${classes} classes, but the card's model predicts ${card.numClasses}`);
   }
-  const seed = config['seed'];
-  if (typeof seed !== 'number' || !Number.isSafeInteger(seed)) throw new CardError(`the federation's seed ${String(seed)} cannot be held exactly`);
-  const num = (k: string): number | null => (typeof config[k] === 'number' ? (config[k] as number) : null);
-  const shares = deal(nodeSha256, raw.train.y, raw.test.y, raw.numClasses, {
-    partition, clients: Number(config['clients']), seed, samplesPerClient: num('samples_per_client'), testPerClient: num('test_per_client'),
-    testDraw: typeof config['test_draw'] === 'string' ? config['test_draw'] : null,
-  });
-  const share = shares[slot];
-  if (share === undefined) throw new CardError(`slot ${slot} is out of range for ${shares.length} partitions`);
+  let mine: SlotShare;
+  if (DEALT_PARTITIONS.includes(partition.split(':')[0]!) || !share) {
+    // dealt here (a partition it cannot deal and no server to ask: `deal` refuses it with a DealError)
+    const seed = config['seed'];
+    if (typeof seed !== 'number' || !Number.isSafeInteger(seed)) throw new CardError(`the federation's seed ${String(seed)} cannot be held exactly`);
+    const num = (k: string): number | null => (typeof config[k] === 'number' ? (config[k] as number) : null);
+    const shares = deal(nodeSha256, raw.train.y, raw.test.y, raw.numClasses, {
+      partition, clients: Number(config['clients']), seed, samplesPerClient: num('samples_per_client'), testPerClient: num('test_per_client'),
+      testDraw: typeof config['test_draw'] === 'string' ? config['test_draw'] : null,
+    });
+    const dealt = shares[slot];
+    if (dealt === undefined) throw new CardError(`slot ${slot} is out of range for ${shares.length} partitions`);
+    mine = dealt;
+  } else {
+    // the server's deal of a partition it does not deal (numpy's gamma draws): its share, read as hostile
+    const body = await share.fetch(shareBound(raw.train.y.length, raw.test.y.length));
+    mine = parseShare(body, {
+      federation: share.federation, slot, dataset, partition, numClasses: card.numClasses, datasetClasses: raw.numClasses,
+      trainY: raw.train.y, testY: raw.test.y,
+    });
+  }
   const sampleSize = raw.channels * raw.size * raw.size;
-  if (inputs !== null) return slotInputs(inputs.train, inputs.test, share, sampleSize);
+  if (inputs !== null) return slotInputs(inputs.train, inputs.test, mine, sampleSize);
   const pixels = raw as RawDataset;
-  return slotSamples(pixels.train, pixels.test, share, pixels.channels, sampleSize, norm.mean, norm.std);
+  return slotSamples(pixels.train, pixels.test, mine, pixels.channels, sampleSize, norm.mean, norm.std);
 }
 
 /** `statistics: "none"` (docs/model.md): the samples already are model inputs, so scale 1, mean 0 and std 1; a card
@@ -153,7 +168,7 @@ export function nodePlatform(o: NodePlatformOptions): Platform {
     openTraining: async (bytes, card, mode, threads) =>
       openTraining(bytes, trainingDetails(card, findProgram(card, 'training', 'onnxruntime', mode)), threads),
     openInference: async (bytes, card, threads) => openInference(bytes, card, findProgram(card, 'inference', 'onnxruntime'), threads),
-    loadData: async (config, slot, card) => loadSlotData(config, slot, card, o.datasetDir, o.imageDir),
+    loadData: async (config, slot, card, share) => loadSlotData(config, slot, card, o.datasetDir, o.imageDir, share),
     log: logger(o.verbose ?? false, o.name),
     describe: describeNode,
     mqttExtra: ca ? { ca: [ca], rejectUnauthorized: true } : undefined,
