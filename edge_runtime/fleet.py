@@ -11,9 +11,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -23,7 +24,13 @@ from pfl_edge.errors import ConfigError, PflEdgeError
 from pfl_edge.federation import check_device_algorithm
 from pfl_edge.protocol import API_PREFIX
 
-__all__ = ["DemoConfig", "Federation", "free_port", "run_demo", "start_server"]
+if TYPE_CHECKING:
+    from device_profiles import Profile
+
+__all__ = ["DemoConfig", "Federation", "Launcher", "Placement", "free_port", "run_demo", "start_server"]
+
+# what a device's command line becomes before it runs (edge_runtime.emulator: into its cgroups and namespace)
+Launcher = Callable[[int, list[str]], list[str]]
 
 
 def free_port() -> int:
@@ -87,8 +94,9 @@ class Federation:
     """A running server process plus its device processes; ``close()`` stops them all."""
 
     def __init__(self, url: str, admin_token: str, server: subprocess.Popen[bytes], root: Path,
-                 launch: tuple[list[str], dict[str, str]]) -> None:
+                 launch: tuple[list[str], dict[str, str]], device_url: str | None = None) -> None:
         self.url, self.admin_token, self.server, self.root = url, admin_token, server, root
+        self.device_url = device_url or url  # the server as the devices reach it
         self._launch = launch
         self.http = httpx.Client(base_url=url, timeout=30.0)
         self.devices: list[subprocess.Popen[bytes]] = []
@@ -104,16 +112,18 @@ class Federation:
             raise ConfigError(f"the server refused the federation: {r.status_code} {r.text}")
 
     def start_device(self, i: int, profile: str, *, threads: int = 1, extra: list[str] | None = None,
-                     source: Path | None = None) -> None:
+                     source: Path | None = None, launcher: Launcher | None = None) -> None:
         """``pfl-edge client`` for slot ``i``; ``source``: run the agent of that source tree (a checkout of another
-        release: its directory is the child's working directory and PYTHONPATH) instead of this one's."""
+        release: its directory is the child's working directory and PYTHONPATH) instead of this one's;
+        ``launcher``: the command line as it runs (the emulator's cgroups and network namespace)."""
         state = self.root / "devices" / f"device-{i:02d}"
         log = open(self.root / "devices" / f"device-{i:02d}.log", "ab")  # noqa: SIM115 (the child owns it)
         state.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "pfl_edge", "client", "--server", self.url, "--federation", self.fed,
+        cmd = [sys.executable, "-m", "pfl_edge", "client", "--server", self.device_url, "--federation", self.fed,
                f"--enrol-secret={self.secret}", "--profile", profile, "--state-dir", str(state),
                "--partition-id", str(i), "--threads", str(threads), "--name", f"device-{i:02d}", "-v",
                *(extra or [])]
+        cmd = cmd if launcher is None else launcher(i, cmd)
         env = _child_env() if source is None else {**_child_env(), "PYTHONPATH": str(source)}
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=source)
         if i < len(self.devices):
@@ -158,13 +168,17 @@ def _child_env() -> dict[str, str]:
 
 
 def start_server(root: Path, *, broker_url: str = "embedded", database_url: str | None = None,
-                 timeout_s: float = 120.0) -> Federation:
-    """``pfl-edge server`` in a child process on a free loopback port, its data under ``root/server``."""
+                 timeout_s: float = 120.0, port: int | None = None, env: dict[str, str] | None = None,
+                 device_url: str | None = None) -> Federation:
+    """``pfl-edge server`` in a child process on a free loopback port (or ``port``), its data under
+    ``root/server``; ``env``: more of its settings (PFL_*), ``device_url``: where devices reach it, if not
+    where this process does (the emulator's relay)."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "devices").mkdir(exist_ok=True)
-    port = free_port()
+    port = port or free_port()
     token = secrets.token_urlsafe(24)
-    env = {**_child_env(), "PFL_ADMIN_TOKEN": token, "PFL_PUBLIC_URL": f"http://127.0.0.1:{port}"}
+    env = {**_child_env(), "PFL_ADMIN_TOKEN": token, "PFL_PUBLIC_URL": device_url or f"http://127.0.0.1:{port}",
+           **(env or {})}
     cmd = [sys.executable, "-m", "pfl_edge", "server", "--port", str(port), "--data-dir", str(root / "server"),
            "--broker-url", broker_url]
     if database_url:
@@ -172,7 +186,7 @@ def start_server(root: Path, *, broker_url: str = "embedded", database_url: str 
     proc = _spawn_server(cmd, env, root)
     url = f"http://127.0.0.1:{port}"
     _wait_healthy(url, proc, root, timeout_s)
-    return Federation(url, token, proc, root, (cmd, env))
+    return Federation(url, token, proc, root, (cmd, env), device_url)
 
 
 def _spawn_server(cmd: list[str], env: dict[str, str], root: Path) -> subprocess.Popen[bytes]:
@@ -195,13 +209,30 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], root: Path, timeout_s
     raise PflEdgeError(f"the server did not answer within {timeout_s:.0f} s; see {root / 'server.log'}")
 
 
-def run_demo(cfg: DemoConfig) -> dict[str, Any]:
+class Placement:
+    """Where the demo's processes run and when its devices come and go: here, on loopback, at this machine's
+    speed, every device from start to end. ``edge_runtime.emulator.Emulation`` overrides each step."""
+
+    def start_server(self, out: Path, cfg: DemoConfig) -> Federation:
+        return start_server(out, broker_url=cfg.broker_url, database_url=cfg.database_url)
+
+    def start_devices(self, fed: Federation, profiles: list[Profile], extra: list[str]) -> None:
+        for i, prof in enumerate(profiles):
+            fed.start_device(i, prof.name, extra=extra)
+
+    def tick(self, fed: Federation, elapsed_s: float, finished: bool) -> set[int]:
+        """Called at every poll; returns the devices stopped on purpose (not failures)."""
+        return set()
+
+
+def run_demo(cfg: DemoConfig, placement: Placement | None = None) -> dict[str, Any]:
     """Run the federation to its end, showing a live per-device table; write OUT/metrics.json, OUT/summary.json
-    and OUT/accuracy.png. Returns the summary."""
+    and OUT/accuracy.png. Returns the summary. ``placement``: the emulator's, for an emulated fleet."""
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     profiles = get_fleet(cfg.fleet).assign(cfg.devices)
-    fed = start_server(out, broker_url=cfg.broker_url, database_url=cfg.database_url)
+    placement = placement or Placement()
+    fed = placement.start_server(out, cfg)
     t0 = time.perf_counter()
     try:
         fed.create("demo", cfg.federation_config(), profile_capacity=cfg.profile_capacity,
@@ -213,10 +244,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         if cfg.training_backend is not None:
             print(f"every device trains with {cfg.training_backend} (pfl-edge demo --training-backend profile: "
                   "each with its profile's backend)", flush=True)
-        for i, prof in enumerate(profiles):
-            fed.start_device(i, prof.name, extra=[] if cfg.training_backend is None
-                             else ["--training-backend", cfg.training_backend])
-        finished = _follow(fed, cfg, t0)
+        placement.start_devices(fed, profiles, [] if cfg.training_backend is None
+                                else ["--training-backend", cfg.training_backend])
+        finished = _follow(fed, cfg, t0, placement)
         metrics = fed.get(f"{API_PREFIX}/federations/{fed.fed}/metrics")
         devices = fed.get(f"{API_PREFIX}/federations/{fed.fed}/devices")
     finally:
@@ -238,13 +268,14 @@ def _report(out: Path) -> None:
     write_report(summarise(load_runs(out)[0]), out / "report")
 
 
-def _follow(fed: Federation, cfg: DemoConfig, t0: float) -> bool:
+def _follow(fed: Federation, cfg: DemoConfig, t0: float, placement: Placement) -> bool:
     """Poll the server until the federation finishes, a device process dies, or the time runs out."""
     tty = cfg.live and sys.stdout.isatty()
     last_round, lines = -1, 0
     deadline = time.monotonic() + cfg.timeout_s
     while time.monotonic() < deadline:
         info = fed.info()
+        away = placement.tick(fed, time.perf_counter() - t0, info["state"] == "finished")
         devices = fed.get(f"{API_PREFIX}/federations/{fed.fed}/devices")
         metrics = fed.get(f"{API_PREFIX}/federations/{fed.fed}/metrics")
         table = device_table(devices, metrics)
@@ -263,7 +294,7 @@ def _follow(fed: Federation, cfg: DemoConfig, t0: float) -> bool:
             if not tty:
                 print(table, flush=True)
             return True
-        dead = [i for i, p in enumerate(fed.devices) if p.poll() not in (None, 0)]
+        dead = [i for i, p in enumerate(fed.devices) if p.poll() not in (None, 0) and i not in away]
         if dead and info["state"] != "finished":
             raise PflEdgeError(f"device process(es) {dead} failed; see {fed.root / 'devices'}/device-NN.log")
         time.sleep(1.0)

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from ..errors import PflEdgeError
-from . import bundle, client, demo, export, info, privacy, profile, report, server, simulate
+from . import bundle, client, demo, emulate, export, info, privacy, profile, report, server, simulate
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     # the order here is the order of pfl-edge --help
     simulate.register(sub)
     demo.register(sub)
+    emulate.register(sub)
     report.register(sub)
     privacy.register(sub)
     server.register(sub)
