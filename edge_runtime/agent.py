@@ -266,7 +266,7 @@ class Agent:
             self._stage_upload(prog, t, self.algo.device_upload(state), metrics=saved_metrics)
             self._flush_upload()
             return
-        self._started[t] = time.monotonic()
+        self._started = {t: time.monotonic()}  # one round in flight: an earlier one skipped or refused is dropped
         received, down = self.downloads.received(task)
         trainer = self.trainer
         trainer.reset_clock()

@@ -40,7 +40,9 @@ class RoundStats:
     bytes_down: int = 0
     step_ms: float | None = None
     train_s: float | None = None
-    round_s: float | None = None  # task to update accepted (unknown across a restart: None)
+    # task taken up to update accepted; a round retrained after a restart counts from the restart, and one whose
+    # trained update a restart resent is unknown (None)
+    round_s: float | None = None
     transfer_s: float | None = None  # its downloads and upload
 
 

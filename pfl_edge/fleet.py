@@ -142,14 +142,15 @@ class ClassCosts(_Answer):
     over every round each reported (``GET /v1/federations/{fed}/classes``)."""
 
     profile: str = Field(description="the device profile (device_profiles/profiles/)")
-    devices: int = Field(description="its enrolled devices")
+    devices: int = Field(description="its enrolled devices, not revoked (a revoked device's reports still count in "
+                                     "the spreads: what it cost is what its class costs)")
     reporting: int = Field(description="those that reported a round's costs")
     step_ms: Spread = Field(description="ms per training step")
     round_s: Spread = Field(description="wall seconds of a round, task to update accepted")
     transfer_s: Spread = Field(description="seconds of a round moving payloads")
     peak_rss_mb: Spread = Field(description="peak resident memory (MiB)")
-    bytes_up: Spread = Field(description="bytes uploaded in a round")
-    bytes_down: Spread = Field(description="bytes downloaded in a round")
+    bytes_up: Spread = Field(description="bytes uploaded in a round it trained in")
+    bytes_down: Spread = Field(description="bytes downloaded in a round it trained in")
 
 
 def nearest_rank(values: Sequence[float], q: float) -> float | None:
@@ -160,22 +161,26 @@ def nearest_rank(values: Sequence[float], q: float) -> float | None:
     return float(ordered[max(1, math.ceil(q * len(ordered) - 1e-9)) - 1])
 
 
-def class_costs(profiles: Mapping[str, str], reports: Iterable[tuple[str, Mapping[str, Any]]]) -> list[ClassCosts]:
+def class_costs(profiles: Mapping[str, str], reports: Iterable[tuple[str, Mapping[str, Any]]], *,
+                live: set[str] | None = None) -> list[ClassCosts]:
     """Per profile (``profiles``: device id -> profile), the spread of each of ``COST_FIELDS`` over ``reports``
-    (device id, one round's metrics); a class with devices but no reports is listed with n = 0."""
+    (device id, one round's metrics); a class with devices but no reports is listed with n = 0. ``live``: the
+    devices not revoked (None: all), which ``devices`` counts. Bytes count from rounds the device trained in (a
+    step time or a round time reported): a round it sat out reports 0 bytes, which says nothing of its class."""
     seen: dict[str, dict[str, list[float]]] = {p: {f: [] for f in COST_FIELDS} for p in profiles.values()}
     reporters: dict[str, set[str]] = {p: set() for p in profiles.values()}
     for dev, m in reports:
         prof = profiles.get(dev)
         if prof is None:  # a report of a device no longer listed
             continue
+        trained = m.get("round_s") is not None or m.get("step_ms") is not None
         for f in COST_FIELDS:
             v = m.get(f)
-            if v is not None:
+            if v is not None and (trained or not f.startswith("bytes")):
                 seen[prof][f].append(float(v))
-        if m.get("round_s") is not None or m.get("step_ms") is not None:
+        if trained:
             reporters[prof].add(dev)
-    count = {p: sum(1 for q in profiles.values() if q == p) for p in seen}
+    count = {p: sum(1 for d, q in profiles.items() if q == p and (live is None or d in live)) for p in seen}
     return [ClassCosts(profile=p, devices=count[p], reporting=len(reporters[p]),
                        **{f: Spread(n=len(v), p50=nearest_rank(v, 0.5), p95=nearest_rank(v, 0.95))
                           for f, v in seen[p].items()})

@@ -27,6 +27,7 @@ from .topics import mqtt_client_id, quorum_updates, round_topic, status_topic, t
 
 __all__ = [
     "API_PREFIX",
+    "COSTS",
     "COSTS_SINCE",
     "DEFAULT_NORM_MULTIPLE",
     "DIGEST_RE",
@@ -73,6 +74,7 @@ PROTOCOL_VERSIONS = (1, 2, 3)  # every version this release's server answers in 
 #: what a device sends a server answering it in version 3 or later, and not before (an earlier server refuses it):
 #: ``MetricsReport``'s costs
 COSTS_SINCE = 3
+COSTS = ("round_s", "transfer_s", "peak_rss_mb")  # those fields
 API_PREFIX = "/v1"
 DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
 _ID_RE = r"^[A-Za-z0-9_-]{1,64}$"
@@ -344,8 +346,8 @@ class MetricsReport(_Msg):
                                   "round t, from its task to its update accepted (training, transfers, waits)")
     transfer_s: float | None = Field(default=None, ge=0, le=MAX_SECONDS, description="version 3: seconds of round "
                                      "t spent moving payloads (downloads and the upload)")
-    peak_rss_mb: float | None = Field(default=None, ge=0, le=2**40, description="version 3: the device process's "
-                                      "peak resident memory so far (MiB; VmHWM on Linux)")
+    peak_rss_mb: float | None = Field(default=None, ge=0, le=2**24, description="version 3: the device process's "
+                                      "peak resident memory so far (MiB, at most 16 TiB; VmHWM on Linux)")
 
 
 class TokenIssued(_Answer):

@@ -18,7 +18,7 @@ __all__ = ["AMP", "NOISE", "SEED", "SIZES", "make_synthetic", "prototypes"]
 SEED = 20261129  # the generator's own: the data set is the same in every federation
 SIZES = (6000, 2000)  # train, test
 CLASSES, COARSE, SIDE = 10, 7, 28
-AMP = 2.1650635094610964  # the double nearest 1.25 * sqrt(3): coarse values of standard deviation 1.25
+AMP = 2.1650635094610964  # 1.25 * sqrt(3) as doubles compute it (this literal defines it): coarse std 1.25
 NOISE = 2.598076211353316  # the double nearest 1.5 * sqrt(3): uniform sums of variance 1/3, scaled to std 1.5
 _CHUNK = 500  # samples drawn at once (4 x 784 draws each)
 

@@ -86,7 +86,7 @@ class PflCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         m = self.metrics()
         yield from _federations(m.counters())
-        yield from _classes({f: m.classes(f) for f in m.federation_ids()})
+        yield from _classes(m.all_classes())
         n, size = m.blob_store()
         yield _gauge("pfl_blob_store_blobs", "Blobs in the blob store.", [], [([], n)])
         yield _gauge("pfl_blob_store_bytes", "Bytes of the blobs in the blob store.", [], [([], size)])

@@ -230,6 +230,8 @@ class EnrolmentService:
             again.mqtt_hash = mqtt
         if req.platform is not None:  # it may have been upgraded since (a new runtime, another Python)
             again.platform = req.platform.model_dump()
+        # a row of an earlier release kept the config's density for an algorithm with no mask (it trains dense)
+        again.density = self.store.model(fed).algorithm().mask_density(again.density)
         return _Enrolled(again.id, again.slot, again.density, again.kp, again.joined_round, fed.init_digest,
                          fed.config, client)
 

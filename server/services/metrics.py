@@ -7,6 +7,7 @@ from __future__ import annotations
 import bisect
 import math
 import statistics
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,10 +17,11 @@ from device_profiles import get_profile
 from pfl_edge.errors import ConfigError
 from pfl_edge.fleet import COST_FIELDS, ClassCosts, class_costs
 from pfl_edge.privacy_spent import reported_epsilons
-from pfl_edge.protocol import MetricsReport, quorum_updates
+from pfl_edge.protocol import COSTS, COSTS_SINCE, MetricsReport, quorum_updates
 
 from ..db import Blob, Device, Federation, Metric, Round, Update, now
-from ..errors import Conflict
+from ..errors import Conflict, Unprocessable
+from . import identity
 from .store import Store
 
 __all__ = ["FederationCounters", "Metrics"]
@@ -47,13 +49,22 @@ class FederationCounters:
 class Metrics:
     def __init__(self, store: Store) -> None:
         self.store = store
+        # per federation: (its reports' count and newest time, its classes); a scrape recomputes only on change
+        self._class_cache: dict[str, tuple[tuple[int, float, int, int], list[ClassCosts]]] = {}
+        self._class_lock = threading.Lock()
 
     def report(self, dev: Device, t: int, req: MetricsReport) -> None:
         """Metrics of a round that exists and this device was part of: from the round it joined in (a late
         joiner evaluates what it starts from) to the federation's current one; never a future round, nor a
         sampled round t before the last unless round t or t + 1 drew it (DisPFL reports the round it trained in;
         FedPer, FedAvg and Ditto the base of round t, which round t + 1's task brings; at the end every device
-        reports the last round). docs/protocol.md, "Sampled rounds"."""
+        reports the last round). docs/protocol.md, "Sampled rounds". A round's costs (``round_s``,
+        ``transfer_s``, ``peak_rss_mb``) are version 3's: a device answered in an earlier version sends none (422),
+        as a server of that version would refuse them."""
+        sent = [k for k in COSTS if getattr(req, k) is not None]
+        if sent and identity.answered_in(dev) < COSTS_SINCE:
+            raise Unprocessable(f"{', '.join(sent)}: protocol version {COSTS_SINCE}'s; this device is answered in "
+                                f"version {identity.answered_in(dev)}, which does not have them")
         with self.store.write() as s:
             fed = self.store.locked(s, dev.federation)
             if t > fed.round:
@@ -150,10 +161,42 @@ class Metrics:
         devices' reports included (what they cost is still what their class costs)."""
         with self.store.read() as s:
             self.store.federation(s, fed_id)
-            profiles = dict(s.execute(select(Device.id, Device.profile).where(Device.federation == fed_id)).all())
+        return self.all_classes([fed_id]).get(fed_id, [])
+
+    def all_classes(self, only: list[str] | None = None) -> dict[str, list[ClassCosts]]:
+        """``classes`` of every federation (or of ``only``), for a scrape: two grouped queries say which
+        federations' reports or devices changed since the last call (reports' count and newest time, devices and
+        revoked devices), and only those are read again, in two queries; the others come from the cache."""
+        with self.store.read() as s:
+            feds = select(Federation.id) if only is None else select(Federation.id).where(Federation.id.in_(only))
+            ids = set(s.scalars(feds))
+            reported = {f: (int(n), float(t or 0)) for f, n, t in s.execute(
+                select(Metric.federation, func.count(), func.max(Metric.reported_at))
+                .where(Metric.federation.in_(ids)).group_by(Metric.federation))}
+            enrolled = {f: (int(n), int(r or 0)) for f, n, r in s.execute(
+                select(Device.federation, func.count(), func.sum(case((Device.revoked_at.is_not(None), 1), else_=0)))
+                .where(Device.federation.in_(ids)).group_by(Device.federation))}
+            marks = {f: (*reported.get(f, (0, 0.0)), *enrolled.get(f, (0, 0))) for f in ids}
+            with self._class_lock:
+                stale = sorted(f for f, m in marks.items() if self._class_cache.get(f, (None, []))[0] != m)
+            devs = s.execute(select(Device.federation, Device.id, Device.profile, Device.revoked_at)
+                             .where(Device.federation.in_(stale))).all() if stale else []
             cols = [getattr(Metric, f) for f in COST_FIELDS]
-            rows = s.execute(select(Metric.device, *cols).where(Metric.federation == fed_id)).all()
-        return class_costs(profiles, ((r[0], dict(zip(COST_FIELDS, r[1:], strict=True))) for r in rows))
+            rows = s.execute(select(Metric.federation, Metric.device, *cols)
+                             .where(Metric.federation.in_(stale))).all() if stale else []
+        fresh = {}
+        for f in stale:
+            profiles = {d: p for g, d, p, _ in devs if g == f}
+            live = {d for g, d, _, revoked in devs if g == f and revoked is None}
+            fresh[f] = class_costs(profiles, ((r[1], dict(zip(COST_FIELDS, r[2:], strict=True)))
+                                              for r in rows if r[0] == f), live=live)
+        with self._class_lock:
+            for f in stale:
+                self._class_cache[f] = (marks[f], fresh[f])
+            if only is None:  # a federation gone from the database leaves the cache too
+                for f in set(self._class_cache) - set(marks):
+                    del self._class_cache[f]
+            return {f: self._class_cache[f][1] for f in sorted(marks)}
 
     def federation_ids(self) -> list[str]:
         """Every federation's id, oldest first."""

@@ -5,6 +5,7 @@ import hashlib
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -139,3 +140,20 @@ def test_a_device_without_torch_loads_the_same_partition() -> None:
             for k, t in (("train_x", ds.train_x[c.train_idx]), ("train_y", c.train_y),
                          ("test_x", ds.test_x[c.test_idx]), ("test_y", c.test_y))}
     assert json.loads(out.stdout) == want
+
+
+def test_the_synthetic_set_is_the_one_the_javascript_device_is_held_to() -> None:
+    """pfl_edge/data/synthetic.py against the digests devices/js/test/fixtures/synthetic.json pins (the TypeScript
+    device's test checks its own copy against the same file): a change to the set is a change of the contract."""
+    import hashlib
+
+    from pfl_edge.data.synthetic import make_synthetic, prototypes
+    from pfl_edge.seeding import MT
+
+    fixture = json.loads((Path(__file__).resolve().parents[2] / "devices/js/test/fixtures/synthetic.json").read_text())
+    train_x, train_y, test_x, test_y = make_synthetic()
+    sha = lambda a: hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()  # noqa: E731
+    assert sha(prototypes(MT(fixture["seed"])).astype("<f8")) == fixture["prototypes"]["sha256"]
+    for split, x, y in (("train", train_x, train_y), ("test", test_x, test_y)):
+        assert sha(x.astype("<f4")) == fixture[split]["x_sha256"], split
+        assert sha(y.astype("<i4")) == fixture[split]["y_sha256"], split

@@ -79,10 +79,11 @@ class Dev:
     """A device as the server sees it: enrolment, blobs, updates, over HTTP."""
 
     def __init__(self, c: httpx.Client | Any, fed: str, profile: str = "phone-mid", index: int | None = None,
-                 platform: dict[str, Any] | None = None, nonce: str | None = None, keyed: bool = True) -> None:
-        """``keyed``: enrol as this release's devices do, with a nonce (``nonce``, else a random one), a key
-        (pfl_edge.device_key) and protocol versions 1 and 2; not ``keyed``: as a device of an earlier release
-        (protocol 1), with ``nonce`` if given."""
+                 platform: dict[str, Any] | None = None, nonce: str | None = None, keyed: bool = True,
+                 protocols: tuple[int, ...] = (1, 2)) -> None:
+        """``keyed``: enrol with a nonce (``nonce``, else a random one), a key (pfl_edge.device_key) and
+        ``protocols`` (default 1 and 2); not ``keyed``: as a device of an earlier release (protocol 1), with
+        ``nonce`` if given."""
         self.c = c
         body: dict[str, Any] = {"federation": fed, "enrol_secret": SECRET, "profile": profile}
         if index is not None:
@@ -96,7 +97,7 @@ class Dev:
             self.key = new_key()
             public = public_of(self.key)
             body.update(public_key=public, proof={"counter": 1, "signature": sign(
-                self.key, enrol_message(fed, nonce, public, 1))}, protocols=[1, 2])
+                self.key, enrol_message(fed, nonce, public, 1))}, protocols=list(protocols))
         if nonce is not None:
             body["nonce"] = nonce
         r = c.post("/v1/devices", json=body)

@@ -58,8 +58,8 @@ def client(tmp_path: Path, broker_url: str) -> Iterator[TestClient]:
 
 
 def test_the_classes_route_and_prometheus_show_what_the_devices_report(client: TestClient) -> None:
-    devs = [Dev(client, "f", profile=p) for p in ("phone-low", "phone-low", "raspberry-pi-4")]
-    sent = [(12.0, 3.0, 0.5, 250.0), (18.0, 5.0, 1.5, 270.0), (40.0, 9.0, 0.75, 800.0)]
+    devs = [Dev(client, "f", profile=p, protocols=(1, 2, 3)) for p in ("phone-low", "raspberry-pi-4")]
+    sent = [(12.0, 3.0, 0.5, 250.0), (40.0, 9.0, 0.75, 800.0)]
     for d, (step, wall, xfer, rss) in zip(devs, sent, strict=True):
         r = client.post("/v1/rounds/0/metrics", headers=d.h, json={
             "accuracy": 0.5, "loss": 1.0, "n_test": 8, "step_ms": step, "round_s": wall, "transfer_s": xfer,
@@ -68,21 +68,35 @@ def test_the_classes_route_and_prometheus_show_what_the_devices_report(client: T
     assert client.get("/v1/federations/f/classes", headers=devs[0].h).status_code == 403  # the admin's
     got = {c["profile"]: c for c in client.get("/v1/federations/f/classes", headers=bearer(ADMIN)).json()}
     low, pi = got["phone-low"], got["raspberry-pi-4"]
-    assert (low["devices"], low["reporting"]) == (2, 2)
-    assert (low["step_ms"]["p50"], low["step_ms"]["p95"]) == (12.0, 18.0)
-    assert (low["round_s"]["p50"], low["transfer_s"]["p95"], low["peak_rss_mb"]["p95"]) == (3.0, 1.5, 270.0)
+    assert (low["devices"], low["reporting"]) == (1, 1)
+    assert (low["step_ms"]["p50"], low["step_ms"]["p95"]) == (12.0, 12.0)
+    assert (low["round_s"]["p50"], low["transfer_s"]["p95"], low["peak_rss_mb"]["p95"]) == (3.0, 0.5, 250.0)
     assert (pi["step_ms"]["p50"], pi["peak_rss_mb"]["p50"]) == (40.0, 800.0)
     text = client.get("/metrics", headers=bearer(ADMIN)).text
-    for name, profile, q, want in (("pfl_class_step_ms", "phone-low", "0.95", 18.0),
+    for name, profile, q, want in (("pfl_class_step_ms", "phone-low", "0.95", 12.0),
                                    ("pfl_class_peak_rss_mb", "raspberry-pi-4", "0.5", 800.0),
                                    ("pfl_class_round_seconds", "phone-low", "0.5", 3.0),
                                    ("pfl_class_transfer_seconds", "raspberry-pi-4", "0.95", 0.75)):
         line = re.search(rf'^{name}{{federation="f",profile="{profile}",quantile="{q}"}} (\S+)$', text, re.M)
         assert line is not None and float(line.group(1)) == want, (name, profile, q)
-    # a metrics report is still bounded: a negative or non-finite cost is refused, nothing kept
-    bad = client.post("/v1/rounds/0/metrics", headers=devs[2].h, json={
-        "accuracy": 0.5, "loss": 1.0, "n_test": 8, "peak_rss_mb": -1})
-    assert bad.status_code == 422
+    # a metrics report is still bounded: a negative, non-finite or absurd cost is refused, nothing kept
+    for rss in (-1, 2**24 + 1, "nan"):
+        bad = client.post("/v1/rounds/0/metrics", headers=devs[1].h, json={
+            "accuracy": 0.5, "loss": 1.0, "n_test": 8, "peak_rss_mb": rss})
+        assert bad.status_code == 422, rss
+    assert client.post("/v1/rounds/0/metrics", headers=devs[1].h, json={
+        "accuracy": 0.5, "loss": 1.0, "n_test": 8, "peak_rss_mb": 2**24}).status_code == 200  # the cap itself
+    # a device answered in version 2 sends none of version 3's fields: a server of version 2 would refuse them
+    old = Dev(client, "f", profile="phone-low")  # the third slot
+    r = client.post("/v1/rounds/0/metrics", headers=old.h, json={
+        "accuracy": 0.5, "loss": 1.0, "n_test": 8, "step_ms": 1.0, "round_s": 2.0})
+    assert r.status_code == 422 and "round_s" in r.text and "version 2" in r.text
+    assert client.post("/v1/rounds/0/metrics", headers=old.h, json={
+        "accuracy": 0.5, "loss": 1.0, "n_test": 8, "step_ms": 1.0}).status_code == 200
+    # revoking a device leaves its class's count, not its reports
+    assert client.post(f"/v1/federations/f/devices/{devs[1].id}/revoke", headers=bearer(ADMIN)).status_code == 200
+    pi_now = {c["profile"]: c for c in client.get("/v1/federations/f/classes", headers=bearer(ADMIN)).json()}
+    assert pi_now["raspberry-pi-4"]["devices"] == 0 and pi_now["raspberry-pi-4"]["peak_rss_mb"]["p50"] == 2**24
 
 
 class _Capture:
@@ -113,8 +127,14 @@ def srv(tmp_path: Path) -> Iterator[BackgroundServer]:
     s.stop()
 
 
+@pytest.mark.parametrize("speaks", [(1, 2, 3), (1, 2)], ids=["server-3", "server-2"])
 def test_real_devices_report_their_rounds_costs_per_class(srv: BackgroundServer, tmp_path: Path,
+                                                          speaks: tuple[int, ...],
                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """This release's agents against a server of version 3, and of version 2 (which refuses the costs: the agents
+    send none and finish, their step times and bytes still shown)."""
+    assert srv.app_state is not None
+    srv.app_state.coordinator.enrolment.speaks = speaks
     config = {**FEDPER, "clients": 2, "rounds": 2}
     r = httpx.post(f"{srv.url}/v1/federations", headers=bearer(ADMIN), timeout=60,
                    json={"id": "c", "enrol_secret": "class-costs-secret-0123", "config": config})
@@ -140,11 +160,16 @@ def test_real_devices_report_their_rounds_costs_per_class(srv: BackgroundServer,
     for profile in ("phone-low", "raspberry-pi-4"):
         c = got[profile]
         assert c["reporting"] == 1, c
+        assert c["step_ms"]["p50"] > 0 and c["bytes_up"]["p50"] > 0, c
+        if speaks == (1, 2):
+            assert c["round_s"]["n"] == c["transfer_s"]["n"] == c["peak_rss_mb"]["n"] == 0, c
+            continue
         # rounds 1 and 2 each: a wall time that holds its transfers, and a peak memory of a process with torch
         assert c["round_s"]["n"] == 2 and 0 < c["round_s"]["p50"] <= c["round_s"]["p95"], c
         assert c["transfer_s"]["n"] == 2 and c["transfer_s"]["p95"] <= c["round_s"]["p95"], c
         assert c["peak_rss_mb"]["n"] == 2 and c["peak_rss_mb"]["p50"] > 50, c  # a process with torch
-        assert c["step_ms"]["p50"] > 0 and c["bytes_up"]["p50"] > 0, c
+    if speaks == (1, 2):
+        return
     # the same table from a terminal
     (tmp_path / "admin").write_text(ADMIN + "\n")
     assert main(["profile", "--fleet", srv.url, "--federation", "c", "--admin-token-file",

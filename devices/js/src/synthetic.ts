@@ -20,8 +20,8 @@ export const SYNTHETIC_CLASSES = 10;
 export const SYNTHETIC_CHANNELS = 1;
 export const SYNTHETIC_SIDE = 28;
 const COARSE = 7;
-/** the double nearest sqrt(3) */
-const AMP = 2.1650635094610964; // the double nearest 1.25 * sqrt(3)
+/** 1.25 * sqrt(3) as doubles compute it (this literal defines it): coarse values of standard deviation 1.25 */
+const AMP = 2.1650635094610964;
 /** the double nearest 1.5 * sqrt(3): sums of four uniforms (variance 1/3) scaled to std 1.5 */
 const NOISE = 2.598076211353316;
 const PIXELS = SYNTHETIC_SIDE * SYNTHETIC_SIDE;
