@@ -135,24 +135,32 @@ def diurnal_probability(hour: float) -> float:
 
 def availability_trace(seed: int, index: int, kind: str, cfg: EmulationConfig) -> list[tuple[float, float]]:
     """Device ``index``'s online periods in wall seconds from the run's start, ``[start, end)``, sorted. Every
-    device is online at 0 (the fleet enrols as it is deployed); after that a diurnal device alternates on and off:
-    sessions of mean ``mean_session_h``, breaks of mean ``mean_session_h x (1 - p) / p`` at the hour they start,
-    so that the share online follows ``diurnal_probability``. Drawn from the run seed's own stream for the device
-    (``numpy_rng(seed, AVAILABILITY_STREAM, index)``): the same seed, the same trace."""
+    device is online at 0 (the fleet enrols as it is deployed); after that a diurnal device is a two-state process
+    whose rates follow the hour: it leaves at rate ``1 / mean_session_h`` and returns at rate ``p / (1 - p)`` times
+    that, ``p = diurnal_probability(hour)``, so that the share online tracks ``p`` (within about one session's
+    lag), stepped every 5 emulated minutes; no period is shorter than ``min_period_s``. Drawn from the run seed's
+    own stream for the device (``numpy_rng(seed, AVAILABILITY_STREAM, index)``): the same seed, the same trace."""
     if kind == "always":
         return [(0.0, cfg.horizon_s)]
     if kind != "diurnal":
         raise ConfigError(f"unknown availability {kind!r}: always or diurnal")
-    rng = numpy_rng(seed, AVAILABILITY_STREAM, index)
     hour_s = cfg.day_s / 24
-    t, online, out = 0.0, True, []
-    while t < cfg.horizon_s:
+    dt_h = 1 / 12
+    steps = math.ceil(cfg.horizon_s / (hour_s * dt_h))
+    draws = numpy_rng(seed, AVAILABILITY_STREAM, index).random(steps)
+    online, since, out = True, 0.0, []
+    for k in range(1, steps):
+        t = k * dt_h * hour_s
+        if t - since < cfg.min_period_s:
+            continue
         p = diurnal_probability((cfg.start_hour + t / hour_s) % 24)
-        mean_h = cfg.mean_session_h if online else cfg.mean_session_h * (1 - p) / p
-        d = max(cfg.min_period_s, float(rng.exponential(mean_h)) * hour_s)
-        if online:
-            out.append((t, min(t + d, cfg.horizon_s)))
-        t, online = t + d, not online
+        rate = 1 / cfg.mean_session_h if online else p / (1 - p) / cfg.mean_session_h
+        if draws[k] < 1 - math.exp(-rate * dt_h):
+            if online:
+                out.append((since, t))
+            online, since = not online, t
+    if online:
+        out.append((since, cfg.horizon_s))
     return out
 
 
