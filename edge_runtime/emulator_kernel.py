@@ -98,6 +98,9 @@ class Kernel:
     def netns(self, i: int) -> str:
         return f"pfe-{self.id}-{i}"
 
+    def host_link(self, i: int) -> str:
+        return f"pfe{self.id}h{i}"
+
     def device_ip(self, i: int) -> str:
         n = i + 2
         return f"10.{self.octet}.{n // 256}.{n % 256}"
@@ -110,6 +113,7 @@ class Kernel:
         n = len(self.plan.devices)
         return {"id": self.id, "pid": os.getpid(), "octet": self.octet, "bridge": self.bridge,
                 "bridge_ip": self.bridge_ip, "netns": [self.netns(i) for i in range(n)],
+                "links": [self.host_link(i) for i in range(n)],
                 "cgroups": [str(self.cgroup(c)) for c in NEEDED]}
 
     def setup(self) -> None:
@@ -130,7 +134,7 @@ class Kernel:
 
     def _device(self, i: int) -> None:
         d = self.plan.devices[i]
-        ns, host, peer = self.netns(i), f"pfe{self.id}h{i}", f"pfe{self.id}d{i}"
+        ns, host, peer = self.netns(i), self.host_link(i), f"pfe{self.id}d{i}"
         _run("ip", "netns", "add", ns)
         _run("ip", "link", "add", host, "type", "veth", "peer", "name", peer)
         _run("ip", "link", "set", peer, "netns", ns)
@@ -184,11 +188,17 @@ def _kill_members(group: Path) -> None:
 
 
 def _undo(rec: dict[str, Any]) -> None:
-    """Undo a run's record, whatever of it exists: processes, namespaces (their veths go with them), bridge,
-    cgroups. Errors are collected and raised at the end, after every step was tried."""
+    """Undo a run's record, whatever of it exists: processes, links (deleting one end deletes the pair at once; a
+    namespace's own go with it only later, in the kernel's cleanup), namespaces, bridge, cgroups. Errors are
+    collected and raised at the end, after every step was tried."""
     errors = []
     for g in rec["cgroups"]:
         _kill_members(Path(g))
+    for link in rec.get("links", []):
+        if Path("/sys/class/net", link).exists():
+            out = subprocess.run(["ip", "link", "del", link], capture_output=True, text=True)
+            if out.returncode:
+                errors.append(out.stderr.strip())
     for ns in rec["netns"]:
         if Path("/run/netns", ns).exists():
             out = subprocess.run(["ip", "netns", "del", ns], capture_output=True, text=True)
