@@ -59,7 +59,9 @@ class Emulation(Placement):
                                 lambda peer: delays.get(peer, 0.0))
         self.relay.start()
         env = {"PFL_PUBLIC_BROKER_URL": f"mqtt://{ip}:{bport}", "PFL_EMBEDDED_BROKER_PORT": str(bport)}
-        return start_server(out, database_url=cfg.database_url, port=port, env=env, device_url=f"http://{ip}:{port}")
+        fed = start_server(out, database_url=cfg.database_url, port=port, env=env, device_url=f"http://{ip}:{port}")
+        self.kernel.note_process(fed.server.pid)
+        return fed
 
     def start_devices(self, fed: Federation, profiles: list[Profile], extra: list[str]) -> None:
         self._names, self._extra = [p.name for p in profiles], extra

@@ -94,6 +94,7 @@ class Kernel:
         self.bridge = f"pfe{self.id}"
         self.bridge_ip = f"10.{self.octet}.0.1"
         self.state_file = STATE_DIR / f"{self.id}.json"
+        self.pids: list[int] = []  # processes of the run outside the device groups (its server)
 
     def netns(self, i: int) -> str:
         return f"pfe-{self.id}-{i}"
@@ -114,7 +115,12 @@ class Kernel:
         return {"id": self.id, "pid": os.getpid(), "octet": self.octet, "bridge": self.bridge,
                 "bridge_ip": self.bridge_ip, "netns": [self.netns(i) for i in range(n)],
                 "links": [self.host_link(i) for i in range(n)],
-                "cgroups": [str(self.cgroup(c)) for c in NEEDED]}
+                "cgroups": [str(self.cgroup(c)) for c in NEEDED], "pids": self.pids}
+
+    def note_process(self, pid: int) -> None:
+        """Record a process the run started outside the device groups: a later run kills it if this one dies."""
+        self.pids.append(pid)
+        self.state_file.write_text(json.dumps(self.record()))
 
     def setup(self) -> None:
         """Make everything; on any failure undo what was made and raise."""
@@ -187,11 +193,22 @@ def _kill_members(group: Path) -> None:
             time.sleep(0.1)
 
 
+def _kill_ours(pid: int) -> None:
+    """SIGKILL ``pid`` if it is still a pfl-edge process (the run's server; not a stranger that took its pid)."""
+    try:
+        if b"pfl_edge" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            os.kill(pid, signal.SIGKILL)
+    except (OSError, ProcessLookupError):
+        pass
+
+
 def _undo(rec: dict[str, Any]) -> None:
     """Undo a run's record, whatever of it exists: processes, links (deleting one end deletes the pair at once; a
     namespace's own go with it only later, in the kernel's cleanup), namespaces, bridge, cgroups. Errors are
     collected and raised at the end, after every step was tried."""
     errors = []
+    for pid in rec.get("pids", []):
+        _kill_ours(int(pid))
     for g in rec["cgroups"]:
         _kill_members(Path(g))
     for link in rec.get("links", []):
