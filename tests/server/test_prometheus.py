@@ -186,8 +186,8 @@ class _NoFederations:
     def counters(self) -> list[object]:
         return []
 
-    def federation_ids(self) -> list[str]:
-        return []
+    def all_classes(self) -> dict[str, list[object]]:
+        return {}
 
     def blob_store(self) -> tuple[int, int]:
         return 0, 0
