@@ -34,7 +34,7 @@ class EmulationConfig:
     period_us: int = 100_000  # cpu.cfs_period_us, the kernel's default (longer where a quota would be under 1 ms)
     runtime_overhead_mb: int = 512  # what CPython and torch take that the device's own runtime does not
     availability: str = "profile"  # profile: each class's [emulation] availability; always: every device online
-    day_s: float = 1200.0  # wall seconds one emulated day lasts
+    day_s: float = 1200.0  # seconds one emulated day lasts undilated (x dilation on the wall clock)
     start_hour: float = 20.0  # the local hour the run starts at
     mean_session_h: float = 2.0  # mean online period, in emulated hours
     min_period_s: float = 5.0  # no on or off period shorter than this many wall seconds
@@ -133,18 +133,20 @@ def diurnal_probability(hour: float) -> float:
     return floor + (peak - floor) * (1 + math.cos(2 * math.pi * (hour - at) / 24)) / 2
 
 
-def availability_trace(seed: int, index: int, kind: str, cfg: EmulationConfig) -> list[tuple[float, float]]:
+def availability_trace(seed: int, index: int, kind: str, cfg: EmulationConfig,
+                       dilation: float = 1.0) -> list[tuple[float, float]]:
     """Device ``index``'s online periods in wall seconds from the run's start, ``[start, end)``, sorted. Every
     device is online at 0 (the fleet enrols as it is deployed); after that a diurnal device is a two-state process
     whose rates follow the hour: it leaves at rate ``1 / mean_session_h`` and returns at rate ``p / (1 - p)`` times
     that, ``p = diurnal_probability(hour)``, so that the share online tracks ``p`` (within about one session's
-    lag), stepped every 5 emulated minutes; no period is shorter than ``min_period_s``. Drawn from the run seed's
+    lag), stepped every 5 emulated minutes; no period is shorter than ``min_period_s``. A day lasts ``day_s x
+    dilation`` wall seconds: the fleet's days slow down with its computing and its links. Drawn from the run seed's
     own stream for the device (``numpy_rng(seed, AVAILABILITY_STREAM, index)``): the same seed, the same trace."""
     if kind == "always":
         return [(0.0, cfg.horizon_s)]
     if kind != "diurnal":
         raise ConfigError(f"unknown availability {kind!r}: always or diurnal")
-    hour_s = cfg.day_s / 24
+    hour_s = cfg.day_s * dilation / 24
     dt_h = 1 / 12
     steps = math.ceil(cfg.horizon_s / (hour_s * dt_h))
     draws = numpy_rng(seed, AVAILABILITY_STREAM, index).random(steps)

@@ -103,7 +103,8 @@ def _write(out: Path, plan: FleetPlan, ecfg: EmulationConfig, kernel: Kernel, se
                 "device_ips": [kernel.device_ip(d.index) for d in plan.devices]}
     (out / "emulation.json").write_text(json.dumps(settings, indent=1))
     (out / "availability.json").write_text(json.dumps({
-        "seed": seed, "stream": AVAILABILITY_STREAM, "day_s": ecfg.day_s, "start_hour": ecfg.start_hour,
+        "seed": seed, "stream": AVAILABILITY_STREAM, "day_s": ecfg.day_s,
+        "wall_day_s": ecfg.day_s * plan.dilation, "start_hour": ecfg.start_hour,
         "horizon_s": ecfg.horizon_s, "events": events,
         "devices": [{"index": d.index, "profile": d.profile, "availability": d.availability,
                      "online": [[round(a, 3), round(b, 3)] for a, b in traces[d.index]]} for d in plan.devices],
@@ -120,7 +121,7 @@ def run_emulation(cfg: DemoConfig, ecfg: EmulationConfig, *, host_cores: int | N
         print(f"undid emulation run {stale}'s leftovers (its process is gone)", flush=True)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    traces = [availability_trace(cfg.seed, d.index, d.availability, ecfg) for d in plan.devices]
+    traces = [availability_trace(cfg.seed, d.index, d.availability, ecfg, plan.dilation) for d in plan.devices]
     kernel = Kernel(plan)
     emu = Emulation(plan, kernel, traces)
     _write(out, plan, ecfg, kernel, cfg.seed, traces, [])

@@ -74,7 +74,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="added to each class's memory: what CPython and torch take (default 512)")
     e.add_argument("--availability", choices=["profile", "always"], default="profile",
                    help="profile (default): each class's (diurnal for phones); always: every device online")
-    e.add_argument("--day-s", type=float, default=1200.0, help="wall seconds one emulated day lasts (default 1200)")
+    e.add_argument("--day-s", type=float, default=1200.0,
+                   help="seconds one emulated day lasts, times the dilation on the wall clock (default 1200)")
     e.add_argument("--start-hour", type=float, default=20.0, help="local hour the run starts at (default 20)")
     e.add_argument("--mean-session-h", type=float, default=2.0,
                    help="mean online period of a diurnal device, in emulated hours (default 2)")

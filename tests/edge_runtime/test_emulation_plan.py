@@ -4,6 +4,7 @@ delay both ways; the kernel check names what is missing; the command line parses
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import socket
 import threading
@@ -85,6 +86,9 @@ def test_the_same_seed_gives_the_same_trace() -> None:
     assert all(s < e for s, e in a) and all(e1 < s2 for (_, e1), (s2, _) in itertools.pairwise(a))
     assert all(e - s >= cfg.min_period_s or e == cfg.horizon_s for s, e in a)
     assert availability_trace(7, 3, "always", cfg) == [(0.0, 2000.0)]
+    # the fleet's days slow down with it: at dilation 2 a day lasts twice its wall seconds
+    assert availability_trace(7, 3, "diurnal", cfg, 2.0) == availability_trace(
+        7, 3, "diurnal", dataclasses.replace(cfg, day_s=480))
     assert online_at(a, 0.0) and not online_at([(0.0, 5.0)], 5.0)
 
 
