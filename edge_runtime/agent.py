@@ -70,6 +70,7 @@ class Agent:
         self.inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
         self.on_event = on_event or (lambda kind, data: None)
         self._stop = threading.Event()
+        self.http.stop = self._stop  # from the start: a stop while it enrols or fetches ends its retries too
         self.done = False
         self._skipped: set[int] = set()  # rounds sat out in this run (a bad model received, diverged training)
         self._started: dict[int, float] = {}  # a round's start (its task taken up), for its wall time
@@ -144,7 +145,6 @@ class Agent:
     def run(self) -> int:
         self._setup()
         ctl = Control(self.enr, self.inbox, ca_file=self.cfg.ca_file, http=self.http)
-        self.http.stop = self._stop
         try:
             self._renewing(self._wake)  # the server's task now: a retained message may never come
             heard = time.monotonic()
