@@ -92,17 +92,17 @@ class Profile:
 
     def __post_init__(self) -> None:
         where = f"profile {self.name!r}"
-        if self.emulation is not None:
+        for f in ("ram_mb", "ram_budget_mb", "cores", "threads", "batch_size", "train_memory_mb"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"{where}: {f} must be a positive integer, got {v!r}")
+        if self.emulation is not None:  # after ram_mb is known to be a number: it bounds the emulated memory
             if not isinstance(self.emulation, Emulation):
                 raise ConfigError(f"{where}: emulation must be an Emulation, got {self.emulation!r}")
             self.emulation.check(where)
             if self.emulation.memory_mb > self.ram_mb:
                 raise ConfigError(f"{where}: emulation.memory_mb ({self.emulation.memory_mb}) exceeds ram_mb "
                                   f"({self.ram_mb})")
-        for f in ("ram_mb", "ram_budget_mb", "cores", "threads", "batch_size", "train_memory_mb"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"{where}: {f} must be a positive integer, got {v!r}")
         if not isinstance(self.kp, int) or self.kp < 0:
             raise ConfigError(f"{where}: kp must be an integer >= 0, got {self.kp!r}")
         if not isinstance(self.density, int | float) or not 0 < self.density <= 1:
