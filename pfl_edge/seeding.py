@@ -130,6 +130,15 @@ class MT:
             out[n - 1] = moved.get(n - 1, n - 1)
         return out
 
+    def skip(self, n: int) -> None:
+        """Move past ``n`` 32-bit draws without making them into numbers (C-speed: a data set's noise, where only
+        its labels are wanted)."""
+        self._bits.random_raw(n, output=False)
+
+    def rand24(self, n: int) -> NDArray[np.uint64]:
+        """The integers k of ``rand(n)``'s draws (each is ``k * 2**-24``): sums of them are exact."""
+        return np.bitwise_and(self._bits.random_raw(n), np.uint64(0xFFFFFF))
+
     def rand(self, n: int) -> NDArray[np.float32]:
         """``torch.rand(n, generator=g)`` in float32."""
         raw = self._bits.random_raw(n)

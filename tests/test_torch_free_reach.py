@@ -78,6 +78,7 @@ ALLOWED: dict[str, str] = {
     "pfl_edge.data.registry:Dataset.__post_init__": TORCH_ARRAYS + " (deal_arrays deals numpy)",
     "pfl_edge.data.registry:Dataset.of": TORCH_ARRAYS + " (deal_arrays deals numpy)",
     "pfl_edge.data.sources:fashion_mnist_labels": TORCH_ARRAYS + " (deal_arrays reads the labels with numpy)",
+    "pfl_edge.data.sources:synthetic_labels": TORCH_ARRAYS + " (deal_arrays deals from make_synthetic's labels)",
     "pfl_edge.federation:init_state": COORDINATOR,
     "pfl_edge.modelgraph:_layers": EAGER,
     "pfl_edge.modelgraph:_module_layer": EAGER,

@@ -14,7 +14,7 @@ from numpy.typing import NDArray
 
 from ..errors import DataError
 from .registry import DatasetArrays, InputShape, Labels, register_dataset
-from .synthetic import make_synthetic
+from .synthetic import make_synthetic, make_synthetic_labels
 
 __all__ = ["FASHION_MNIST_DIRS", "load_idx", "normalise"]
 
@@ -165,7 +165,16 @@ def cifar10(data_dir: Path | None) -> DatasetArrays:
     )
 
 
-@register_dataset("synthetic", shape=InputShape(1, 28, 10))
+def synthetic_labels(data_dir: Path | None) -> Labels:
+    """The synthetic set's labels alone (``make_synthetic_labels``): a server deals from them in milliseconds."""
+    import torch
+
+    train_y, test_y = make_synthetic_labels()
+    return Labels("synthetic", torch.from_numpy(train_y), torch.from_numpy(test_y), num_classes=10, in_channels=1,
+                  image_size=28)
+
+
+@register_dataset("synthetic", labels=synthetic_labels, shape=InputShape(1, 28, 10))
 def synthetic(data_dir: Path | None) -> DatasetArrays:
     """10 classes of 1x28x28 inputs: a fixed random smooth prototype per class plus noise. Learnable in a few
     hundred steps; for tests and quick runs. Always the same data, made without torch or numpy's samplers

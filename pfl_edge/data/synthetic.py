@@ -13,7 +13,7 @@ from numpy.typing import NDArray
 
 from ..seeding import MT
 
-__all__ = ["AMP", "NOISE", "SEED", "SIZES", "make_synthetic", "prototypes"]
+__all__ = ["AMP", "NOISE", "SEED", "SIZES", "make_synthetic", "make_synthetic_labels", "prototypes"]
 
 SEED = 20261129  # the generator's own: the data set is the same in every federation
 SIZES = (6000, 2000)  # train, test
@@ -54,8 +54,9 @@ def _split(g: MT, protos: NDArray[np.float64], n: int) -> tuple[NDArray[np.float
     pixels = SIDE * SIDE
     for s in range(0, n, _CHUNK):
         m = min(_CHUNK, n - s)
-        u = g.rand(m * pixels * 4).astype(np.float64).reshape(m, pixels, 4)
-        noise = NOISE * (u.sum(axis=2) - 2.0)  # the sum of four multiples of 2**-24 below 4: exact in any order
+        # u1 + u2 + u3 + u4 as the sum of the draws' 24-bit integers times 2**-24: the same double, exactly
+        k = g.rand24(m * pixels * 4).reshape(m, pixels, 4).sum(axis=2)
+        noise = NOISE * (k * 2.0**-24 - 2.0)
         x[s:s + m, 0] = (protos[y[s:s + m]].reshape(m, pixels) + noise).reshape(m, SIDE, SIDE).astype(np.float32)
     return x, y
 
@@ -68,3 +69,15 @@ def make_synthetic() -> tuple[NDArray[np.float32], NDArray[np.int64], NDArray[np
     train_x, train_y = _split(g, protos, SIZES[0])
     test_x, test_y = _split(g, protos, SIZES[1])
     return train_x, train_y, test_x, test_y
+
+
+def make_synthetic_labels() -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+    """(train_y, test_y) of ``make_synthetic`` without its inputs (what a coordinator deals from): the same draws,
+    the prototypes' and the noise's skipped, ~100x faster."""
+    g = MT(SEED)
+    g.skip(CLASSES * COARSE * COARSE)
+    out = []
+    for n in SIZES:
+        out.append((np.arange(n, dtype=np.int64) % CLASSES)[g.randperm(n)])
+        g.skip(n * SIDE * SIDE * 4)
+    return out[0], out[1]

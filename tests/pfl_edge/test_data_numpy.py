@@ -157,3 +157,11 @@ def test_the_synthetic_set_is_the_one_the_javascript_device_is_held_to() -> None
     for split, x, y in (("train", train_x, train_y), ("test", test_x, test_y)):
         assert sha(x.astype("<f4")) == fixture[split]["x_sha256"], split
         assert sha(y.astype("<i4")) == fixture[split]["y_sha256"], split
+    # the labels alone, as a coordinator deals from them (the inputs' draws skipped), are the same labels
+    from pfl_edge.data import get_labels
+    from pfl_edge.data.synthetic import make_synthetic_labels
+
+    only = make_synthetic_labels()
+    assert np.array_equal(only[0], train_y) and np.array_equal(only[1], test_y)
+    lab = get_labels("synthetic")
+    assert np.array_equal(lab.train_y.numpy(), train_y) and np.array_equal(lab.test_y.numpy(), test_y)
