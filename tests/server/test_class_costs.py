@@ -127,7 +127,8 @@ def srv(tmp_path: Path) -> Iterator[BackgroundServer]:
     s.stop()
 
 
-@pytest.mark.parametrize("speaks", [(1, 2, 3), (1, 2)], ids=["server-3", "server-2"])
+@pytest.mark.parametrize("speaks", [pytest.param((1, 2, 3), id="server-3"),
+                                    pytest.param((1, 2), id="server-2", marks=pytest.mark.slow)])  # make test's time
 def test_real_devices_report_their_rounds_costs_per_class(srv: BackgroundServer, tmp_path: Path,
                                                           speaks: tuple[int, ...],
                                                           capsys: pytest.CaptureFixture[str]) -> None:
