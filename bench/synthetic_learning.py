@@ -1,6 +1,7 @@
 """How fast the quick runs learn on the synthetic set (issue 50's redefinition, docs/determinism.md §2) against the
 torch-drawn set it replaced: the simulator, 4 clients (iid, 120 samples each), 4 rounds, the `cnn`, for FedAvg,
-FedPer, Local and FedPer-FT; the final mean accuracy of each, per data set. Writes bench/results/synthetic_learning.json.
+FedPer, Local and FedPer-FT; the final mean accuracy of each, per data set.
+Writes bench/results/synthetic_learning.json.
 
     .venv/bin/python bench/synthetic_learning.py
 """
@@ -33,7 +34,7 @@ def torch_drawn() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         y = (torch.arange(n) % 10)[torch.randperm(n, generator=gen)]
         return (protos[y] + 1.5 * torch.randn(n, 1, 28, 28, generator=gen)).numpy(), y.numpy()
 
-    return (*draw(6000), *draw(2000))  # type: ignore[return-value]
+    return (*draw(6000), *draw(2000))
 
 
 def run() -> dict[str, float]:
